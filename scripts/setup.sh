@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install paratrain into the current Python.
+#   bash scripts/setup.sh         # the library and the `paratrain` command
+#   bash scripts/setup.sh test    # ... plus what the test suite needs
+# torch: an installed torch (e.g. the CUDA build on a GPU machine) is left alone; where none
+# is installed we ask for torch==2.13.0, which on our CPU machines resolves to the local CPU
+# wheel. Every later install is constrained to the torch that is present, so pip can never
+# swap it for a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+extra=${1:-}
+
+if ! "$py" -c "import torch" 2>/dev/null; then
+  echo "paratrain setup: no torch found, installing torch==2.13.0"
+  "$py" -m pip install --quiet torch==2.13.0
+fi
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+"$py" -c "import torch; print('torch==' + torch.__version__)" > "$constraints"
+echo "paratrain setup: using $(cat "$constraints")"
+
+target="."
+[ -n "$extra" ] && target=".[$extra]"
+"$py" -m pip install --quiet -c "$constraints" -e "$target"
+# pyenv only exposes new console scripts after a rehash.
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi
+echo "paratrain setup: done ($("$py" -m paratrain --version))"

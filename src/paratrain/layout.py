@@ -1,0 +1,197 @@
+"""Layout: how a world of ranks is cut into parallel axes. Pure rank math, no processes.
+
+A world of ``dp * pp * cp * tp`` ranks is laid out as a 4-D grid. The ``order`` string
+lists the axes from fastest- to slowest-varying rank index, so with the default
+``"tp-cp-pp-dp"`` tensor-parallel peers are consecutive ranks (one node, fast links) and
+data-parallel replicas are the farthest apart (they communicate least often).
+
+Example, dp=2 x tp=2 with the default order::
+
+    rank  0   1   2   3
+    tp    0   1   0   1
+    dp    0   0   1   1
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+AXES = ("dp", "pp", "cp", "tp")
+DEFAULT_ORDER = "tp-cp-pp-dp"
+
+
+class LayoutError(ValueError):
+    """A layout that cannot work; the message names the problem and the fix."""
+
+
+def _as_axes(axes: str | Iterable[str]) -> tuple[str, ...]:
+    names = tuple(axes.replace(",", "-").split("-")) if isinstance(axes, str) else tuple(axes)
+    for name in names:
+        if name not in AXES:
+            raise LayoutError(f"unknown axis {name!r}; the axes are {', '.join(AXES)}")
+    return names
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of the parallel axes and how ranks map onto them."""
+
+    dp: int = 1
+    """Data-parallel replicas (each sees a different slice of the batch)."""
+    pp: int = 1
+    """Pipeline stages (each holds a contiguous slice of the layers)."""
+    cp: int = 1
+    """Context-parallel ranks (each holds a slice of the sequence)."""
+    tp: int = 1
+    """Tensor-parallel ranks (each holds a slice of every weight matrix)."""
+    zero: int = 0
+    """ZeRO stage on the data-parallel axis: 0 (plain DDP), 1, 2 or 3."""
+    order: str = DEFAULT_ORDER
+    """Axes from fastest- to slowest-varying rank index, joined by '-'."""
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or size < 1:
+                raise LayoutError(f"{axis}={size!r}: every axis size must be a positive integer")
+        if self.zero not in (0, 1, 2, 3):
+            raise LayoutError(f"zero={self.zero!r}: the ZeRO stage must be 0, 1, 2 or 3")
+        if sorted(_as_axes(self.order)) != sorted(AXES):
+            raise LayoutError(
+                f"order={self.order!r} must name each of {', '.join(AXES)} exactly once, "
+                f"e.g. {DEFAULT_ORDER!r}"
+            )
+
+    # ---- sizes ---------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def axis_order(self) -> tuple[str, ...]:
+        return _as_axes(self.order)
+
+    def size(self, axes: str | Iterable[str]) -> int:
+        """Product of the sizes of ``axes`` (``"dp"`` or a combination such as ``"dp-cp"``)."""
+        return math.prod(getattr(self, a) for a in _as_axes(axes))
+
+    def _strides(self) -> dict[str, int]:
+        strides, step = {}, 1
+        for axis in self.axis_order:
+            strides[axis] = step
+            step *= getattr(self, axis)
+        return strides
+
+    # ---- rank math -----------------------------------------------------------------------
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinate of ``rank`` along every axis."""
+        self._check_rank(rank)
+        strides = self._strides()
+        return {a: (rank // strides[a]) % getattr(self, a) for a in AXES}
+
+    def rank_of(self, **coords: int) -> int:
+        """Global rank at the given coordinates (missing axes count as 0)."""
+        strides = self._strides()
+        rank = 0
+        for axis, value in coords.items():
+            if axis not in AXES or not 0 <= value < getattr(self, axis):
+                raise LayoutError(f"coordinate {axis}={value} is outside {self.describe()}")
+            rank += value * strides[axis]
+        return rank
+
+    def ranks_along(self, axes: str | Iterable[str], rank: int) -> list[int]:
+        """The ranks that share every coordinate with ``rank`` except those on ``axes``.
+
+        The list is ordered by position in the group: for several axes, the first named
+        varies fastest (``"dp-cp"`` numbers cp-peers of one dp replica consecutively
+        only if cp is named first; the group's *set* is the same either way).
+        """
+        names = _as_axes(axes)
+        base = self.coords(rank)
+        fixed = {a: v for a, v in base.items() if a not in names}
+        ranks = []
+        for index in range(self.size(names)):
+            free = {}
+            for axis in names:
+                free[axis] = index % getattr(self, axis)
+                index //= getattr(self, axis)
+            ranks.append(self.rank_of(**fixed, **free))
+        return sorted(ranks)
+
+    def groups(self, axes: str | Iterable[str]) -> list[list[int]]:
+        """Every group along ``axes``, ordered by their smallest rank; together they
+        partition the world."""
+        seen: dict[int, list[int]] = {}
+        for rank in range(self.world_size):
+            group = self.ranks_along(axes, rank)
+            seen.setdefault(group[0], group)
+        return [seen[k] for k in sorted(seen)]
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside a world of {self.world_size} ({self.describe()})")
+
+    # ---- validation ----------------------------------------------------------------------
+    def check_world(self, world_size: int) -> None:
+        """Raise unless the product of the axis sizes is ``world_size``."""
+        if world_size != self.world_size:
+            raise LayoutError(
+                f"{self.describe()} needs {self.world_size} processes but the world has "
+                f"{world_size}; change --nproc to {self.world_size} or make "
+                f"dp*pp*cp*tp equal {world_size}"
+            )
+
+    def check_model(
+        self,
+        *,
+        n_heads: int,
+        n_kv_heads: int,
+        n_layers: int,
+        seq_len: int,
+        virtual_stages: int = 1,
+        cp_method: str = "ring",
+    ) -> None:
+        """Raise ``LayoutError`` if this layout cannot split a model of this shape."""
+        if n_heads % self.tp:
+            raise LayoutError(
+                f"tp={self.tp} must divide the {n_heads} attention heads; "
+                f"pick tp from {_divisors(n_heads)}"
+            )
+        if n_kv_heads % self.tp and self.tp % n_kv_heads:
+            raise LayoutError(
+                f"tp={self.tp} and the {n_kv_heads} KV heads must divide one another "
+                f"(KV heads are split when kv_heads >= tp, replicated otherwise)"
+            )
+        chunks = self.pp * virtual_stages
+        if n_layers % chunks:
+            raise LayoutError(
+                f"{n_layers} layers cannot be split into pp={self.pp} x virtual_stages="
+                f"{virtual_stages} = {chunks} equal chunks; use a pp*virtual_stages from "
+                f"{_divisors(n_layers)}"
+            )
+        if self.cp > 1 and cp_method == "ring" and seq_len % (2 * self.cp):
+            raise LayoutError(
+                f"ring attention with cp={self.cp} splits the sequence into 2*cp="
+                f"{2 * self.cp} chunks for causal load balance, but seq_len={seq_len} is "
+                f"not divisible by {2 * self.cp}; use a multiple of {2 * self.cp}"
+            )
+        if self.cp > 1 and cp_method == "ulysses":
+            local_heads, local_kv = n_heads // self.tp, max(n_kv_heads // self.tp, 1)
+            if local_heads % self.cp or local_kv % self.cp or seq_len % self.cp:
+                raise LayoutError(
+                    f"Ulysses with cp={self.cp} needs the per-tp-rank heads ({local_heads}), "
+                    f"KV heads ({local_kv}) and seq_len ({seq_len}) divisible by cp; "
+                    f"use --cp-method ring or a cp from {_divisors(local_kv)}"
+                )
+
+    def describe(self) -> str:
+        """Short human form such as ``dp2xtp2 (world 4)``."""
+        parts = [f"{a}{getattr(self, a)}" for a in AXES if getattr(self, a) > 1] or ["single"]
+        zero = f", zero{self.zero}" if self.zero else ""
+        return f"{'x'.join(parts)} (world {self.world_size}{zero})"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,78 @@
+"""Mesh: the process groups of a Layout, built once after ``init_process_group``.
+
+Every parallel module receives the Mesh (or one of its groups) as an argument; there is
+no global registry of groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .layout import Layout, _as_axes
+
+# Groups every run needs: one per axis, plus dp x cp, over which gradients are reduced
+# (context-parallel ranks hold the same weights but different tokens).
+MESH_AXES = ("tp", "cp", "pp", "dp", ("dp", "cp"))
+
+
+@dataclass
+class Mesh:
+    """The process groups of one rank under a Layout."""
+
+    layout: Layout
+    """The layout these groups realise."""
+    rank: int
+    """This process's global rank."""
+    device: torch.device
+    """Where this rank computes: cpu, or its own cuda device."""
+    groups: dict[frozenset[str], dist.ProcessGroup] = field(repr=False)
+    """One group per axis (and per axis combination in MESH_AXES) containing this rank."""
+
+    @classmethod
+    def build(cls, layout: Layout, device: torch.device | None = None) -> "Mesh":
+        """Create this rank's groups. Collective: every rank of the world must call it."""
+        if not dist.is_initialized():
+            raise RuntimeError("Mesh.build needs torch.distributed.init_process_group first")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        layout.check_world(world)
+        if device is None:
+            device = _default_device()
+        by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        groups = {}
+        for axes in MESH_AXES:
+            key = _as_axes(axes)
+            ranks = tuple(layout.ranks_along(key, rank))
+            if ranks not in by_ranks:
+                # Local synchronization: only members take part, so each rank creates just
+                # the groups it belongs to (fast start-up at any world size).
+                by_ranks[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            groups[frozenset(key)] = by_ranks[ranks]
+        return cls(layout=layout, rank=rank, device=device, groups=groups)
+
+    def group(self, axes: str | tuple[str, ...]) -> dist.ProcessGroup:
+        """The group along ``axes`` that contains this rank (e.g. ``"tp"``, ``"dp-cp"``)."""
+        key = frozenset(_as_axes(axes))
+        if key not in self.groups:
+            known = ["-".join(sorted(k)) for k in self.groups]
+            raise KeyError(f"the mesh has no group for axes {axes!r}; it has {known}")
+        return self.groups[key]
+
+    def ranks(self, axes: str | tuple[str, ...]) -> list[int]:
+        """Global ranks of this rank's group along ``axes``, in group-rank order."""
+        return self.layout.ranks_along(axes, self.rank)
+
+    def coord(self, axis: str) -> int:
+        """This rank's coordinate along ``axis``."""
+        return self.layout.coords(self.rank)[axis]
+
+    def size(self, axes: str | tuple[str, ...]) -> int:
+        return self.layout.size(axes)
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
