@@ -89,10 +89,10 @@ def init_world(spec: WorldSpec, threads: int = 1) -> None:
 
 
 def _worker(local_rank: int, fn: Callable, args: tuple, init_method: str, world: int,
-            backend: str, result_dir: str, timeout_s: float) -> None:
-    spec = WorldSpec(local_rank, world, local_rank, backend, init_method, timeout_s)
-    init_world(spec)
+            backend: str, result_dir: str, collective_timeout_s: float) -> None:
+    spec = WorldSpec(local_rank, world, local_rank, backend, init_method, collective_timeout_s)
     try:
+        init_world(spec)
         result = fn(*args)
         torch.save(result, os.path.join(result_dir, f"rank{local_rank}.pt"))
     except BaseException:
@@ -102,13 +102,17 @@ def _worker(local_rank: int, fn: Callable, args: tuple, init_method: str, world:
             f.write(f"{time.time()}\n{traceback.format_exc()}")
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "auto",
-          timeout_s: float = 600.0) -> list[Any]:
+          timeout_s: float | None = 600.0, collective_timeout_s: float = 300.0) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` fresh processes joined in one world; return their
-    results in rank order. ``fn`` must be importable by name (a module-level function)."""
+    results in rank order. ``fn`` must be importable by name (a module-level function).
+
+    ``timeout_s`` bounds the whole world (None: no bound); ``collective_timeout_s`` bounds
+    how long any one collective waits for a peer."""
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     backend = pick_backend(backend)
@@ -120,7 +124,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "auto",
         # A file rendezvous needs no free port, so concurrent worlds cannot collide.
         init_method = "file://" + os.path.join(workdir, "rendezvous")
         ctx = mp.start_processes(
-            _worker, args=(fn, args, init_method, nproc, backend, workdir, timeout_s),
+            _worker, args=(fn, args, init_method, nproc, backend, workdir, collective_timeout_s),
             nprocs=nproc, join=False, start_method="spawn",
         )
         _join(ctx, timeout_s, workdir)
@@ -130,8 +134,8 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "auto",
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _join(ctx: mp.ProcessContext, timeout_s: float, workdir: str) -> None:
-    deadline = time.monotonic() + timeout_s
+def _join(ctx: mp.ProcessContext, timeout_s: float | None, workdir: str) -> None:
+    deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
     try:
         while not ctx.join(timeout=0.2):
             if time.monotonic() > deadline:

@@ -1,0 +1,243 @@
+"""A plain Llama-style GPT: RMSNorm, RoPE, causal attention with grouped KV heads, SwiGLU.
+
+Written with ordinary ``nn.Linear`` / ``nn.Embedding`` layers and no parallel code, so
+each strategy can parallelize it after it is built. Three seams exist for them:
+``Attention.core`` (the softmax(QK^T)V part, which context parallelism replaces),
+``GPT.loss_fn`` (vocab-parallel cross-entropy replaces it), and the split of ``forward``
+into ``embed`` / ``layers`` / ``head`` (pipeline stages run slices of it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the model."""
+
+    vocab_size: int = 256
+    """Tokens in the vocabulary (256: raw bytes)."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Attention (query) heads; d_model must divide evenly among them."""
+    n_kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0 means one per query head."""
+    ffn_hidden: int = 0
+    """Hidden width of the SwiGLU MLP; 0 means 8/3 * d_model rounded up to a multiple of 32."""
+    max_seq_len: int = 256
+    """Longest sequence the rotary tables cover."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm."""
+    tie_embeddings: bool = False
+    """Share the token embedding matrix with the output projection."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation."""
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.kv_heads < 1 or self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.ffn_hidden or 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+    def num_params(self) -> int:
+        """Parameter count (tied embeddings counted once)."""
+        d, kv = self.d_model, self.kv_heads * self.head_dim
+        per_layer = 2 * d + d * d + 2 * d * kv + d * d + 3 * d * self.ffn_dim
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_layer + embed + d
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # For tests: runs a step in milliseconds.
+    "tiny": GPTConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64),
+    # The demo default: ~2.7M parameters, learns visibly in a minute on two CPU processes.
+    "small": GPTConfig(d_model=192, n_layers=6, n_heads=6, n_kv_heads=2, ffn_hidden=512, max_seq_len=128),
+}
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+    """A named configuration, optionally with some fields replaced."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even under bf16 autocast: the mean of squares loses precision.
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+def rope_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, shape (max_seq_len, head_dim / 2)."""
+    freqs = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), freqs)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x (batch, heads, seq, head_dim) by each position's angle."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class CausalAttention(nn.Module):
+    """softmax(Q K^T / sqrt(d)) V with a causal mask; q, k, v are (batch, heads, seq, dim)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:  # grouped KV heads: each serves n_heads / kv_heads queries
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.core = CausalAttention()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Head counts come from the weights, so a tensor-parallel shard with fewer heads works.
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class CrossEntropySum(nn.Module):
+    """Sum of token cross-entropies, skipping targets equal to IGNORE_INDEX.
+
+    Summing (not averaging) lets the caller divide by the token count of the whole global
+    batch, which is what makes sharded and masked batches match single-process training.
+    """
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.loss_fn = CrossEntropySum()
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; residual output projections scaled down by
+        sqrt(2 * n_layers) so the residual stream's variance does not grow with depth."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))
+            else:
+                p.normal_(0.0, std)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+    def head(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, output projection and summed loss."""
+        return self.loss_fn(self.output(self.norm(h)), targets)
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Residual stream after the last block. ``positions`` are the tokens' places in the
+        full sequence (default 0..seq-1); a rank holding a slice of the sequence passes its own."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = self.rope(positions)
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return h
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Summed cross-entropy of predicting ``targets`` from ``tokens`` (batch, seq)."""
+        return self.head(self.hidden(tokens, positions), targets)
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(self.hidden(tokens)))

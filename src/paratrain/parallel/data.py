@@ -1,0 +1,138 @@
+"""Data parallelism: replicate the model, shard the batch, average gradients in buckets
+while backward is still running.
+
+Gradients live in a few flat buffers ("buckets"), and each parameter's ``.grad`` is a view
+into one of them, so reducing a bucket is one collective on contiguous memory with no
+copies. Buckets are filled in reverse parameter order, roughly the order backward
+produces gradients. When the last gradient of a bucket has been accumulated, that
+bucket's all-reduce is launched asynchronously (``start_grad_sync``) and backward carries
+on computing the earlier layers; ``finish_grad_sync`` waits for all of them before the
+optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..comm import collectives as C
+
+
+@dataclass
+class Bucket:
+    """A flat gradient buffer shared by a few parameters."""
+
+    params: list[nn.Parameter]
+    """Parameters whose gradients are views into ``buffer``."""
+    buffer: torch.Tensor
+    """The flat gradients, reduced as one tensor."""
+    offsets: dict[int, int]
+    """Start of each parameter's gradient in ``buffer``, by ``id(param)``."""
+    ready: set[int] = field(default_factory=set)
+    """ids of the parameters whose gradient this backward pass has produced."""
+    work: object | None = None
+    """Handle of the in-flight all-reduce, if launched."""
+
+
+def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
+    """Group ``params`` (in the given order) into buckets of about ``bucket_bytes`` each,
+    one dtype per bucket, and make every parameter's ``.grad`` a view into its bucket."""
+    groups: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if not groups or size >= bucket_bytes or groups[-1][0].dtype != p.dtype:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    buckets = []
+    for group in groups:
+        buffer = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype,
+                             device=group[0].device)
+        offsets, offset = {}, 0
+        for p in group:
+            p.grad = buffer[offset:offset + p.numel()].view_as(p)
+            offsets[id(p)] = offset
+            offset += p.numel()
+        buckets.append(Bucket(group, buffer, offsets))
+    return buckets
+
+
+class DataParallel(nn.Module):
+    """Wraps a model whose replicas on ``group`` each see a different slice of the batch.
+
+    After ``backward`` and ``finish_grad_sync()`` every replica holds the average of the
+    replicas' gradients. Under ``no_sync()`` gradients only accumulate locally (gradient
+    accumulation); the first backward outside it reduces the accumulated sum.
+    """
+
+    def __init__(self, module: nn.Module, group: ProcessGroup, bucket_mb: float = 4.0,
+                 broadcast_from_first: bool = True):
+        super().__init__()
+        self.module = module
+        self.group = group
+        params = [p for p in module.parameters() if p.requires_grad]
+        if broadcast_from_first:  # replicas must start identical, whatever their seeds
+            with torch.no_grad():
+                for tensor in [*params, *module.buffers()]:
+                    C.broadcast(tensor, src=0, group=group)
+        self.buckets = make_buckets(params[::-1], max(1, int(bucket_mb * 2**20)))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._sync = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; nothing is communicated inside this block."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(param)]
+        self._keep_in_bucket(param, bucket)
+        if not self._sync:
+            return
+        bucket.ready.add(id(param))
+        if len(bucket.ready) == len(bucket.params):
+            self.start_grad_sync(bucket)
+
+    def _keep_in_bucket(self, param: nn.Parameter, bucket: Bucket) -> None:
+        """If something replaced ``param.grad`` (e.g. ``zero_grad(set_to_none=True)``),
+        move the gradient back into the bucket so it is reduced."""
+        offset = bucket.offsets[id(param)]
+        view = bucket.buffer[offset:offset + param.numel()].view_as(param)
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
+
+    def start_grad_sync(self, bucket: Bucket) -> None:
+        """Launch the asynchronous average of one bucket over the data-parallel group."""
+        if bucket.work is None:
+            bucket.work = C.all_reduce(bucket.buffer, self.group, op="avg", async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Launch any bucket not yet launched (e.g. holding unused parameters), then wait
+        for all. Call after the last backward of a step, before the optimizer step."""
+        for bucket in self.buckets:
+            self.start_grad_sync(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.work = None
+            bucket.ready.clear()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradient buckets in place (gradients stay views into them)."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()

@@ -1,0 +1,17 @@
+"""The planner behind ``paratrain plan``: predicts per-rank memory and step time of every
+layout of a model on a cluster, and ranks them. Pure arithmetic, no torch at import.
+
+Modules: ``hardware`` (GPUs, clusters, links), ``models`` (model shapes), ``memory``,
+``cost`` (compute, communication, bubble), ``search`` (enumerate and rank), ``report``
+(tables, JSON, plots, configs), ``cli`` (the sub-command).
+"""
+
+from .candidate import Candidate, Training
+from .hardware import GPUS, Cluster, GpuSpec, gpu_preset, local_cluster
+from .models import PRESETS, ModelSpec, load_model
+from .search import SearchResult, search
+
+__all__ = [
+    "Candidate", "Training", "GPUS", "Cluster", "GpuSpec", "gpu_preset", "local_cluster",
+    "PRESETS", "ModelSpec", "load_model", "SearchResult", "search",
+]

@@ -1,0 +1,124 @@
+"""Tokens and who reads which: the bundled corpus, byte-level tokens, a distributed sampler.
+
+Every rank computes the same *global* batch of sample indices for a step from the seed
+alone, then takes its own contiguous slice; no data moves between ranks, and the token
+count of the whole global batch (needed to normalise the loss) is known everywhere.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from ..models.gpt import IGNORE_INDEX
+
+PAD = -1  # sample index of a padding row: its targets are all masked
+
+
+def load_corpus(path: str = "") -> torch.Tensor:
+    """The bytes of ``path`` (or of the bundled corpus) as a uint8 tensor of token ids."""
+    if path:
+        raw = Path(path).read_bytes()
+    else:
+        raw = gzip.decompress(resources.files("paratrain.data").joinpath("corpus.txt.gz").read_bytes())
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def split(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train on the start of the corpus, validate on its last ``val_fraction``."""
+    cut = int(len(tokens) * (1 - val_fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+@dataclass
+class Samples:
+    """Non-overlapping windows of ``seq_len + 1`` tokens (inputs and shifted targets)."""
+
+    tokens: torch.Tensor
+    """The token stream (uint8 bytes)."""
+    seq_len: int
+    """Tokens per sample."""
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def batch(self, indices: list[int], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, (len(indices), seq_len) int64; PAD rows have masked targets."""
+        rows, targets = [], []
+        for i in indices:
+            if i == PAD:
+                rows.append(torch.zeros(self.seq_len + 1, dtype=torch.long))
+            else:
+                rows.append(self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1].long())
+        window = torch.stack(rows)
+        targets = window[:, 1:].clone()
+        targets[torch.tensor(indices) == PAD] = IGNORE_INDEX
+        return window[:, :-1].to(device), targets.to(device)
+
+
+@dataclass
+class DistributedSampler:
+    """Which samples each data-parallel rank reads at each step.
+
+    Epoch e visits ``randperm(num_samples, seed + e)`` in global batches. A remainder
+    smaller than a global batch is dropped (``remainder="drop"``) or filled with PAD rows
+    whose targets are masked (``"pad"``), so every sample is read exactly once per epoch.
+    """
+
+    num_samples: int
+    """Samples in the data set."""
+    global_batch: int
+    """Samples per step over all data-parallel ranks."""
+    dp_rank: int
+    """This rank's position on the data-parallel axis."""
+    dp_size: int
+    """Data-parallel ranks."""
+    seed: int = 0
+    """Seed of the shuffle (combined with the epoch)."""
+    remainder: str = "drop"
+    """drop or pad."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch % self.dp_size:
+            raise ValueError(f"global_batch={self.global_batch} is not divisible by dp={self.dp_size}")
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"the data has {self.num_samples} samples, fewer than one global batch "
+                             f"of {self.global_batch}; use a larger corpus or a smaller batch")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        if self.remainder == "pad":
+            return math.ceil(self.num_samples / self.global_batch)
+        return self.num_samples // self.global_batch
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        return 0 if self.remainder == "pad" else self.num_samples % self.global_batch
+
+    def global_indices(self, step: int) -> list[int]:
+        """The sample indices of the whole global batch at ``step`` (PAD for padding)."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+        chosen = order[k * self.global_batch:(k + 1) * self.global_batch].tolist()
+        return chosen + [PAD] * (self.global_batch - len(chosen))
+
+    def local_indices(self, step: int) -> list[int]:
+        """This rank's contiguous share of the global batch at ``step``."""
+        share = self.global_batch // self.dp_size
+        return self.global_indices(step)[self.dp_rank * share:(self.dp_rank + 1) * share]
+
+
+def valid_tokens(indices: list[int], seq_len: int) -> int:
+    """Target tokens that count towards the loss in a batch of these sample indices."""
+    return sum(i != PAD for i in indices) * seq_len
+
+
+def eval_indices(num_samples: int, global_batch: int, batch: int) -> list[int]:
+    """Validation reads the held-out samples in order; past their end, PAD rows."""
+    start = batch * global_batch
+    return [i if i < num_samples else PAD for i in range(start, start + global_batch)]

@@ -1,0 +1,187 @@
+"""The training loop, run by every rank. Reads top to bottom: build, then step, then report.
+
+Loss normalisation: the model returns the *sum* of token losses over a microbatch; each
+rank scales it by ``dp / tokens_in_global_batch`` before backward, and the data-parallel
+average of gradients then equals the gradient of the mean loss over the whole global
+batch — the same number a single process computes on the same batch, whatever the
+data-parallel size, the accumulation steps or the padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from ..comm import collectives as C
+from ..mesh import Mesh
+from ..models.gpt import GPT
+from ..parallel.data import DataParallel
+from ..parallelize import parallelize
+from . import data as D
+from .config import Config
+from .metrics import MetricsWriter, state_bytes, summary
+from .optim import build_adamw, clip_grad_norm_, lr_at, set_lr
+
+
+@dataclass
+class RunResult:
+    """What one rank saw."""
+
+    losses: list[float] = field(default_factory=list)
+    """Training loss of every step (mean over the global batch's tokens)."""
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step, validation loss) of every evaluation."""
+    state_bytes: list[dict[str, int]] = field(default_factory=list)
+    """Bytes of parameters, gradients and optimizer state on every rank."""
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Final parameters of this rank's model (if asked for)."""
+
+
+@dataclass
+class Run:
+    """Everything the steps share."""
+
+    cfg: Config
+    mesh: Mesh
+    model: GPT
+    dp_model: DataParallel
+    optimizer: torch.optim.Optimizer
+    train_data: D.Samples
+    val_data: D.Samples
+    sampler: D.DistributedSampler
+
+    @property
+    def is_logger(self) -> bool:
+        return self.mesh.rank == 0
+
+
+def build(cfg: Config, mesh: Mesh) -> Run:
+    """Model, parallel wrapper, optimizer and data for this rank."""
+    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
+    model = GPT(cfg.model).to(mesh.device)
+    dp_model = parallelize(model, mesh, cfg)
+    optimizer = build_adamw([p for p in model.parameters() if p.requires_grad], cfg.optim)
+    train_tokens, val_tokens = D.split(D.load_corpus(cfg.data.corpus), cfg.data.val_fraction)
+    train_data = D.Samples(train_tokens, cfg.data.seq_len)
+    sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch,
+                                   dp_rank=mesh.coord("dp"), dp_size=mesh.size("dp"),
+                                   seed=cfg.train.seed, remainder=cfg.data.remainder)
+    return Run(cfg, mesh, model, dp_model, optimizer, train_data,
+               D.Samples(val_tokens, cfg.data.seq_len), sampler)
+
+
+def train_step(run: Run, step: int) -> dict[str, float]:
+    """One optimizer step over a global batch; returns its loss, grad norm and lr."""
+    cfg, mesh = run.cfg, run.mesh
+    lr = lr_at(step, cfg.train.steps, cfg.optim)
+    set_lr(run.optimizer, lr)
+    local = run.sampler.local_indices(step)
+    global_tokens = D.valid_tokens(run.sampler.global_indices(step), cfg.data.seq_len)
+    scale = mesh.size("dp") / global_tokens
+    run.dp_model.zero_grad()
+    micro = [local[i:i + cfg.micro_batch] for i in range(0, len(local), cfg.micro_batch)]
+    loss_sum = torch.zeros((), device=mesh.device)
+    for i, indices in enumerate(micro):
+        tokens, targets = run.train_data.batch(indices, mesh.device)
+        last = i == len(micro) - 1
+        with (contextlib.nullcontext() if last else run.dp_model.no_sync()), _autocast(cfg, mesh):
+            loss = run.dp_model(tokens, targets)
+        (loss * scale).backward()
+        loss_sum += loss.detach().float()
+    run.dp_model.finish_grad_sync()
+    # Gradients are replicated on every data-parallel rank: the local norm is the global one.
+    grad_norm = clip_grad_norm_([p.grad for p in run.model.parameters()], cfg.optim.grad_clip)
+    run.optimizer.step()
+    C.all_reduce(loss_sum, mesh.group("dp"))
+    return {"loss": loss_sum.item() / global_tokens, "grad_norm": grad_norm, "lr": lr,
+            "tokens": global_tokens}
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean loss over the first ``eval_batches`` global batches of validation data."""
+    cfg, mesh = run.cfg, run.mesh
+    total = torch.zeros((), device=mesh.device)
+    count = 0
+    share = cfg.train.global_batch // mesh.size("dp")
+    for b in range(cfg.train.eval_batches):
+        indices = D.eval_indices(len(run.val_data), cfg.train.global_batch, b)
+        count += D.valid_tokens(indices, cfg.data.seq_len)
+        mine = indices[mesh.coord("dp") * share:(mesh.coord("dp") + 1) * share]
+        for i in range(0, share, cfg.micro_batch):
+            tokens, targets = run.val_data.batch(mine[i:i + cfg.micro_batch], mesh.device)
+            with _autocast(cfg, mesh):
+                total += run.model(tokens, targets).float()
+    C.all_reduce(total, mesh.group("dp"))
+    return total.item() / max(count, 1)
+
+
+def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
+    """Train for ``cfg.train.steps`` steps; every rank of the mesh calls this."""
+    run = build(cfg, mesh)
+    result = RunResult()
+    writer = MetricsWriter(cfg.metrics_path if run.is_logger else None)
+    if run.is_logger:
+        print(describe(run), flush=True)
+    bar = tqdm(total=cfg.train.steps, disable=not (run.is_logger and cfg.train.progress),
+               unit="step", dynamic_ncols=True)
+    records = []
+    start = time.perf_counter()
+    for step in range(cfg.train.steps):
+        t0 = time.perf_counter()
+        record = train_step(run, step)
+        _sync(mesh)
+        elapsed = time.perf_counter() - t0
+        if step == 0:
+            result.state_bytes = _gather(state_bytes(run.model, run.optimizer))
+        record.update(step=step + 1, step_time_s=elapsed, tokens_per_s=record["tokens"] / elapsed,
+                      **result.state_bytes[0])
+        result.losses.append(record["loss"])
+        last = step + 1 == cfg.train.steps
+        if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
+            record["val_loss"] = evaluate(run)
+            result.val_losses.append((step + 1, record["val_loss"]))
+        writer.write(record)
+        records.append(record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+    bar.close()
+    writer.close()
+    if run.is_logger:
+        print(summary(records, result.state_bytes, time.perf_counter() - start), flush=True)
+        print(f"metrics       {cfg.metrics_path}", flush=True)
+    if keep_params:
+        result.params = {k: v.detach().cpu().clone() for k, v in run.model.state_dict().items()}
+    return result
+
+
+def describe(run: Run) -> str:
+    cfg, s = run.cfg, run.sampler
+    remainder = (f"pad: the last batch of each epoch is padded and masked" if cfg.data.remainder == "pad"
+                 else f"drop: {s.dropped_per_epoch} samples per epoch that do not fill a global batch are skipped")
+    return (f"paratrain: {cfg.layout.describe()}, model {cfg.model_preset} "
+            f"({cfg.model.num_params() / 1e6:.2f}M params), {cfg.train.global_batch} x "
+            f"{cfg.data.seq_len} tokens per step, micro-batch {cfg.micro_batch} x "
+            f"{cfg.accumulation} accumulation, {cfg.train.precision}\n"
+            f"data: {len(run.train_data)} train samples, {s.steps_per_epoch} steps per epoch; "
+            f"remainder {remainder}")
+
+
+def _autocast(cfg: Config, mesh: Mesh):
+    return torch.autocast(mesh.device.type, dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16")
+
+
+def _sync(mesh: Mesh) -> None:
+    if mesh.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _gather(mine: dict[str, int]) -> list[dict[str, int]]:
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone

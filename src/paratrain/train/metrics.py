@@ -1,0 +1,83 @@
+"""What a run reports: per-rank state bytes, JSON-lines metrics, the closing summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state.
+
+    Counted from the tensors themselves, so it is exact whatever the strategy shards.
+    Adam's per-tensor ``step`` counters (0-d) are bookkeeping, not state, and are skipped.
+    """
+    params = list(model.parameters())
+    optim = [v for state in optimizer.state.values() for v in state.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {
+        "param_bytes": storage_bytes(params),
+        "grad_bytes": storage_bytes(p.grad for p in params),
+        "optim_bytes": storage_bytes(optim),
+    }
+
+
+class MetricsWriter:
+    """Appends one JSON object per line; only the rank that owns it writes."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def summary(records: list[dict[str, Any]], per_rank: list[dict[str, int]], wall_s: float) -> str:
+    """The closing report: first and final loss, throughput, wall time, memory per rank."""
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    timed = steps[1:] or steps  # the first step pays one-off warm-up costs
+    tok_s = sum(r["tokens"] for r in timed) / max(1e-9, sum(r["step_time_s"] for r in timed))
+    lines = [
+        f"steps         {len(steps)}  (loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f})",
+    ]
+    if evals:
+        lines.append(f"val loss      {evals[-1]['val_loss']:.4f} (step {evals[-1]['step']})")
+    lines += [f"throughput    {tok_s:,.0f} tokens/s", f"wall time     {wall_s:.1f} s",
+              "memory/rank   params / grads / optimizer state"]
+    for rank, b in enumerate(per_rank):
+        lines.append(f"  rank {rank:<4}   {human_bytes(b['param_bytes'])} / "
+                     f"{human_bytes(b['grad_bytes'])} / {human_bytes(b['optim_bytes'])}")
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""AdamW, the learning-rate schedule and gradient clipping that is correct across ranks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..comm import collectives as C
+from .config import OptimConfig
+
+
+def build_adamw(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm weights are not decayed)."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Linear warm-up to ``cfg.lr`` over ``warmup_steps``, then cosine decay to ``min_lr``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+@torch.no_grad()
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float,
+                    groups: tuple[ProcessGroup, ...] = ()) -> float:
+    """Scale ``grads`` so their global L2 norm is at most ``max_norm`` (0: only measure it).
+
+    ``grads`` are the gradients this rank owns; ``groups`` are the process groups across
+    which ownership is partitioned (e.g. the ZeRO shards, the pipeline stages). The squared
+    norm is summed over those groups, so every rank computes the same global norm. A
+    gradient replicated on several ranks must be passed by exactly one of them, or by
+    all of them with no group over that axis. Returns the norm before clipping.
+    """
+    grads = [g for g in grads if g is not None]
+    if grads:
+        sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    else:
+        sq = torch.zeros(())
+    for group in groups:
+        C.all_reduce(sq, group)
+    norm = sq.sqrt()
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return float(norm)
