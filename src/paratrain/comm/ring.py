@@ -67,7 +67,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: ProcessGroup, op: str = "sum") 
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     chunks = list(work.view(-1).tensor_split(p))
     mine = chunks[C.rank(group)]
-    _reduce_scatter(chunks, mine, group, op)  # mine may alias its own input chunk
+    _reduce_scatter(chunks, mine, group, op)  # our chunk of the result lands in place
     _all_gather(chunks, group)
     if work is not tensor:
         tensor.copy_(work)

@@ -104,6 +104,10 @@ class DataParallel(nn.Module):
         self._keep_in_bucket(param, bucket)
         if not self._sync:
             return
+        if bucket.work is not None:
+            raise RuntimeError("a backward pass produced gradients for a bucket that is already "
+                               "being reduced: call finish_grad_sync() after each synced "
+                               "backward, and run accumulation backwards inside no_sync()")
         bucket.ready.add(id(param))
         if len(bucket.ready) == len(bucket.params):
             self.start_grad_sync(bucket)

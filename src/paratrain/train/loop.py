@@ -89,9 +89,12 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     for i, indices in enumerate(micro):
         tokens, targets = run.train_data.batch(indices, mesh.device)
         last = i == len(micro) - 1
-        with (contextlib.nullcontext() if last else run.dp_model.no_sync()), _autocast(cfg, mesh):
-            loss = run.dp_model(tokens, targets)
-        (loss * scale).backward()
+        # Only the last microbatch's backward reduces gradients; the context must cover
+        # backward, which is where the reduction is launched.
+        with contextlib.nullcontext() if last else run.dp_model.no_sync():
+            with _autocast(cfg, mesh):
+                loss = run.dp_model(tokens, targets)
+            (loss * scale).backward()
         loss_sum += loss.detach().float()
     run.dp_model.finish_grad_sync()
     # Gradients are replicated on every data-parallel rank: the local norm is the global one.

@@ -1,0 +1,97 @@
+"""What the planner chooses between: the training shape (fixed) and a candidate layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..layout import DEFAULT_ORDER, Layout
+
+PRECISIONS = ("bf16", "fp32")
+OPTIMIZERS = ("adam", "sgd")
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Training:
+    """The part of a run every layout shares."""
+
+    global_batch: int
+    """Sequences per optimizer step, over all data-parallel replicas."""
+    seq_len: int
+    """Tokens per sequence."""
+    precision: str = "bf16"
+    """``bf16`` (bf16 compute, fp32 master weights) or ``fp32``."""
+    optimizer: str = "adam"
+    """``adam`` (two fp32 states) or ``sgd`` (SGD with momentum: one fp32 state)."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.seq_len < 1:
+            raise ValueError("global batch and sequence length must be positive")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r}: pick one of {PRECISIONS}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r}: pick one of {OPTIMIZERS}")
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes of one activation element (compute dtype)."""
+        return 2 if self.precision == "bf16" else 4
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the step: a layout plus the schedule and memory choices."""
+
+    dp: int
+    """Data-parallel replicas."""
+    tp: int
+    """Tensor-parallel ranks (with sequence parallelism whenever tp > 1)."""
+    pp: int
+    """Pipeline stages."""
+    cp: int
+    """Context-parallel ranks (ring attention)."""
+    zero: int
+    """ZeRO stage over the dp x cp ranks that hold the same parameters."""
+    micro_batch: int
+    """Sequences per microbatch."""
+    microbatches: int
+    """Microbatches per step per replica (gradient accumulation steps)."""
+    schedule: str = "1f1b"
+    """``gpipe``, ``1f1b`` or ``interleaved`` (only meaningful when pp > 1)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedule)."""
+    recompute: str = "none"
+    """Activation recomputation: ``none``, ``selective`` (attention core) or ``full``."""
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism: same communication volume as plain TP, less memory."""
+        return self.tp > 1
+
+    @property
+    def n_gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def shard(self) -> int:
+        """Ranks one ZeRO shard group and one gradient reduction span (dp x cp)."""
+        return self.dp * self.cp
+
+    def layout(self) -> Layout:
+        return Layout(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, zero=self.zero,
+                      order=DEFAULT_ORDER)
+
+    def sizes(self) -> dict[str, int]:
+        return {"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp}
+
+    def describe(self) -> str:
+        """Compact form such as ``dp8 tp8 pp2 cp1 z1 1f1b mb1 rc=sel``."""
+        sched = "" if self.pp == 1 else (
+            f" {self.schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} z{self.zero}{sched} "
+                f"mb{self.micro_batch}x{self.microbatches} rc={self.recompute}")

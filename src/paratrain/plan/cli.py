@@ -1,0 +1,135 @@
+"""``paratrain plan``: rank every layout of a model on a cluster by predicted step time.
+
+Registered on the main parser's sub-commands by ``add_parser``; ``run`` does the work.
+Imports nothing heavy: the planner is arithmetic and starts instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .candidate import OPTIMIZERS, PRECISIONS, RECOMPUTE, Training
+from .hardware import GB, GPUS, Cluster, gpu_preset, load_calibration, local_cluster
+from .models import LOCAL_PRESETS, PRESETS, ModelSpec, load_model
+
+DEFAULT_TOKENS = {"gpu": 2**22, "local": 2**13}
+"""Tokens per step when --global-batch is not given: ~4M on GPUs (what Llama 3 and
+GPT-3 started with), 8K for CPU processes."""
+
+
+def add_parser(subparsers) -> None:
+    """Register ``plan`` on ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
+    p = subparsers.add_parser(
+        "plan", help="recommend a layout; predict per-rank memory and step time",
+        description="Enumerate every valid dp x tp x pp x cp x ZeRO layout (with schedule, "
+                    "microbatch and recompute), drop those that do not fit memory, and rank "
+                    "the rest by predicted step time.")
+    models = ", ".join([*PRESETS, *LOCAL_PRESETS])
+    p.add_argument("--model", required=True,
+                   help=f"preset ({models}), a .toml model config, or a Hugging Face "
+                        "config.json (or its directory)")
+    cl = p.add_argument_group("cluster")
+    cl.add_argument("--cluster", choices=("gpu", "local"), default="gpu",
+                    help="gpu presets, or CPU processes on this machine (needs a calibration)")
+    cl.add_argument("--gpu", default="h100-80g", choices=list(GPUS), help="accelerator preset")
+    cl.add_argument("--gpus", type=int, help="ranks in the job (default: one node)")
+    cl.add_argument("--nodes", type=int, help="nodes (alternative to --gpus)")
+    cl.add_argument("--gpus-per-node", type=int, default=8)
+    cl.add_argument("--intra-bw", type=float, metavar="GB/s",
+                    help="bus bandwidth per GPU inside a node (nccl-tests busbw)")
+    cl.add_argument("--inter-bw", type=float, metavar="GB/s",
+                    help="bus bandwidth per GPU across nodes (its NIC)")
+    cl.add_argument("--calibration", metavar="FILE", help="calibration for --cluster local")
+    tr = p.add_argument_group("training")
+    tr.add_argument("--global-batch", type=int,
+                    help="sequences per step (default: ~4M tokens on GPUs, 8K locally)")
+    tr.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    tr.add_argument("--micro-batch", default="search", help="sequences per microbatch, or search")
+    tr.add_argument("--precision", choices=PRECISIONS,
+                    help="default bf16 on GPUs, fp32 for --cluster local")
+    tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    tr.add_argument("--recompute", choices=(*RECOMPUTE, "search"), default="search")
+    out = p.add_argument_group("output")
+    out.add_argument("--top", type=int, default=5, metavar="N", help="plans to show")
+    out.add_argument("--explain", action="store_true", help="why the winner wins")
+    out.add_argument("--show-rejected", action="store_true", help="why layouts were dropped")
+    out.add_argument("--json", action="store_true", help="machine-readable output")
+    out.add_argument("--plot", metavar="FILE.png", help="memory and time breakdown chart")
+    out.add_argument("--out", metavar="FILE.toml", help="write the winner as a train config")
+    p.set_defaults(func=run)
+
+
+def build_cluster(args: argparse.Namespace) -> Cluster:
+    """The cluster the flags describe."""
+    if args.cluster == "local":
+        calibration = load_calibration(args.calibration)
+        return local_cluster(args.gpus or calibration.cores, calibration)
+    per_node = args.gpus_per_node
+    gpus = args.gpus or (args.nodes or 1) * per_node
+    if args.gpus and args.nodes and args.gpus != args.nodes * per_node:
+        raise ValueError(f"--gpus {args.gpus} disagrees with --nodes {args.nodes} x "
+                         f"--gpus-per-node {per_node}")
+    return Cluster(gpu_preset(args.gpu), gpus, per_node,
+                   intra_bw=args.intra_bw * GB if args.intra_bw else None,
+                   inter_bw=args.inter_bw * GB if args.inter_bw else None)
+
+
+def build_training(args: argparse.Namespace, model: ModelSpec, cluster: Cluster) -> Training:
+    seq = args.seq_len or model.max_seq_len
+    batch = args.global_batch or max(1, DEFAULT_TOKENS[cluster.kind] // seq)
+    precision = args.precision or ("fp32" if cluster.kind == "local" else "bf16")
+    return Training(batch, seq, precision, args.optimizer)
+
+
+def _micro_batch(value: str) -> int | None:
+    if value == "search":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--micro-batch must be a positive integer or 'search', got {value!r}")
+    return int(value)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Search and print; 0 on success, 1 if nothing fits, 2 on bad input."""
+    from . import export, report
+    from .search import search
+
+    try:
+        model = load_model(args.model)
+        cluster = build_cluster(args)
+        training = build_training(args, model, cluster)
+        micro = _micro_batch(args.micro_batch)
+    except (ValueError, OSError) as err:
+        print(f"paratrain plan: error: {err}", file=sys.stderr)
+        return 2
+    recompute = None if args.recompute == "search" else args.recompute
+    result = search(model, training, cluster, micro_batch=micro, recompute=recompute)
+    log = sys.stderr if args.json else sys.stdout  # keep stdout parseable
+    if args.json:
+        data = report.to_json(result, model, training, cluster, args.top)
+        if args.explain:
+            data["explain"] = report.explain(result, cluster)
+        print(json.dumps(data, indent=2))
+    else:
+        print(report.summary(result, model, training, cluster, args.top))
+        if args.explain:
+            print("\n" + report.explain(result, cluster))
+        if args.show_rejected or not result.plans:
+            print("\n" + report.rejected(result))
+    if not result.plans:
+        print("paratrain plan: no layout fits; see the rejections above", file=sys.stderr)
+        return 1
+    if args.out:
+        export.write_config(args.out, result.plans[0], model, training)
+        print(f"wrote {args.out}: run it with `paratrain train --config {args.out}`", file=log)
+    if args.plot:
+        try:
+            export.plot(args.plot, result.plans[:args.top], cluster.memory_limit,
+                        title=f"{model.name} on {cluster.n_gpus} x {cluster.gpu.name}")
+        except RuntimeError as err:
+            print(f"paratrain plan: error: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}", file=log)
+    return 0

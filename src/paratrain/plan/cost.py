@@ -1,0 +1,242 @@
+"""Predicted time of one optimizer step: compute, pipeline bubble, exposed communication.
+
+**Compute.** FLOPs are counted as Megatron-LM does (Narayanan et al. 2021): per block
+and forward pass 2·T·(weights of its matmuls) plus 4·T·s·h for QK^T and softmax·V
+(causal masking not discounted), the logits 2·T·h·V; backward costs twice the forward;
+full recompute adds one forward of every block, selective recompute one forward of the
+attention core. For the standard GPT block this is exactly Megatron's
+96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) with full recompute; without recompute it is the
+72·… formula plus 1.5·B·s·h·V (that formula scales the logits term by 3/4 too, although
+the logits are never recomputed). Each matmul runs at ``efficiency`` x peak unless it is
+too small to be compute-bound: its time is max(FLOPs / achievable, bytes / HBM bandwidth).
+
+**Communication** uses the α-β ring costs of ``paratrain.comm.cost`` on the link the
+axis's groups cross (``Cluster.link``, ranks ordered tp, cp, pp, dp from fastest).
+Per microbatch and stage: TP (with SP: all-gather + reduce-scatter, the same cost as
+the all-reduce it replaces) 2 collectives forward and 2 backward per block, 2 more per
+block when full recompute repeats the forward; CP ring attention passes K,V around the
+ring (cp - 1 steps forward, K,V and their gradients backward), overlapped with the
+attention core it feeds; PP sends one activation forward and one gradient backward per
+model chunk. TP and PP time is exposed (on the critical path).
+
+**Overlap of DP/ZeRO.** Gradient reduction starts while backward runs, bucket by bucket,
+so it hides behind one microbatch's backward on the stage: DDP's all-reduce and ZeRO-1's
+reduce-scatter once per step (gradients accumulate locally), ZeRO-2's reduce-scatter
+after every microbatch (gradients are sharded, so they cannot accumulate), ZeRO-3's
+parameter all-gather behind each microbatch's forward and backward. The updated
+parameters' all-gather of ZeRO-1/2 hides behind the next step's first forward.
+The part longer than the compute it overlaps is exposed, and the hidden part is not
+free either: communication kernels take SMs and memory bandwidth from the compute they
+run beside, charged as ``OVERLAP_COST`` of the hidden time (an assumption, not a fit).
+CP's exchange is charged the same way.
+
+**Bubble.** With per-microbatch stage time t, a pipeline of p stages, m microbatches and
+v chunks per rank idles (p - 1)/v · t per step: a bubble fraction (p - 1)/(v·m + p - 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..comm import cost as alpha_beta
+from .candidate import Candidate, Training
+from .hardware import Cluster
+from .models import ModelSpec
+
+ORDER = ("tp", "cp", "pp", "dp")  # Layout's default order, fastest first
+OVERLAP_COST = 0.1
+"""Fraction of overlapped communication time that still slows the step."""
+OPTIMIZER_BYTES = {"adam": 28, "sgd": 20}
+"""Bytes the update reads and writes per parameter (gradient, master weight, states,
+new weight): Adam 2 + 8 + 8 + 8 + 2, SGD with momentum 2 + 8 + 8 + 2 (same for fp32)."""
+
+
+# The search asks the same questions many times: remember the answers.
+collective_time = lru_cache(maxsize=1 << 16)(alpha_beta.collective_time)
+p2p_time = lru_cache(maxsize=1 << 12)(alpha_beta.p2p_time)
+
+
+def exposed(comm: float, window: float) -> float:
+    """Cost of ``comm`` seconds of communication overlapped with ``window`` of compute."""
+    return max(0.0, comm - window) + OVERLAP_COST * min(comm, window)
+
+
+def megatron_flops(batch: int, s: int, layers: int, h: int, vocab: int,
+                   full_recompute: bool) -> float:
+    """Megatron-LM's FLOPs per iteration: 72 (96 with full recompute) · B·s·l·h² ·
+    (1 + s/(6h) + V/(16·l·h))."""
+    return (96 if full_recompute else 72) * batch * s * layers * h * h * (
+        1 + s / (6 * h) + vocab / (16 * layers * h))
+
+
+def layer_matmuls(model: ModelSpec, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    """(M, K, N) of one block's forward matmuls on one TP rank."""
+    h, f = model.d_model, model.ffn_hidden
+    kv = model.kv_heads_per_rank(tp) * model.head_dim
+    mlp_in = 2 if model.gated_mlp else 1
+    return [(tokens, h, h // tp + 2 * kv), (tokens, h // tp, h),
+            (tokens, h, mlp_in * f // tp), (tokens, f // tp, h)]
+
+
+def attention_core_flops(model: ModelSpec, b: int, s_q: int, s_kv: int, tp: int) -> float:
+    """QK^T and softmax·V of one block's forward on one TP rank."""
+    return 4 * b * s_q * s_kv * model.d_model / tp
+
+
+def step_flops(model: ModelSpec, training: Training, recompute: str = "none") -> float:
+    """FLOPs of one step over all ranks (``none``: the model FLOPs MFU is quoted in)."""
+    tokens, s = training.tokens, training.seq_len
+    matmul = sum(2 * m * k * n for m, k, n in layer_matmuls(model, tokens, 1))
+    core = attention_core_flops(model, training.global_batch, s, s, 1)
+    extra = {"none": 0.0, "selective": core, "full": matmul + core}[recompute]
+    logits = 2 * tokens * model.d_model * model.vocab_size
+    return model.n_layers * (3 * (matmul + core) + extra) + 3 * logits
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step on the slowest rank; the fields add up to ``step``."""
+
+    compute: float
+    """Forward, backward and recompute of every microbatch."""
+    bubble: float
+    """Pipeline fill and drain."""
+    tp: float
+    """Exposed tensor/sequence-parallel collectives."""
+    cp: float
+    """Exposed ring-attention K/V exchange."""
+    pp: float
+    """Pipeline sends of activations and gradients."""
+    dp: float
+    """Exposed gradient reduction and ZeRO gathers."""
+    optimizer: float
+    """Optimizer update (memory-bound)."""
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.bubble + self.tp + self.cp + self.pp + self.dp + self.optimizer
+
+    def comm(self) -> dict[str, float]:
+        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp}
+
+
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a pipeline step: (p - 1)/(v·m + p - 1)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def _matmul_time(m: int, k: int, n: int, flops: float, hbm: float, elem: int) -> float:
+    return max(2 * m * k * n / flops, elem * (m * k + k * n + m * n) / hbm)
+
+
+@dataclass(frozen=True)
+class _Micro:
+    """Per-microbatch times of the slowest (last) stage."""
+
+    fwd: float
+    bwd: float
+    attention: float
+    """Forward attention-core time of one block (what CP's exchange overlaps)."""
+
+
+@lru_cache(maxsize=1 << 14)
+def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: int, cp: int,
+                   pp: int, b: int, recompute: str) -> _Micro:
+    gpu, elem = cluster.gpu, training.act_bytes
+    peak = gpu.peak_flops if training.precision == "bf16" else gpu.peak_flops_fp32
+    flops = peak * gpu.efficiency
+    s_q = training.seq_len // cp
+    tokens = b * s_q
+    matmuls = sum(_matmul_time(m, k, n, flops, gpu.hbm_bw, elem)
+                  for m, k, n in layer_matmuls(model, tokens, tp))
+    attention = attention_core_flops(model, b, s_q, training.seq_len, tp) / flops
+    layers = model.n_layers // pp
+    logits = _matmul_time(tokens, model.d_model, model.vocab_size // tp, flops,
+                          gpu.hbm_bw, elem)
+    rerun = {"none": 0.0, "selective": attention, "full": matmuls + attention}[recompute]
+    fwd = layers * (matmuls + attention) + logits
+    bwd = 2 * fwd + layers * rerun
+    return _Micro(fwd, bwd, attention)
+
+
+def step_time(model: ModelSpec, training: Training, cluster: Cluster,
+              cand: Candidate) -> StepTime:
+    """Predicted time of one optimizer step of ``cand`` (see the module docstring)."""
+    micro = _micro_compute(model, training, cluster, cand.tp, cand.cp, cand.pp,
+                           cand.micro_batch, cand.recompute)
+    tp, cp, pp = (_tp_time(model, training, cluster, cand), _cp_time(model, training, cluster,
+                  cand, micro), _pp_time(model, training, cluster, cand))
+    m, p, v = cand.microbatches, cand.pp, cand.virtual_stages
+    per_micro = micro.fwd + micro.bwd + tp + cp + pp
+    bubble = (p - 1) / v * per_micro
+    return StepTime(compute=m * (micro.fwd + micro.bwd), bubble=bubble, tp=m * tp, cp=m * cp,
+                    pp=m * pp, dp=_dp_time(model, training, cluster, cand, micro),
+                    optimizer=_optimizer_time(model, training, cluster, cand))
+
+
+def _tp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate) -> float:
+    if cand.tp == 1:
+        return 0.0
+    link = cluster.link(cand.sizes(), ORDER, ("tp",))
+    nbytes = cand.micro_batch * training.seq_len // cand.cp * model.d_model * training.act_bytes
+    per_layer = 4 + (2 if cand.recompute == "full" else 0)
+    count = per_layer * (model.n_layers // cand.pp) + 1  # + the output layer's
+    return count * collective_time("all-reduce", nbytes, cand.tp, link.alpha, link.bw)
+
+
+def _cp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate,
+             micro: _Micro) -> float:
+    if cand.cp == 1:
+        return 0.0
+    link = cluster.link(cand.sizes(), ORDER, ("cp",), p2p=True)
+    kv = 2 * cand.micro_batch * training.seq_len // cand.cp * training.act_bytes * (
+        model.kv_heads_per_rank(cand.tp) * model.head_dim)
+    step = p2p_time(kv, link.alpha, link.bw)
+    fwd = exposed((cand.cp - 1) * step, micro.attention)
+    bwd = exposed((cand.cp - 1) * 2 * step, 2 * micro.attention)
+    passes = 2 if cand.recompute == "full" else 1
+    return (model.n_layers // cand.pp) * (passes * fwd + bwd)
+
+
+def _pp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate) -> float:
+    if cand.pp == 1:
+        return 0.0
+    link = cluster.link(cand.sizes(), ORDER, ("pp",), p2p=True)
+    nbytes = (cand.micro_batch * training.seq_len // cand.cp * model.d_model
+              * training.act_bytes / (cand.tp if cand.sp else 1))
+    return 2 * cand.virtual_stages * p2p_time(nbytes, link.alpha, link.bw)
+
+
+def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate,
+             micro: _Micro) -> float:
+    n = cand.shard
+    if n == 1:
+        return 0.0
+    link = cluster.link(cand.sizes(), ORDER, ("cp", "dp"))
+    psi = max(model.stage_params(cand.tp, cand.pp, s) for s in {0, cand.pp - 1})
+    weight = grad = training.act_bytes
+
+    def coll(op: str, nbytes: float, calls: int = 1) -> float:  # calls pay α each
+        return calls * collective_time(op, nbytes / calls, n, link.alpha, link.bw)
+
+    m = cand.microbatches
+    if cand.zero == 0:
+        return exposed(coll("all-reduce", psi * grad), micro.bwd)
+    gather = exposed(coll("all-gather", psi * weight), micro.fwd)
+    if cand.zero == 1:
+        return exposed(coll("reduce-scatter", psi * grad), micro.bwd) + gather
+    if cand.zero == 2:
+        return m * exposed(coll("reduce-scatter", psi * grad), micro.bwd) + gather
+    units = model.n_layers // cand.pp  # ZeRO-3 gathers and reduces one block at a time
+    fwd = exposed(coll("all-gather", psi * weight, units), micro.fwd)
+    bwd = exposed(coll("all-gather", psi * weight, units)
+                 + coll("reduce-scatter", psi * grad, units), micro.bwd)
+    return m * (fwd + bwd)
+
+
+def _optimizer_time(model: ModelSpec, training: Training, cluster: Cluster,
+                    cand: Candidate) -> float:
+    psi = max(model.stage_params(cand.tp, cand.pp, s) for s in {0, cand.pp - 1})
+    local = psi / (cand.shard if cand.zero >= 1 else 1)
+    return local * OPTIMIZER_BYTES[training.optimizer] / cluster.gpu.hbm_bw

@@ -1,0 +1,97 @@
+"""Files a plan is written to: a TOML config ``paratrain train`` runs, and a PNG chart.
+
+The config has three tables (the mapping from a plan):
+
+``[model]``    ``GPTConfig`` fields: vocab_size, d_model, n_layers, n_heads, n_kv_heads,
+               ffn_hidden, max_seq_len (at least the planned seq_len), tie_embeddings.
+               paratrain's model is Llama-style, so a GPT-3/BLOOM shape becomes the
+               Llama-style model of the same size.
+``[parallel]`` dp, tp, pp, cp, zero from the layout; sp = (tp > 1); cp_method = "ring";
+               schedule ("gpipe" | "1f1b" | "interleaved"; "1f1b" when pp = 1, where it
+               has no effect); microbatches (per step per replica, i.e. gradient
+               accumulation steps); virtual_stages.
+``[train]``    global_batch (sequences), micro_batch, seq_len, precision ("fp32" | "bf16"),
+               recompute ("none" | "selective" | "full").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .candidate import Training
+from .hardware import GiB
+from .models import ModelSpec
+from .report import MEMORY_PARTS, TIME_PARTS, layout_label
+from .search import Plan
+
+
+def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str, dict]:
+    """The plan as the ``[model]``, ``[parallel]`` and ``[train]`` tables."""
+    c = plan.cand
+    return {
+        "model": model.gpt_fields(training.seq_len),
+        "parallel": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "zero": c.zero,
+                     "sp": c.sp, "cp_method": "ring",
+                     "schedule": c.schedule if c.pp > 1 else "1f1b",
+                     "microbatches": c.microbatches, "virtual_stages": c.virtual_stages},
+        "train": {"global_batch": training.global_batch, "micro_batch": c.micro_batch,
+                  "seq_len": training.seq_len, "precision": training.precision,
+                  "recompute": c.recompute},
+    }
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_toml(tables: dict[str, dict], comment: str = "") -> str:
+    """TOML text of flat tables of scalars (all a config needs; no extra dependency)."""
+    lines = [f"# {line}" for line in comment.splitlines()]
+    for name, values in tables.items():
+        lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def write_config(path: str | Path, plan: Plan, model: ModelSpec, training: Training) -> None:
+    """Write ``plan`` as a config ``paratrain train --config`` reads."""
+    comment = (f"Written by `paratrain plan` for {model.name}: {layout_label(plan)}\n"
+               f"predicted {plan.time.step:.3g} s/step, {plan.memory.total / GiB:.1f} GiB "
+               f"per rank, MFU {plan.mfu:.1%}")
+    Path(path).write_text(to_toml(config_tables(plan, model, training), comment))
+
+
+def plot(path: str | Path, plans: list[Plan], limit: float, title: str = "") -> None:
+    """Stacked bars of the memory (against the usable ``limit`` bytes) and the time
+    breakdown of ``plans``."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    labels = [f"#{i}\n" + layout_label(p).replace(" ", "\n", 4)
+              + f"\nmb{p.cand.micro_batch} {p.cand.recompute}" for i, p in enumerate(plans, 1)]
+    fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(max(8, 2.4 * len(plans)), 5))
+    for ax, parts, value, unit in (
+            (mem_ax, MEMORY_PARTS, lambda p, k: getattr(p.memory, k) / GiB, "GiB per rank"),
+            (time_ax, TIME_PARTS, lambda p, k: getattr(p.time, k), "seconds per step")):
+        bottom = [0.0] * len(plans)
+        for part in parts:
+            heights = [value(p, part) for p in plans]
+            ax.bar(range(len(plans)), heights, bottom=bottom, label=part)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.set_xticks(range(len(plans)), labels, fontsize=7)
+        ax.set_ylabel(unit)
+        ax.legend(fontsize=7)
+    mem_ax.axhline(limit / GiB, color="black", linestyle="--", linewidth=1)
+    mem_ax.annotate("usable", (len(plans) - 0.5, limit / GiB), fontsize=7, ha="right",
+                    va="bottom")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,240 @@
+"""Accelerators, clusters and the links between ranks, as numbers the planner computes with.
+
+Bandwidths are *achievable bus bandwidths per GPU* in bytes/s: what nccl-tests prints as
+``busbw`` for a large all-reduce, so a user can measure their own and pass it with
+``--intra-bw`` / ``--inter-bw``. The presets derive them from the nominal link rates:
+
+* NVLink 3 (A100): 12 links x 25 GB/s = 300 GB/s per direction; ~230 GB/s achieved.
+* NVLink 4 (H100, H200): 18 links x 25 GB/s = 450 GB/s per direction; ~360 GB/s achieved
+  (without NVLink SHARP).
+* Network: one InfiniBand NIC per GPU (rail-optimised, 8 NICs per node), HDR 200 Gb/s
+  = 25 GB/s for A100 nodes and NDR 400 Gb/s = 50 GB/s for H100/H200 nodes; ~90% achieved.
+
+Latencies α are per ring step, orders of magnitude from nccl-tests' small-message times.
+``efficiency`` is the fraction of peak the matrix multiplies of a large transformer reach
+(an MFU ceiling with no communication and no bubble); chosen so that published runs come
+out near their reported throughput: Megatron-LM and BLOOM on A100 (150-163 TFLOP/s per GPU
+including bubbles and communication), Llama 3 on H100 (38-43% MFU at 16K GPUs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields, replace
+from functools import lru_cache
+from pathlib import Path
+
+GiB = 2**30
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One accelerator type and the links of the nodes it usually comes in."""
+
+    name: str
+    """Preset name, e.g. ``h100-80g``."""
+    peak_flops: float
+    """Dense bf16 tensor-core FLOP/s."""
+    peak_flops_fp32: float
+    """Dense fp32 FLOP/s (no TF32), used when training in fp32."""
+    memory: int
+    """Device memory in bytes, as the driver reports it."""
+    hbm_bw: float
+    """Device memory bandwidth in bytes/s (bounds small matmuls and the optimizer step)."""
+    nvlink_bw: float
+    """Achievable bus bandwidth per GPU inside a node, bytes/s."""
+    network_bw: float
+    """Achievable bus bandwidth per GPU across nodes (its own NIC), bytes/s."""
+    nvlink_alpha: float = 1e-6
+    """Latency of one ring step inside a node, seconds."""
+    network_alpha: float = 5e-6
+    """Latency of one ring step across nodes, seconds."""
+    efficiency: float = 0.5
+    """Achievable fraction of peak for large matmuls (the MFU ceiling)."""
+
+
+GPUS: dict[str, GpuSpec] = {
+    "a100-40g": GpuSpec("a100-40g", 312e12, 19.5e12, 40 * GiB, 1.555e12,
+                        230 * GB, 22.5 * GB, efficiency=0.6),
+    "a100-80g": GpuSpec("a100-80g", 312e12, 19.5e12, 80 * GiB, 2.039e12,
+                        230 * GB, 22.5 * GB, efficiency=0.6),
+    # H100 SXM; memory is the 81559 MiB nvidia-smi shows.
+    "h100-80g": GpuSpec("h100-80g", 989e12, 67e12, 81559 * 2**20, 3.35e12,
+                        360 * GB, 45 * GB, efficiency=0.5),
+    # Same compute and NVLink as H100; more and faster memory (143771 MiB, 4.8 TB/s).
+    "h200": GpuSpec("h200", 989e12, 67e12, 143771 * 2**20, 4.8e12,
+                    360 * GB, 45 * GB, efficiency=0.5),
+}
+
+
+def gpu_preset(name: str) -> GpuSpec:
+    """The preset called ``name``; the error lists the known ones."""
+    try:
+        return GPUS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}") from None
+
+
+@dataclass(frozen=True)
+class Link:
+    """What one collective's ranks talk over."""
+
+    bw: float
+    """Achievable bus bandwidth per rank, bytes/s."""
+    alpha: float
+    """Latency per ring step, seconds."""
+    kind: str
+    """``nvlink`` (inside a node) or ``network``."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines a job runs on."""
+
+    gpu: GpuSpec
+    """Accelerator type (for ``--cluster local``: one CPU process, see ``local_cluster``)."""
+    n_gpus: int
+    """Ranks in the job."""
+    gpus_per_node: int = 8
+    """Ranks sharing one node's fast links."""
+    intra_bw: float | None = None
+    """Override of the GPU's in-node bus bandwidth, bytes/s."""
+    inter_bw: float | None = None
+    """Override of the per-GPU network bus bandwidth, bytes/s."""
+    usable_memory: float = 0.9
+    """Fraction of device memory a rank may fill; the rest covers the CUDA context,
+    NCCL buffers and allocator fragmentation."""
+    kind: str = "gpu"
+    """``gpu`` or ``local`` (CPU processes on this machine, numbers from a calibration)."""
+
+    def __post_init__(self) -> None:
+        if self.n_gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError("need at least one GPU and one GPU per node")
+        if self.n_gpus > self.gpus_per_node and self.n_gpus % self.gpus_per_node:
+            raise ValueError(f"{self.n_gpus} GPUs do not fill whole nodes of "
+                             f"{self.gpus_per_node}; pass a multiple of --gpus-per-node")
+
+    @property
+    def node_size(self) -> int:
+        """Ranks per node actually used (a job smaller than a node uses part of one)."""
+        return min(self.gpus_per_node, self.n_gpus)
+
+    @property
+    def memory_limit(self) -> float:
+        """Bytes a rank may hold."""
+        return self.gpu.memory * self.usable_memory
+
+    def link(self, sizes: dict[str, int], order: tuple[str, ...], axes: tuple[str, ...],
+             p2p: bool = False) -> Link:
+        """The link a group along ``axes`` communicates over, ranks numbered in ``order``
+        (fastest axis first).
+
+        A group inside one node uses NVLink. A group spread over nodes crosses the
+        network. A collective over a group with k members per node drives their k NICs in
+        parallel (NCCL runs one ring per NIC), so it gets ``min(nvlink, k * nic)``; a
+        point-to-point hop between nodes (``p2p``) has one NIC.
+        """
+        return _link(self, tuple(sizes[a] for a in order), order, axes, p2p)
+
+
+@lru_cache(maxsize=1 << 14)
+def _link(cluster: Cluster, sizes_in_order: tuple[int, ...], order: tuple[str, ...],
+          axes: tuple[str, ...], p2p: bool) -> Link:
+    sizes = dict(zip(order, sizes_in_order))
+    intra = cluster.intra_bw or cluster.gpu.nvlink_bw
+    # Every group lies inside a block of `span` consecutive ranks; the blocks tile nodes
+    # only if `span` divides the node size (tp=3 on 8-GPU nodes straddles nodes).
+    slowest = max((order.index(a) for a in axes if sizes[a] > 1), default=0)
+    span = math.prod(sizes_in_order[:slowest + 1])
+    if cluster.node_size % span == 0:
+        return Link(intra, cluster.gpu.nvlink_alpha, "nvlink")
+    k = members_per_node(sizes, order, axes, cluster.node_size)
+    inter = cluster.inter_bw or cluster.gpu.network_bw
+    return Link(min(intra, (1 if p2p else k) * inter), cluster.gpu.network_alpha, "network")
+
+
+def members_per_node(sizes: dict[str, int], order: tuple[str, ...], axes: tuple[str, ...],
+                     node: int) -> int:
+    """How many ranks of one group along ``axes`` share a node of ``node`` consecutive
+    ranks (at least one; an estimate where groups straddle nodes unevenly)."""
+    stride, members = 1, 1
+    for axis in order:
+        if axis in axes and stride < node:
+            members *= max(1, min(sizes[axis], node // stride))
+        stride *= sizes[axis]
+    return members
+
+
+# ---- the local cluster: CPU processes on this machine -------------------------------------
+
+DEFAULT_CALIBRATION = Path.home() / ".cache" / "paratrain" / "calibration.json"
+
+
+class CalibrationError(FileNotFoundError):
+    """No usable calibration file; the message says how to make one."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """This machine's measured rates, stored as JSON with exactly these keys."""
+
+    matmul_flops: dict[str, float]
+    """FLOP/s one process reaches in a large matmul with one thread, by precision
+    (``fp32``, optionally ``bf16``)."""
+    cores: int
+    """Physical cores the processes share; more processes than cores split them."""
+    alpha: float
+    """gloo all-reduce latency per ring step, seconds (``comm.cost.fit_alpha_beta``)."""
+    beta: float
+    """gloo all-reduce bus bandwidth, bytes/s."""
+    memory: int
+    """Bytes of RAM all processes together may use."""
+    world_size: int = 2
+    """Processes in the world α and β were measured with."""
+    torch_version: str = ""
+    """torch that measured it (informational)."""
+
+    def to_json(self) -> str:
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, indent=2)
+
+
+def load_calibration(path: str | Path | None = None) -> Calibration:
+    """Read a calibration file (default ``~/.cache/paratrain/calibration.json``)."""
+    path = Path(path) if path else DEFAULT_CALIBRATION
+    if not path.is_file():
+        raise CalibrationError(
+            f"no calibration at {path}: run `paratrain plan --cluster local --calibrate` "
+            f"once to measure this machine's matmul rate and gloo all-reduce α/β")
+    data = json.loads(path.read_text())
+    known = {f.name for f in fields(Calibration)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown}; expected {sorted(known)}")
+    try:
+        return Calibration(**data)
+    except TypeError as err:
+        raise ValueError(f"{path}: {err}; expected keys {sorted(known)}") from None
+
+
+def local_cluster(n_procs: int, calibration: Calibration) -> Cluster:
+    """``n_procs`` CPU processes on one machine, as a one-node cluster."""
+    share = min(1.0, calibration.cores / n_procs)  # processes beyond the cores time-share
+    fp32 = calibration.matmul_flops["fp32"] * share
+    cpu = GpuSpec(
+        name="local-cpu",
+        peak_flops=calibration.matmul_flops.get("bf16", calibration.matmul_flops["fp32"]) * share,
+        peak_flops_fp32=fp32,
+        memory=calibration.memory // n_procs,
+        hbm_bw=math.inf,  # not measured: the matmul rate is already what a process achieves
+        nvlink_bw=calibration.beta, network_bw=calibration.beta,
+        nvlink_alpha=calibration.alpha, network_alpha=calibration.alpha,
+        efficiency=1.0,  # matmul_flops is measured, not a peak
+    )
+    return Cluster(cpu, n_procs, gpus_per_node=n_procs, usable_memory=1.0, kind="local")
+
+
+def with_overrides(cluster: Cluster, **changes) -> Cluster:
+    """A copy of ``cluster`` with some fields replaced (None leaves a field alone)."""
+    return replace(cluster, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,172 @@
+"""Bytes one rank holds at its peak, by component.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, Table 1): with mixed
+precision and Adam every parameter costs 2 (bf16 weight) + 2 (bf16 gradient) + K = 12
+(fp32 master weight, momentum, variance) bytes, and ZeRO stage 1/2/3 shards the last
+term / the last two / all three over the N ranks that hold the same parameters
+(dp x cp here, since context-parallel ranks hold the same weights):
+
+    stage 0: 16Ψ    stage 1: 4Ψ + 12Ψ/N    stage 2: 2Ψ + 14Ψ/N    stage 3: 16Ψ/N
+
+Ψ is the parameters *of this rank* after tensor- and pipeline-parallel sharding.
+
+Activations per layer follow Korthikanti et al. 2022 (16-bit, standard GPT block):
+s·b·h·(34 + 5as/h) without TP, s·b·h·(10 + 24/t + 5as/(ht)) with TP t, s·b·h·(34/t +
+5as/(ht)) with TP + sequence parallelism; selective recompute drops the 5as/h term,
+full recompute keeps only the layer input, 2·s·b·h. ``layer_activation_bytes``
+generalises the same accounting to grouped KV heads, SwiGLU, no dropout and fp32, and
+reduces to those formulas for the standard block. A pipeline stage holds as many
+microbatches of activations as its schedule has in flight (``inflight_microbatches``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .candidate import Candidate, Training
+from .models import ModelSpec
+
+BUCKET_BYTES = 4 * 2**20
+"""Gradient communication bucket; mirrors the default of ``parallel/data.py`` (not
+imported: that module needs torch)."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Peak bytes on the worst rank, by component."""
+
+    params: float
+    """Parameters (compute dtype, sharded by ZeRO-3)."""
+    grads: float
+    """Gradients (sharded by ZeRO-2/3)."""
+    optimizer: float
+    """Optimizer states incl. fp32 master weights (sharded by ZeRO-1/2/3)."""
+    activations: float
+    """Stored activations of every microbatch in flight."""
+    buffers: float
+    """Temporaries: gathered ZeRO-3 units, communication buckets, logits, recompute."""
+    stage: int = 0
+    """Pipeline stage this peak belongs to."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter: the ZeRO paper's 2, 2, K."""
+    if precision == "bf16":  # fp32 master copy (4) + one fp32 state per moment
+        return 2, 2, 12 if optimizer == "adam" else 8
+    return 4, 4, 8 if optimizer == "adam" else 4
+
+
+def model_state_bytes(psi: float, n: int, zero: int, weight: int = 2, grad: int = 2,
+                      k: int = 12) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per rank for ``psi`` parameters, ZeRO ``zero``
+    over ``n`` ranks; the defaults are mixed-precision Adam."""
+    return (psi * weight / (n if zero >= 3 else 1),
+            psi * grad / (n if zero >= 2 else 1),
+            psi * k / (n if zero >= 1 else 1))
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """The published per-layer activation bytes (16-bit, standard GPT block)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    attention = 0 if recompute == "selective" else 5 * a * s / (h * t)
+    if sp:
+        return s * b * h * (34 / t + attention)
+    return s * b * h * (10 + 24 / t + attention)
+
+
+@lru_cache(maxsize=1 << 14)
+def layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int, sp: bool,
+                           recompute: str, elem: int = 2) -> float:
+    """Activation bytes one block stores per microbatch on one TP rank (``s`` is the
+    sequence per rank, i.e. already divided by cp).
+
+    Counted tensors (sbh = s·b·h elements of ``elem`` bytes; masks are 1 byte):
+    outside the TP region, both norm inputs, the QKV and MLP inputs, the dropout masks;
+    inside it Q, K, V (K and V shrink with grouped KV heads), the output-projection input
+    and the MLP's intermediates (GELU: its input and output; unfused SwiGLU as paratrain's
+    model runs it: gate, silu(gate), up and their product); the attention scores
+    (softmax output, plus dropout mask and output when training with dropout).
+    """
+    h, a = model.d_model, model.n_heads
+    sbh = s * b * h
+    if recompute == "full":  # only the layer input survives
+        return elem * sbh / (t if sp else 1)
+    masks = 2 if model.dropout else 0
+    outside = (4 * elem + masks) * sbh
+    kv = 2 * model.n_kv_heads / a
+    mlp = (4 if model.gated_mlp else 2) * model.ffn_hidden / h
+    inside = elem * (2 + kv + mlp) * sbh
+    scores = 0.0
+    if recompute == "none":
+        scores = (elem + (1 + elem if model.dropout else 0)) * a * s * s * b
+    return outside / (t if sp else 1) + (inside + scores) / t
+
+
+def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, stage: int = 0) -> float:
+    """Microbatches' worth of one stage's activations alive at its peak.
+
+    GPipe runs every forward before any backward: m. 1F1B warms up with p - stage
+    forwards, then alternates: min(p - stage, m). Interleaved 1F1B (Megatron) warms up
+    with 2(p - stage - 1) + (v - 1)p + 1 chunk-forwards of 1/v of the stage each, which
+    on stage 0 is Korthikanti's factor 1 + (p - 1)/(pv) on a full model's layers.
+    Without a pipeline one microbatch is alive at a time. The schedule tables of
+    ``parallel/pipeline`` can replace this closed form: it is the one place that asks.
+    """
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(p - stage, m))
+    units = min(2 * (p - stage - 1) + (v - 1) * p + 1, v * m)
+    return units / v
+
+
+def rank_memory(model: ModelSpec, training: Training, cand: Candidate) -> Memory:
+    """The peak of the fuller of the first and last pipeline stages."""
+    stages = (0,) if cand.pp == 1 else (0, cand.pp - 1)
+    return max((stage_memory(model, training, cand, s) for s in stages), key=lambda m: m.total)
+
+
+def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: int) -> Memory:
+    """Peak bytes of one rank of pipeline ``stage``."""
+    weight, grad, k = bytes_per_param(training.precision, training.optimizer)
+    psi = model.stage_params(cand.tp, cand.pp, stage)
+    zero = cand.zero if cand.shard > 1 else 0
+    params, grads, opt = model_state_bytes(psi, cand.shard, zero, weight, grad, k)
+    s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
+    per_layer = layer_activation_bytes(model, s, b, cand.tp, cand.sp, cand.recompute, elem)
+    inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,
+                                     cand.virtual_stages, stage)
+    acts = per_layer * (model.n_layers // cand.pp) * inflight
+    buffers = _buffers(model, training, cand, stage, zero, inflight)
+    return Memory(params, grads, opt, acts, buffers, stage)
+
+
+def _buffers(model: ModelSpec, training: Training, cand: Candidate, stage: int, zero: int,
+             inflight: float) -> float:
+    weight, grad, _ = bytes_per_param(training.precision, training.optimizer)
+    s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
+    total = 0.0
+    if zero == 3:  # the unit in use, the prefetched one, and one unit's unsharded grads
+        total += model.layer_params(cand.tp) * (2 * weight + grad)
+    elif zero in (1, 2):  # reduce-scatter staging; DDP's buckets are the gradients
+        total += 2 * BUCKET_BYTES
+    if stage == cand.pp - 1:  # vocab-parallel logits and their fp32 softmax, per microbatch
+        total += s * b * model.vocab_size / cand.tp * (elem + 4) * inflight
+    if cand.recompute != "none":  # the layer being recomputed, briefly in full
+        full = layer_activation_bytes(model, s, b, cand.tp, cand.sp, "none", elem)
+        total += full - layer_activation_bytes(model, s, b, cand.tp, cand.sp,
+                                               cand.recompute, elem)
+    return total

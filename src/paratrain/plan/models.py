@@ -1,0 +1,258 @@
+"""Model shapes the planner reasons about: presets, TOML configs, Hugging Face config.json.
+
+A ``ModelSpec`` is a decoder-only transformer described by the numbers that set its
+memory and FLOPs. The field names follow paratrain's ``GPTConfig``; the extra fields
+(``gated_mlp``, ``bias``, ``norm``, ``learned_pos``, ``dropout``) cover GPT-3, GPT-2,
+GPT-NeoX and BLOOM style blocks, which differ from paratrain's Llama-style block.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer."""
+
+    name: str
+    """Preset name or the file it came from."""
+    n_layers: int
+    """Transformer blocks."""
+    d_model: int
+    """Hidden size h."""
+    n_heads: int
+    """Attention (query) heads a."""
+    n_kv_heads: int
+    """Key/value heads (equal to n_heads without grouped-query attention)."""
+    ffn_hidden: int
+    """Hidden width of the MLP."""
+    vocab_size: int
+    """Vocabulary size V."""
+    max_seq_len: int = 2048
+    """Context length the model was trained with (the default sequence length)."""
+    tie_embeddings: bool = False
+    """Output projection shares the token embedding matrix."""
+    gated_mlp: bool = True
+    """SwiGLU MLP (gate, up, down: 3 matrices) instead of a GELU MLP (up, down)."""
+    bias: bool = False
+    """Linear layers and norms carry biases (GPT-2/3, NeoX, BLOOM)."""
+    norm: str = "rmsnorm"
+    """``rmsnorm`` (weight only) or ``layernorm`` (weight and bias)."""
+    learned_pos: bool = False
+    """Learned absolute position embeddings (max_seq_len x d_model) instead of RoPE/ALiBi."""
+    dropout: bool = False
+    """Trained with dropout (its masks are stored activations)."""
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"{self.name}: d_model={self.d_model} is not divisible by "
+                             f"n_heads={self.n_heads}")
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"{self.name}: n_heads={self.n_heads} must be a multiple of "
+                             f"n_kv_heads={self.n_kv_heads}")
+        if self.norm not in ("rmsnorm", "layernorm"):
+            raise ValueError(f"{self.name}: norm must be 'rmsnorm' or 'layernorm'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads each TP rank holds: split when there are at least tp, else one replica."""
+        return max(self.n_kv_heads // tp, 1)
+
+    # ---- parameter counts ----------------------------------------------------------------
+    def _norm_params(self) -> int:
+        return self.d_model * (2 if self.norm == "layernorm" else 1)
+
+    @lru_cache(maxsize=64)  # noqa: B019 - specs are few, frozen and hashable
+    def layer_params(self, tp: int = 1) -> int:
+        """Parameters of one block on one TP rank (norms and row-parallel biases replicated)."""
+        h, f = self.d_model, self.ffn_hidden
+        kv = self.kv_heads_per_rank(tp) * self.head_dim
+        mlp_in = 2 if self.gated_mlp else 1
+        weights = h * h // tp * 2 + 2 * h * kv + (mlp_in + 1) * h * f // tp
+        biases = (h // tp + 2 * kv + h + mlp_in * f // tp + h) if self.bias else 0
+        return weights + biases + 2 * self._norm_params()
+
+    def embedding_params(self, tp: int = 1) -> int:
+        """Vocab-parallel token embedding (plus replicated position embeddings)."""
+        pos = self.max_seq_len * self.d_model if self.learned_pos else 0
+        return self.vocab_size * self.d_model // tp + pos
+
+    def head_params(self, tp: int = 1, own_copy: bool = False) -> int:
+        """Final norm and output projection; a tied projection costs nothing unless this
+        rank keeps ``own_copy`` (the last pipeline stage, away from the embedding)."""
+        proj = self.vocab_size * self.d_model // tp
+        return self._norm_params() + (proj if own_copy or not self.tie_embeddings else 0)
+
+    @lru_cache(maxsize=1024)  # noqa: B019 - the search asks for the same stages often
+    def stage_params(self, tp: int, pp: int, stage: int) -> int:
+        """Parameters one rank of pipeline ``stage`` holds (layers split evenly)."""
+        n = self.n_layers // pp * self.layer_params(tp)
+        if stage == 0:
+            n += self.embedding_params(tp)
+        if stage == pp - 1:
+            n += self.head_params(tp, own_copy=pp > 1 and self.tie_embeddings)
+        return n
+
+    def num_params(self) -> int:
+        """Total parameters, tied embeddings counted once."""
+        return self.stage_params(1, 1, 0)
+
+    def gpt_fields(self, seq_len: int = 0) -> dict:
+        """The ``GPTConfig`` fields of paratrain's model with this shape."""
+        return {"vocab_size": self.vocab_size, "d_model": self.d_model,
+                "n_layers": self.n_layers, "n_heads": self.n_heads,
+                "n_kv_heads": self.n_kv_heads, "ffn_hidden": self.ffn_hidden,
+                "max_seq_len": max(self.max_seq_len, seq_len),
+                "tie_embeddings": self.tie_embeddings}
+
+
+_GPT_STYLE = dict(gated_mlp=False, bias=True, norm="layernorm")
+PRESETS: dict[str, ModelSpec] = {
+    "gpt3-175b": ModelSpec("gpt3-175b", 96, 12288, 96, 96, 4 * 12288, 50257, 2048,
+                           tie_embeddings=True, learned_pos=True, dropout=True, **_GPT_STYLE),
+    "bloom-176b": ModelSpec("bloom-176b", 70, 14336, 112, 112, 4 * 14336, 250880, 2048,
+                            tie_embeddings=True, **_GPT_STYLE),
+    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+}
+LOCAL_PRESETS = ("tiny", "small")
+"""paratrain's own GPTs, read from ``paratrain.models.gpt.PRESETS`` when asked for (that
+module imports torch, so it is not imported otherwise)."""
+
+
+def from_gpt_config(cfg, name: str) -> ModelSpec:
+    """The spec of paratrain's Llama-style GPT built from a ``GPTConfig`` (duck-typed)."""
+    return ModelSpec(name, cfg.n_layers, cfg.d_model, cfg.n_heads,
+                     cfg.n_kv_heads or cfg.n_heads,
+                     cfg.ffn_hidden or 32 * math.ceil(8 * cfg.d_model / 3 / 32),
+                     cfg.vocab_size, cfg.max_seq_len, tie_embeddings=cfg.tie_embeddings)
+
+
+def _local_preset(name: str) -> ModelSpec | None:
+    try:
+        from ..models.gpt import PRESETS as GPT_PRESETS
+    except ImportError:
+        return None
+    return from_gpt_config(GPT_PRESETS[name], name) if name in GPT_PRESETS else None
+
+
+def load_model(spec: str) -> ModelSpec:
+    """A preset name, a ``.toml`` model config, or a Hugging Face ``config.json`` (or the
+    directory holding one)."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if spec.endswith((".toml", ".json")) or path.is_dir():
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model config {path} does not exist")
+        return from_toml(path) if path.suffix == ".toml" else from_hf_config(path)
+    found = _local_preset(spec)
+    if found is None:
+        known = ", ".join([*PRESETS, *LOCAL_PRESETS])
+        raise ValueError(f"unknown model {spec!r}; give a preset ({known}), "
+                         f"a .toml model config or a Hugging Face config.json path")
+    return found
+
+
+# ---- TOML ---------------------------------------------------------------------------------
+
+_IGNORED_GPT_FIELDS = ("rope_theta", "norm_eps", "init_std")  # no effect on memory or time
+
+
+def from_toml(path: str | Path) -> ModelSpec:
+    """Read the ``[model]`` table (or the top level) of a TOML file: ``ModelSpec`` field
+    names; ``n_kv_heads`` / ``ffn_hidden`` of 0 mean what they mean in ``GPTConfig``."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    path = Path(path)
+    data = tomllib.loads(path.read_text())
+    table = dict(data.get("model", data))
+    for key in _IGNORED_GPT_FIELDS:
+        table.pop(key, None)
+    known = {f.name for f in fields(ModelSpec)} - {"name"}
+    unknown = sorted(k for k in table if k not in known and not isinstance(table[k], dict))
+    if unknown:
+        raise ValueError(f"{path}: unknown model fields {unknown}; known: {sorted(known)}")
+    missing = [k for k in ("n_layers", "d_model", "n_heads") if k not in table]
+    if missing:
+        raise ValueError(f"{path}: the model needs {missing}")
+    values = {"vocab_size": 256, "max_seq_len": 256, "n_kv_heads": 0, "ffn_hidden": 0,
+              **{k: v for k, v in table.items() if k in known}}
+    values["n_kv_heads"] = values["n_kv_heads"] or values["n_heads"]
+    values["ffn_hidden"] = values["ffn_hidden"] or 32 * math.ceil(8 * values["d_model"] / 3 / 32)
+    return ModelSpec(name=path.name, **values)
+
+
+# ---- Hugging Face config.json -------------------------------------------------------------
+
+_HF_ALIASES = {
+    "n_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "d_model": ("hidden_size", "n_embd", "n_embed", "d_model"),
+    "n_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "vocab_size": ("vocab_size",),
+}
+_HF_OPTIONAL = {
+    "n_kv_heads": ("num_key_value_heads", "num_kv_heads"),
+    "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
+    "max_seq_len": ("max_position_embeddings", "n_positions", "seq_length", "n_ctx"),
+}
+_GPT_LIKE = {"gpt2", "gpt_neox", "bloom", "gpt_bigcode", "opt", "gptj"}
+_TIED_BY_DEFAULT = {"gpt2", "bloom", "gpt_bigcode", "opt"}
+_DROPOUT_KEYS = ("attn_pdrop", "resid_pdrop", "attention_dropout", "hidden_dropout")
+
+
+def _first(cfg: dict, keys: tuple[str, ...]):
+    return next((cfg[k] for k in keys if cfg.get(k) is not None), None)
+
+
+def from_hf_config(path: str | Path) -> ModelSpec:
+    """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen, GPT-2, GPT-NeoX, BLOOM)."""
+    path = Path(path)
+    cfg = json.loads(path.read_text())
+    values = {}
+    for field, keys in _HF_ALIASES.items():
+        value = _first(cfg, keys)
+        if value is None:
+            raise ValueError(f"{path}: no {field} (looked for {', '.join(keys)})")
+        values[field] = int(value)
+    for field, keys in _HF_OPTIONAL.items():
+        value = _first(cfg, keys)
+        if value is not None:
+            values[field] = int(value)
+    kind = str(cfg.get("model_type", "llama"))
+    gpt_like = kind in _GPT_LIKE
+    values.setdefault("n_kv_heads", values["n_heads"])
+    values.setdefault("ffn_hidden", 4 * values["d_model"])
+    values.setdefault("max_seq_len", 2048)
+    act = str(cfg.get("hidden_act", cfg.get("activation_function", "")))
+    return ModelSpec(
+        name=f"{path.parent.name or path.name} ({kind})", **values,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", kind in _TIED_BY_DEFAULT)),
+        gated_mlp=not gpt_like and act in ("silu", "swish", "swiglu", ""),
+        bias=gpt_like or bool(cfg.get("attention_bias", False)),
+        norm="layernorm" if gpt_like else "rmsnorm",
+        learned_pos=kind in ("gpt2", "gpt_bigcode", "opt"),
+        dropout=any(float(cfg.get(k) or 0) > 0 for k in _DROPOUT_KEYS),
+    )
+
+
+def describe(model: ModelSpec) -> str:
+    """One line: name, parameters and shape."""
+    return (f"{model.name}: {model.num_params() / 1e9:.2f}B params, {model.n_layers} layers, "
+            f"h={model.d_model}, heads={model.n_heads}/{model.n_kv_heads} kv, "
+            f"ffn={model.ffn_hidden}{' (SwiGLU)' if model.gated_mlp else ''}, "
+            f"vocab={model.vocab_size}")
+

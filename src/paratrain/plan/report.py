@@ -1,0 +1,169 @@
+"""Human and machine output of a search: tables, ``--explain``, ``--show-rejected``, JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from .candidate import Training
+from .hardware import GiB, Cluster
+from .models import ModelSpec, describe
+from .search import Plan, SearchResult
+
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
+TIME_PARTS = ("compute", "bubble", "tp", "cp", "pp", "dp", "optimizer")
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """Columns right-aligned except the first two (rank and layout)."""
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = []
+    for row in [headers, *rows]:
+        cells = [c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def header(model: ModelSpec, training: Training, cluster: Cluster) -> str:
+    nodes = max(1, cluster.n_gpus // cluster.node_size)
+    return (f"model    {describe(model)}\n"
+            f"cluster  {cluster.n_gpus} x {cluster.gpu.name} ({nodes} node(s) of "
+            f"{cluster.node_size}), {cluster.memory_limit / GiB:.1f} GiB usable per rank\n"
+            f"training global batch {training.global_batch} x {training.seq_len} tokens, "
+            f"{training.precision}, {training.optimizer}")
+
+
+def layout_label(plan: Plan) -> str:
+    c = plan.cand
+    sched = "" if c.pp == 1 else " " + c.schedule + (
+        f"/v{c.virtual_stages}" if c.virtual_stages > 1 else "")
+    return f"dp{c.dp} tp{c.tp}{'+sp' if c.sp else ''} pp{c.pp} cp{c.cp} zero{c.zero}{sched}"
+
+
+def summary(result: SearchResult, model: ModelSpec, training: Training, cluster: Cluster,
+            top: int = 5) -> str:
+    """The three tables of the ``top`` plans and a line on the search itself."""
+    plans = result.plans[:top]
+    if not plans:
+        return f"{header(model, training, cluster)}\n\nno valid layout fits\n{search_line(result)}"
+    rows = [[str(i), layout_label(p), f"{p.cand.micro_batch}x{p.cand.microbatches}",
+             p.cand.recompute, f"{p.time.step:.3g}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}"]
+            for i, p in enumerate(plans, 1)]
+    mem = [[str(i), layout_label(p)] + [f"{getattr(p.memory, k) / GiB:.1f}" for k in MEMORY_PARTS]
+           + [f"{p.memory.total / GiB:.1f}"] for i, p in enumerate(plans, 1)]
+    times = [[str(i), layout_label(p)] + [f"{getattr(p.time, k):.3g}" for k in TIME_PARTS]
+             + [f"{p.time.step:.3g}"] for i, p in enumerate(plans, 1)]
+    return "\n\n".join([
+        header(model, training, cluster),
+        table(["#", "layout", "mb x m", "recompute", "step s", "tokens/s", "MFU"], rows),
+        "memory per rank, GiB (worst pipeline stage)\n" + table(
+            ["#", "layout", "params", "grads", "optim", "activ", "buffers", "total"], mem),
+        "time per step, s (comm columns are the exposed part)\n" + table(
+            ["#", "layout", "compute", "bubble", "tp", "cp", "pp", "dp", "optim", "step"], times),
+        search_line(result),
+    ])
+
+
+def search_line(result: SearchResult) -> str:
+    dropped = sum(r.count for r in result.rejected.values())
+    return (f"searched {result.considered:,} candidates in {result.seconds:.2f} s: "
+            f"{len(result.plans):,} ranked, {result.dominated:,} skipped (less recompute fits "
+            f"and is as fast), {dropped:,} rejected (--show-rejected for why)")
+
+
+# ---- --explain ----------------------------------------------------------------------------
+
+def _deltas(plan: Plan, other: Plan) -> str:
+    """The time components that differ most, largest first."""
+    diffs = [(getattr(other.time, k) - getattr(plan.time, k), k) for k in TIME_PARTS]
+    diffs.sort(key=lambda d: -abs(d[0]))
+    shown = [f"{k} {d:+.3g} s" for d, k in diffs if abs(d) >= 0.005 * plan.time.step][:3]
+    mem = (other.memory.total - plan.memory.total) / GiB
+    return (", ".join(shown) or "no component differs by 0.5%") + f"; memory {mem:+.1f} GiB"
+
+
+def _versus(plan: Plan, other: Plan, what: str) -> str:
+    slower = other.time.step / plan.time.step - 1
+    if slower < 0.005:
+        return (f"{what}: {layout_label(other)}, mb {other.cand.micro_batch}, recompute "
+                f"{other.cand.recompute}: {other.time.step:.3g} s, a tie within the model "
+                f"({slower:+.1%}); listed after #1 for {_deltas(plan, other).split('; ')[-1]}")
+    return (f"{what}: {layout_label(other)}, mb {other.cand.micro_batch}, recompute "
+            f"{other.cand.recompute}: {other.time.step:.3g} s ({slower:+.1%}): "
+            f"{_deltas(plan, other)}")
+
+
+def explain(result: SearchResult, cluster: Cluster) -> str:
+    """Why the winner: its breakdown, the runner-up, and the best plan that changes each
+    choice (tp, pp, cp, ZeRO stage, recompute) with the components that make it slower."""
+    if not result.plans:
+        return "nothing fits: see --show-rejected"
+    best = result.plans[0]
+    t, m = best.time, best.memory
+    comm = t.tp + t.cp + t.pp + t.dp
+    lines = [
+        f"winner: {layout_label(best)}, microbatch {best.cand.micro_batch} x "
+        f"{best.cand.microbatches}, recompute {best.cand.recompute}",
+        f"  step {t.step:.3g} s = compute {t.compute:.3g} + bubble {t.bubble:.3g} + exposed "
+        f"comm {comm:.3g} (tp {t.tp:.3g}, cp {t.cp:.3g}, pp {t.pp:.3g}, dp {t.dp:.3g}) + "
+        f"optimizer {t.optimizer:.3g}",
+        f"  memory {m.total / GiB:.1f} of {cluster.memory_limit / GiB:.1f} GiB usable on "
+        f"stage {m.stage} (states {m.states / GiB:.1f}, activations {m.activations / GiB:.1f}, "
+        f"buffers {m.buffers / GiB:.1f})",
+    ]
+    if len(result.plans) > 1:
+        lines.append("  " + _versus(best, result.plans[1], "runner-up"))
+    for knob in ("tp", "pp", "cp", "zero", "recompute"):
+        mine = getattr(best.cand, knob)
+        other = next((p for p in result.plans if getattr(p.cand, knob) != mine), None)
+        if other is None:
+            lines.append(f"  {knob} other than {mine}: nothing fits (see --show-rejected)")
+        else:
+            lines.append("  " + _versus(best, other, f"best with {knob}={getattr(other.cand, knob)}"))
+    return "\n".join(lines)
+
+
+# ---- --show-rejected ----------------------------------------------------------------------
+
+def rejected(result: SearchResult) -> str:
+    """One row per reason: how many, and the candidate that came closest."""
+    groups = sorted(result.rejected.values(), key=lambda r: -r.count)
+    if not groups:
+        return "nothing was rejected"
+    lines = ["rejected candidates, by reason (example: the one closest to fitting)"]
+    for g in groups:
+        lines.append(f"  {g.count:>8,}  {g.reason}\n            e.g. {g.example}: {g.detail}")
+    return "\n".join(lines)
+
+
+# ---- --json -------------------------------------------------------------------------------
+
+def plan_dict(plan: Plan) -> dict:
+    c = plan.cand
+    return {
+        "layout": {**asdict(c), "sp": c.sp, "cp_method": "ring"},
+        "memory_bytes": {**{k: getattr(plan.memory, k) for k in MEMORY_PARTS},
+                         "total": plan.memory.total, "stage": plan.memory.stage},
+        "time_s": {**{k: getattr(plan.time, k) for k in TIME_PARTS}, "step": plan.time.step},
+        "tokens_per_s": plan.tokens_per_s,
+        "mfu": plan.mfu,
+    }
+
+
+def to_json(result: SearchResult, model: ModelSpec, training: Training, cluster: Cluster,
+            top: int = 5) -> dict:
+    """Everything the tables show, in bytes and seconds."""
+    return {
+        "model": {**asdict(model), "params": model.num_params()},
+        "cluster": {"gpu": {k: v if v != float("inf") else None  # JSON has no infinity
+                            for k, v in asdict(cluster.gpu).items()}, "n_gpus": cluster.n_gpus,
+                    "gpus_per_node": cluster.node_size, "intra_bw": cluster.intra_bw,
+                    "inter_bw": cluster.inter_bw, "memory_limit": cluster.memory_limit,
+                    "kind": cluster.kind},
+        "training": asdict(training),
+        "search": {"considered": result.considered, "ranked": len(result.plans),
+                   "dominated": result.dominated, "seconds": result.seconds},
+        "plans": [plan_dict(p) for p in result.plans[:top]],
+        "rejected": [{"reason": r.reason, "count": r.count, "example": r.example,
+                      "detail": r.detail} for r in result.rejected.values()],
+    }

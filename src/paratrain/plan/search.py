@@ -1,0 +1,241 @@
+"""Enumerate every valid layout of a model on a cluster, drop what does not fit, rank by
+predicted step time.
+
+The space is (tp, cp, pp, dp) with tp·cp·pp·dp = GPUs, then the schedule (1F1B or
+interleaved with v chunks), ZeRO stage, recompute policy and microbatch size. Validity is
+``Layout.check_model`` (heads, KV heads, layers, sequence) plus batch divisibility. The
+search prunes what cannot win, so a 405B model on 16,384 GPUs takes well under a second:
+
+* tp stays inside a node: its collectives sit on the critical path of every block, and
+  over the network they cost several times the compute they serve;
+* GPipe is not timed: it has 1F1B's bubble and communication and more activations;
+* sequence parallelism is always on with tp > 1 (same communication, less memory);
+* a (shape, ZeRO stage) whose parameters, gradients and optimizer states alone overflow
+  is rejected once for all its microbatches and recompute policies;
+* peak memory never shrinks as the microbatch grows, so the first microbatch size that
+  overflows rejects the larger ones too;
+* more recompute is tried only at microbatch sizes where less recompute overflowed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from ..layout import LayoutError
+from .candidate import RECOMPUTE, Candidate, Training
+from .cost import StepTime, step_flops, step_time
+from .hardware import GiB, Cluster
+from .memory import Memory, rank_memory
+from .models import ModelSpec
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One candidate with its predictions."""
+
+    cand: Candidate
+    """The layout and its choices."""
+    memory: Memory
+    """Peak bytes on the worst rank."""
+    time: StepTime
+    """Seconds per step by component."""
+    tokens_per_s: float
+    """Training throughput of the whole job."""
+    mfu: float
+    """Model FLOPs (no recompute) per second over the peak of all GPUs."""
+
+
+@dataclass
+class Rejected:
+    """Candidates dropped for one reason; ``example`` is the one closest to working."""
+
+    reason: str
+    """The rule, with numbers blanked so alike rejections group together."""
+    count: int = 0
+    """Candidates dropped for it."""
+    example: str = ""
+    """One of them (``Candidate.describe`` or a shape)."""
+    detail: str = ""
+    """The full message for ``example``."""
+    overflow: float = float("inf")
+    """Bytes over the limit of ``example`` (memory rejections)."""
+
+
+@dataclass
+class SearchResult:
+    """Ranked plans, the rejections, and what the search cost."""
+
+    plans: list[Plan]
+    """Fitting candidates, fastest first (equal at 3 significant figures: least memory)."""
+    rejected: dict[str, Rejected] = field(default_factory=dict)
+    """Rejections grouped by reason."""
+    dominated: int = 0
+    """Fitting candidates not timed because the same candidate with less recompute fits
+    and is at least as fast."""
+    seconds: float = 0.0
+    """Wall time of the search."""
+
+    @property
+    def considered(self) -> int:
+        """Candidates enumerated: fitting, rejected or dominated."""
+        return len(self.plans) + self.dominated + sum(r.count for r in self.rejected.values())
+
+    def reject(self, reason: str, example: str, detail: str, count: int = 1,
+               overflow: float = float("inf")) -> None:
+        key = re.sub(r"\d+(\.\d+)?", "N", reason)
+        group = self.rejected.setdefault(key, Rejected(key))
+        group.count += count
+        if overflow < group.overflow or not group.example:
+            group.example, group.detail, group.overflow = example, detail, overflow
+
+
+@lru_cache(maxsize=1024)
+def divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """What every candidate of one search shares."""
+
+    model: ModelSpec
+    training: Training
+    cluster: Cluster
+    micro_batch: int | None
+    policies: tuple[str, ...]
+    model_flops: float
+
+
+def search(model: ModelSpec, training: Training, cluster: Cluster,
+           micro_batch: int | None = None, recompute: str | None = None,
+           zero: tuple[int, ...] = (0, 1, 2, 3)) -> SearchResult:
+    """Every valid layout of ``model`` on ``cluster``, ranked by predicted step time.
+    ``micro_batch`` / ``recompute`` fix those choices instead of searching them."""
+    start = time.perf_counter()
+    result = SearchResult(plans=[])
+    problem = _Problem(model, training, cluster, micro_batch,
+                       (recompute,) if recompute else RECOMPUTE, step_flops(model, training))
+    for shape in _shapes(problem, result):
+        for cand in _schedules(problem, shape, result):
+            for stage in zero if cand.shard > 1 else (0,):
+                _sweep(problem, replace(cand, zero=stage), result)
+    # The model is not finer than 3 significant figures: within that, less memory wins.
+    result.plans.sort(key=lambda p: (float(f"{p.time.step:.3g}"), p.memory.total))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _shapes(problem: _Problem, result: SearchResult):
+    """(tp, cp, pp, dp) splits of the world that pass ``Layout.check_model``."""
+    n, node = problem.cluster.n_gpus, problem.cluster.node_size
+    batch = problem.training.global_batch
+    for tp in divisors(n):
+        for cp in divisors(n // tp):
+            for pp in divisors(n // (tp * cp)):
+                dp = n // (tp * cp * pp)
+                shape = Candidate(dp, tp, pp, cp, 0, 1, 1)
+                label = f"dp{dp} tp{tp} pp{pp} cp{cp}"
+                if tp > node:
+                    result.reject(f"tp={tp} spans nodes of {node} GPUs", label,
+                                  "tensor parallelism is kept inside a node")
+                elif batch % dp:
+                    result.reject(f"dp={dp} does not divide the global batch", label,
+                                  f"global batch {batch} % dp={dp} != 0")
+                elif _valid(problem, shape, 1, label, result):
+                    yield shape
+
+
+def _valid(problem: _Problem, cand: Candidate, v: int, label: str,
+           result: SearchResult) -> bool:
+    model = problem.model
+    try:
+        cand.layout().check_model(n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
+                                  n_layers=model.n_layers, seq_len=problem.training.seq_len,
+                                  virtual_stages=v)
+    except LayoutError as err:
+        result.reject(str(err).split(";")[0], label, str(err))
+        return False
+    return True
+
+
+def _schedules(problem: _Problem, shape: Candidate, result: SearchResult):
+    """The shape with every pipeline schedule worth timing. GPipe is left out: it has
+    1F1B's bubble and communication and holds more activations, so it never ranks above."""
+    if shape.pp == 1:
+        yield shape
+        return
+    yield replace(shape, schedule="1f1b")
+    for v in divisors(problem.model.n_layers // shape.pp)[1:]:
+        cand = replace(shape, schedule="interleaved", virtual_stages=v)
+        if _valid(problem, cand, v, cand.describe(), result):
+            yield cand
+
+
+def _sweep(problem: _Problem, cand: Candidate, result: SearchResult) -> None:
+    """Every microbatch size and recompute policy of ``cand``. A policy is tried only on
+    the microbatches where less recompute did not fit: where it fits, less recompute is
+    at least as fast (same everything, less compute)."""
+    sizes = ((problem.micro_batch,) if problem.micro_batch
+             else divisors(problem.training.global_batch // cand.dp))
+    if not _states_fit(problem, cand, len(problem.policies) * len(sizes), result):
+        return
+    first = 0
+    for policy in problem.policies:
+        result.dominated += first
+        first = _sweep_microbatch(problem, replace(cand, recompute=policy), sizes, first, result)
+
+
+def _states_fit(problem: _Problem, cand: Candidate, count: int, result: SearchResult) -> bool:
+    """Whether parameters, gradients and optimizer states alone fit (any microbatch)."""
+    probe = replace(cand, micro_batch=1, microbatches=1, recompute="full")
+    memory = rank_memory(problem.model, problem.training, probe)
+    limit = problem.cluster.memory_limit
+    if memory.states <= limit:
+        return True
+    result.reject("model states exceed memory", cand.describe().rsplit(" mb", 1)[0],
+                  f"parameters+gradients+optimizer need {memory.states / GiB:.2f} GiB of "
+                  f"{limit / GiB:.2f} GiB usable", count=count, overflow=memory.states - limit)
+    return False
+
+
+def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...], first: int,
+                      result: SearchResult) -> int:
+    """Evaluate ``cand`` at ``sizes[first:]`` (ascending) until one overflows; returns the
+    index of the first size that did not fit (peak memory never shrinks with the size)."""
+    training, cluster = problem.training, problem.cluster
+    per_replica = training.global_batch // cand.dp
+    for i in range(first, len(sizes)):
+        mb = sizes[i]
+        if per_replica % mb:
+            result.reject("micro batch does not divide the per-replica batch",
+                          cand.describe(), f"{per_replica} sequences per replica % {mb} != 0")
+            return len(sizes)
+        m = per_replica // mb
+        trial = Candidate(cand.dp, cand.tp, cand.pp, cand.cp, cand.zero, mb, m, cand.schedule,
+                          cand.virtual_stages, cand.recompute)
+        if trial.schedule == "interleaved" and m % trial.pp:
+            result.reject("interleaved needs microbatches divisible by pp", trial.describe(),
+                          f"{m} microbatches % pp={trial.pp} != 0 (Megatron's rule)")
+            continue
+        memory = rank_memory(problem.model, training, trial)
+        if memory.total > cluster.memory_limit:
+            result.reject("activations exceed memory", trial.describe(),
+                          _overflow_text(memory, cluster), count=len(sizes) - i,
+                          overflow=memory.total - cluster.memory_limit)
+            return i
+        times = step_time(problem.model, training, cluster, trial)
+        peak = cluster.gpu.peak_flops if training.precision == "bf16" else \
+            cluster.gpu.peak_flops_fp32
+        result.plans.append(Plan(trial, memory, times, training.tokens / times.step,
+                                 problem.model_flops / (times.step * cluster.n_gpus * peak)))
+    return len(sizes)
+
+
+def _overflow_text(memory: Memory, cluster: Cluster) -> str:
+    return (f"needs {memory.total / GiB:.2f} GiB of {cluster.memory_limit / GiB:.2f} GiB "
+            f"usable (states {memory.states / GiB:.1f}, activations "
+            f"{memory.activations / GiB:.1f}, buffers {memory.buffers / GiB:.1f}); "
+            f"larger microbatches need more")

@@ -1,0 +1,128 @@
+"""Planner time model: FLOPs, α-β communication, links, bubble (pure arithmetic)."""
+
+import json
+
+import pytest
+
+from paratrain.plan.candidate import Candidate, Training
+from paratrain.plan.cost import (ORDER, bubble_fraction, megatron_flops, step_flops,
+                                 step_time)
+from paratrain.plan.hardware import (GB, Calibration, CalibrationError, Cluster, gpu_preset,
+                                     load_calibration, local_cluster)
+from paratrain.plan.models import PRESETS, ModelSpec
+
+BLOOM = PRESETS["bloom-176b"]
+
+
+def test_bloom_throughput_from_megatron_formula():
+    # BLOOM-176B: batch 2048 x 2048, full recompute, 104.70 s/iteration on 384 A100s.
+    flops = megatron_flops(2048, 2048, 70, 14336, 250880, full_recompute=True)
+    per_gpu = flops / (384 * 104.70)
+    assert per_gpu / 1e12 == pytest.approx(149.77, rel=0.01)
+
+
+def test_general_flops_match_megatron_for_the_standard_block():
+    training = Training(2048, 2048)
+    full = step_flops(BLOOM, training, "full")
+    assert full == pytest.approx(megatron_flops(2048, 2048, 70, 14336, 250880, True), rel=1e-12)
+    # Megatron's 72 form scales the logits by 3/4 as well; the logits are never recomputed.
+    none = step_flops(BLOOM, training, "none")
+    megatron72 = megatron_flops(2048, 2048, 70, 14336, 250880, False)
+    assert none - megatron72 == pytest.approx(1.5 * 2048 * 2048 * 14336 * 250880, rel=1e-9)
+    assert none == pytest.approx(megatron72, rel=6e-3)  # V/(48lh): 0.5% for BLOOM
+    assert none < step_flops(BLOOM, training, "selective") < full
+
+
+def test_flops_close_to_six_n_per_token():
+    model, training = PRESETS["llama3-8b"], Training(64, 2048)
+    six_n = 6 * model.num_params() * training.tokens
+    assert step_flops(model, training) == pytest.approx(six_n, rel=0.15)
+
+
+def test_bloom_layout_predicts_its_published_step_time():
+    # Not a fit: the presets' constants are set from several public runs; within 20%.
+    cluster = Cluster(gpu_preset("a100-80g"), 384)
+    cand = Candidate(dp=8, tp=4, pp=12, cp=1, zero=1, micro_batch=2, microbatches=128,
+                     schedule="1f1b", recompute="full")
+    # BLOOM split 70 blocks + 2 embedding units into 12 stages of 6: the middle stages
+    # run 6 blocks each, as the stages of a 72-block model do.
+    model = ModelSpec("bloom-72", 72, 14336, 112, 112, 4 * 14336, 250880, tie_embeddings=True,
+                      gated_mlp=False, bias=True, norm="layernorm")
+    assert step_time(model, Training(2048, 2048), cluster, cand).step == pytest.approx(
+        104.70, rel=0.2)
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 8, 1), (8, 32, 1), (8, 32, 4), (2, 1, 1)])
+def test_bubble_share_of_the_step_equals_the_formula(p, m, v):
+    model = ModelSpec("m", 32, 1024, 16, 16, 4096, 32000)
+    cluster = Cluster(gpu_preset("h100-80g"), p)
+    cand = Candidate(1, 1, p, 1, 0, 1, m, "interleaved" if v > 1 else "1f1b", v)
+    t = step_time(model, Training(m, 1024), cluster, cand)
+    busy = t.step - t.bubble - t.dp - t.optimizer
+    assert t.bubble / (t.bubble + busy) == pytest.approx(bubble_fraction(p, m, v))
+    assert bubble_fraction(p, m, v) == (p - 1) / (v * m + p - 1)
+
+
+def test_tp_all_reduce_is_the_ring_formula():
+    model = ModelSpec("m", 4, 4096, 32, 32, 16384, 32000)
+    training = Training(8, 2048)
+    gpu = gpu_preset("h100-80g")
+    cluster = Cluster(gpu, 8)
+    cand = Candidate(1, 8, 1, 1, 0, 1, 8)
+    nbytes = 2048 * 4096 * 2
+    ring = 2 * 7 * gpu.nvlink_alpha + 2 * 7 / 8 * nbytes / gpu.nvlink_bw
+    collectives = 4 * model.n_layers + 1  # 2 forward + 2 backward per block, + the head's
+    assert step_time(model, training, cluster, cand).tp == pytest.approx(8 * collectives * ring)
+
+
+def test_links_follow_rank_order():
+    cluster = Cluster(gpu_preset("h100-80g"), 64, gpus_per_node=8)
+    sizes = {"tp": 4, "cp": 2, "pp": 2, "dp": 4}
+    assert cluster.link(sizes, ORDER, ("tp",)).kind == "nvlink"
+    assert cluster.link(sizes, ORDER, ("cp",)).kind == "nvlink"  # 4 x 2 = 8 fits a node
+    pp = cluster.link(sizes, ORDER, ("pp",), p2p=True)
+    assert (pp.kind, pp.bw) == ("network", 45 * GB)  # one NIC per hop
+    dp = cluster.link({"tp": 2, "cp": 1, "pp": 1, "dp": 32}, ORDER, ("cp", "dp"))
+    assert (dp.kind, dp.bw) == ("network", 4 * 45 * GB)  # 4 members per node, 4 NICs
+    assert Cluster(gpu_preset("h100-80g"), 8).link({"tp": 3, "cp": 1, "pp": 1, "dp": 1},
+                                                   ORDER, ("tp",)).kind == "network"
+
+
+def test_overrides_change_the_links():
+    cluster = Cluster(gpu_preset("a100-80g"), 16, intra_bw=100 * GB, inter_bw=10 * GB)
+    sizes = {"tp": 8, "cp": 1, "pp": 1, "dp": 2}
+    assert cluster.link(sizes, ORDER, ("tp",)).bw == 100 * GB
+    assert cluster.link(sizes, ORDER, ("dp",)).bw == 10 * GB
+
+
+def test_dp_overlap_hides_gradient_reduction_behind_backward():
+    model, training = PRESETS["llama3-8b"], Training(256, 4096)
+    fast = Cluster(gpu_preset("h100-80g"), 64)
+    slow = Cluster(gpu_preset("h100-80g"), 64, inter_bw=1 * GB)
+    cand = Candidate(64, 1, 1, 1, 1, 1, 4)
+    hidden, exposed = step_time(model, training, fast, cand), step_time(model, training, slow, cand)
+    assert hidden.dp < 0.02 * hidden.step
+    assert exposed.dp > 10 * hidden.dp
+
+
+def test_cluster_validation_and_presets():
+    with pytest.raises(ValueError, match="whole nodes"):
+        Cluster(gpu_preset("h100-80g"), 12, gpus_per_node=8)
+    with pytest.raises(ValueError, match="a100-40g"):
+        gpu_preset("v100")
+    assert gpu_preset("H200").memory > gpu_preset("h100-80g").memory
+
+
+def test_calibration_file(tmp_path):
+    with pytest.raises(CalibrationError, match="--calibrate"):
+        load_calibration(tmp_path / "missing.json")
+    cal = Calibration({"fp32": 50e9}, cores=2, alpha=20e-6, beta=0.8e9, memory=8 * 2**30)
+    path = tmp_path / "cal.json"
+    path.write_text(cal.to_json())
+    assert load_calibration(path) == cal
+    cluster = local_cluster(4, cal)
+    assert cluster.gpu.peak_flops_fp32 == 25e9  # 4 processes share 2 cores
+    assert cluster.link({"tp": 2, "cp": 1, "pp": 1, "dp": 2}, ORDER, ("dp",)).bw == 0.8e9
+    path.write_text(json.dumps({**json.loads(cal.to_json()), "extra": 1}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_calibration(path)

@@ -1,0 +1,132 @@
+"""Planner memory model against the ZeRO paper and Korthikanti et al. (pure arithmetic)."""
+
+from decimal import ROUND_HALF_UP, Decimal
+
+import pytest
+
+from paratrain.plan.candidate import Candidate, Training
+from paratrain.plan.memory import (bytes_per_param, inflight_microbatches,
+                                   korthikanti_layer_bytes, layer_activation_bytes,
+                                   model_state_bytes, rank_memory)
+from paratrain.plan.models import PRESETS, ModelSpec
+
+# ZeRO paper (Rajbhandari et al. 2020) Table 1, 7.5B column, in GB:
+# N_d -> (P_os, P_os+g, P_os+g+p) as printed; the baseline is 120 GB at every N_d.
+ZERO_TABLE_7B5 = {
+    1: ("120", "120", "120"),
+    4: ("52.5", "41.3", "30"),
+    16: ("35.6", "21.6", "7.5"),
+    64: ("31.4", "16.6", "1.88"),
+    256: ("30.4", "15.4", "0.47"),
+    1024: ("30.1", "15.1", "0.12"),
+}
+
+
+def _printed(value_gb: float, printed: str) -> bool:
+    """Whether ``value_gb`` prints as ``printed`` (rounding half up, as the paper does)."""
+    step = Decimal(1).scaleb(Decimal(printed).as_tuple().exponent)
+    return Decimal(repr(value_gb)).quantize(step, ROUND_HALF_UP) == Decimal(printed)
+
+
+@pytest.mark.parametrize("n", sorted(ZERO_TABLE_7B5))
+def test_zero_table_1_reproduced_to_printed_precision(n):
+    psi = 7.5e9
+    assert sum(model_state_bytes(psi, n, 0)) / 1e9 == 120
+    for stage, printed in zip((1, 2, 3), ZERO_TABLE_7B5[n]):
+        assert _printed(sum(model_state_bytes(psi, n, stage)) / 1e9, printed), (n, stage)
+
+
+@pytest.mark.parametrize("n,expected", [(4, (896, 704, 512)), (16, (608, 368, 128)),
+                                        (64, (536, 284, 32)), (256, (518, 263, 8))])
+def test_zero_table_1_128b_column(n, expected):
+    got = [sum(model_state_bytes(128e9, n, s)) / 1e9 for s in (1, 2, 3)]
+    assert got == pytest.approx(expected, abs=0.5)
+
+
+def test_bytes_per_param():
+    assert sum(bytes_per_param("bf16", "adam")) == 16  # 2 + 2 + 12
+    assert sum(bytes_per_param("fp32", "adam")) == 16  # 4 + 4 + 8
+    assert bytes_per_param("bf16", "sgd") == (2, 2, 8)
+    assert bytes_per_param("fp32", "sgd") == (4, 4, 4)
+
+
+# A standard GPT block: the one Korthikanti et al. count (GELU MLP 4h, dropout, MHA).
+GPT_BLOCK = ModelSpec("gpt", 96, 12288, 96, 96, 4 * 12288, 51200, dropout=True,
+                      gated_mlp=False, bias=True, norm="layernorm")
+
+
+def test_korthikanti_published_forms():
+    s, b, h, a = 2048, 1, 12288, 96
+    sbh = s * b * h
+    assert korthikanti_layer_bytes(s, b, h, a) == sbh * (34 + 5 * a * s / h)
+    assert korthikanti_layer_bytes(s, b, h, a, t=8) == sbh * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert korthikanti_layer_bytes(s, b, h, a, t=8, sp=True) == pytest.approx(
+        sbh * (34 / 8 + 5 * a * s / (h * 8)))
+    assert korthikanti_layer_bytes(s, b, h, a, t=8, sp=True, recompute="selective") == \
+        pytest.approx(sbh * 34 / 8)
+    assert korthikanti_layer_bytes(s, b, h, a, recompute="full") == 2 * sbh
+    # GPT-3 175B, one sequence, no parallelism: 114 bytes per token and hidden unit.
+    assert korthikanti_layer_bytes(s, b, h, a) == pytest.approx(2048 * 12288 * 114)
+
+
+@pytest.mark.parametrize("t,sp", [(1, False), (2, False), (8, False), (2, True), (8, True)])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_general_activation_count_reduces_to_korthikanti(t, sp, recompute):
+    s, b = 2048, 2
+    ours = layer_activation_bytes(GPT_BLOCK, s, b, t, sp, recompute, elem=2)
+    assert ours == pytest.approx(korthikanti_layer_bytes(s, b, GPT_BLOCK.d_model,
+                                                         GPT_BLOCK.n_heads, t, sp, recompute))
+
+
+def test_grouped_kv_and_no_dropout_store_less():
+    llama = PRESETS["llama3-70b"]
+    mha = ModelSpec("mha", 80, 8192, 64, 64, 28672, 128256)
+    assert layer_activation_bytes(llama, 4096, 1, 8, True, "none") < \
+        layer_activation_bytes(mha, 4096, 1, 8, True, "none")
+    assert layer_activation_bytes(llama, 4096, 1, 1, False, "none", elem=4) > \
+        layer_activation_bytes(llama, 4096, 1, 1, False, "none", elem=2)
+
+
+def test_inflight_microbatches():
+    assert inflight_microbatches("gpipe", 4, 16) == 16
+    assert inflight_microbatches("1f1b", 4, 16) == 4
+    assert inflight_microbatches("1f1b", 4, 16, stage=3) == 1
+    assert inflight_microbatches("1f1b", 4, 2) == 2
+    assert inflight_microbatches("1f1b", 1, 16) == 1  # no pipeline: accumulation only
+    # Korthikanti: interleaving multiplies stage 0's memory by 1 + (p - 1)/(p v).
+    p, v = 8, 4
+    assert inflight_microbatches("interleaved", p, 64, v) / p == pytest.approx(
+        1 + (p - 1) / (p * v))
+
+
+def test_rank_memory_model_states_follow_zero_and_sharding():
+    model = PRESETS["llama3-8b"]
+    training = Training(64, 4096)
+    base = Candidate(dp=8, tp=1, pp=1, cp=1, zero=0, micro_batch=1, microbatches=8)
+    psi = model.num_params()
+    mem = rank_memory(model, training, base)
+    assert (mem.params, mem.grads, mem.optimizer) == (2 * psi, 2 * psi, 12 * psi)
+    for zero in (1, 2, 3):
+        m = rank_memory(model, training, Candidate(8, 1, 1, 1, zero, 1, 8))
+        assert (m.params, m.grads, m.optimizer) == model_state_bytes(psi, 8, zero)
+    # TP and PP shard the parameters; the worst stage holds the embedding or the head.
+    tp_pp = rank_memory(model, training, Candidate(2, 2, 2, 1, 0, 1, 32))
+    assert tp_pp.params == 2 * model.stage_params(2, 2, tp_pp.stage)
+    assert tp_pp.params < mem.params / 3.5
+
+
+def test_stage_params_add_up():
+    for name in ("llama3-8b", "gpt3-175b"):
+        model = PRESETS[name]
+        stages = sum(model.stage_params(1, 4, s) for s in range(4))
+        tied_copy = model.vocab_size * model.d_model if model.tie_embeddings else 0
+        assert stages == model.num_params() + tied_copy
+
+
+def test_full_recompute_and_cp_shrink_activations():
+    model, training = PRESETS["llama3-70b"], Training(64, 8192)
+    none = rank_memory(model, training, Candidate(8, 8, 1, 1, 1, 1, 8, recompute="none"))
+    full = rank_memory(model, training, Candidate(8, 8, 1, 1, 1, 1, 8, recompute="full"))
+    cp = rank_memory(model, training, Candidate(4, 8, 1, 2, 1, 1, 16, recompute="none"))
+    assert full.activations < none.activations / 10
+    assert cp.activations < none.activations / 2  # the s^2 scores shrink 4x, the rest 2x
