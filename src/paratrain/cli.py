@@ -93,19 +93,15 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    try:
-        from .bench import comm
-    except ImportError:  # TODO(session): remove once bench/comm.py lands
-        return
+    from .bench import comm
+
     p = sub.add_parser("bench", help="measure collectives and strategies")
     comm.add_parser(p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK"))
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    try:
-        from .plan import cli as plan_cli
-    except ImportError:  # the planner is optional until it lands
-        return
+    from .plan import cli as plan_cli
+
     plan_cli.add_parser(sub)
 
 

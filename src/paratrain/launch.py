@@ -98,8 +98,10 @@ def _worker(local_rank: int, fn: Callable, args: tuple, init_method: str, world:
     except BaseException:
         # Record when this rank failed: the first failure is the cause, the ranks that
         # fail after it usually just lost their peer.
-        with open(os.path.join(result_dir, f"error{local_rank}.txt"), "w") as f:
+        path = os.path.join(result_dir, f"error{local_rank}.txt")
+        with open(path + ".tmp", "w") as f:
             f.write(f"{time.time()}\n{traceback.format_exc()}")
+        os.replace(path + ".tmp", path)  # atomic: the launcher may kill us mid-write
         raise
     finally:
         if dist.is_initialized():
@@ -159,7 +161,7 @@ def _first_failure(workdir: str) -> str | None:
     """The traceback of the rank that failed first, naming the ranks that followed."""
     failures = []
     for name in os.listdir(workdir):
-        if name.startswith("error"):
+        if name.startswith("error") and name.endswith(".txt"):
             with open(os.path.join(workdir, name)) as f:
                 when, _, tb = f.read().partition("\n")
             failures.append((float(when), int(name[5:-4]), tb))

@@ -117,9 +117,6 @@ class StepTime:
     def step(self) -> float:
         return self.compute + self.bubble + self.tp + self.cp + self.pp + self.dp + self.optimizer
 
-    def comm(self) -> dict[str, float]:
-        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp}
-
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     """Idle fraction of a pipeline step: (p - 1)/(v·m + p - 1)."""
@@ -135,7 +132,9 @@ class _Micro:
     """Per-microbatch times of the slowest (last) stage."""
 
     fwd: float
+    """Forward of the stage's blocks and the logits."""
     bwd: float
+    """Backward, plus whatever recompute repeats."""
     attention: float
     """Forward attention-core time of one block (what CP's exchange overlaps)."""
 
@@ -165,8 +164,9 @@ def step_time(model: ModelSpec, training: Training, cluster: Cluster,
     """Predicted time of one optimizer step of ``cand`` (see the module docstring)."""
     micro = _micro_compute(model, training, cluster, cand.tp, cand.cp, cand.pp,
                            cand.micro_batch, cand.recompute)
-    tp, cp, pp = (_tp_time(model, training, cluster, cand), _cp_time(model, training, cluster,
-                  cand, micro), _pp_time(model, training, cluster, cand))
+    tp = _tp_time(model, training, cluster, cand)
+    cp = _cp_time(model, training, cluster, cand, micro)
+    pp = _pp_time(model, training, cluster, cand)
     m, p, v = cand.microbatches, cand.pp, cand.virtual_stages
     per_micro = micro.fwd + micro.bwd + tp + cp + pp
     bubble = (p - 1) / v * per_micro

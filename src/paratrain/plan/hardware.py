@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -234,7 +234,3 @@ def local_cluster(n_procs: int, calibration: Calibration) -> Cluster:
     )
     return Cluster(cpu, n_procs, gpus_per_node=n_procs, usable_memory=1.0, kind="local")
 
-
-def with_overrides(cluster: Cluster, **changes) -> Cluster:
-    """A copy of ``cluster`` with some fields replaced (None leaves a field alone)."""
-    return replace(cluster, **{k: v for k, v in changes.items() if v is not None})

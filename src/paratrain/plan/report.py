@@ -84,13 +84,12 @@ def _deltas(plan: Plan, other: Plan) -> str:
 
 def _versus(plan: Plan, other: Plan, what: str) -> str:
     slower = other.time.step / plan.time.step - 1
+    name = (f"{what}: {layout_label(other)}, mb {other.cand.micro_batch}, recompute "
+            f"{other.cand.recompute}: {other.time.step:.3g} s ({slower:+.1%})")
     if slower < 0.005:
-        return (f"{what}: {layout_label(other)}, mb {other.cand.micro_batch}, recompute "
-                f"{other.cand.recompute}: {other.time.step:.3g} s, a tie within the model "
-                f"({slower:+.1%}); listed after #1 for {_deltas(plan, other).split('; ')[-1]}")
-    return (f"{what}: {layout_label(other)}, mb {other.cand.micro_batch}, recompute "
-            f"{other.cand.recompute}: {other.time.step:.3g} s ({slower:+.1%}): "
-            f"{_deltas(plan, other)}")
+        memory = (other.memory.total - plan.memory.total) / GiB
+        return f"{name}, a tie within the model's precision; memory {memory:+.1f} GiB"
+    return f"{name}: {_deltas(plan, other)}"
 
 
 def explain(result: SearchResult, cluster: Cluster) -> str:
@@ -117,9 +116,11 @@ def explain(result: SearchResult, cluster: Cluster) -> str:
         mine = getattr(best.cand, knob)
         other = next((p for p in result.plans if getattr(p.cand, knob) != mine), None)
         if other is None:
-            lines.append(f"  {knob} other than {mine}: nothing fits (see --show-rejected)")
+            lines.append(f"  every ranked plan has {knob}={mine}: the others are invalid, "
+                         f"do not fit, or are never faster")
         else:
-            lines.append("  " + _versus(best, other, f"best with {knob}={getattr(other.cand, knob)}"))
+            what = f"best with {knob}={getattr(other.cand, knob)}"
+            lines.append("  " + _versus(best, other, what))
     return "\n".join(lines)
 
 

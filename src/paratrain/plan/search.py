@@ -102,18 +102,25 @@ class _Problem:
     """What every candidate of one search shares."""
 
     model: ModelSpec
+    """The model being planned."""
     training: Training
+    """Batch, sequence, precision, optimizer."""
     cluster: Cluster
+    """Where it runs."""
     micro_batch: int | None
+    """A fixed microbatch size, or None to search them."""
     policies: tuple[str, ...]
+    """Recompute policies to try, least recompute first."""
     model_flops: float
+    """FLOPs of one step without recompute (for MFU)."""
 
 
 def search(model: ModelSpec, training: Training, cluster: Cluster,
            micro_batch: int | None = None, recompute: str | None = None,
            zero: tuple[int, ...] = (0, 1, 2, 3)) -> SearchResult:
     """Every valid layout of ``model`` on ``cluster``, ranked by predicted step time.
-    ``micro_batch`` / ``recompute`` fix those choices instead of searching them."""
+    ``micro_batch`` / ``recompute`` fix those choices instead of searching them; ``zero``
+    lists the ZeRO stages to consider."""
     start = time.perf_counter()
     result = SearchResult(plans=[])
     problem = _Problem(model, training, cluster, micro_batch,

@@ -104,7 +104,7 @@ class OptimConfig:
 class TrainConfig:
     """The loop."""
 
-    steps: int = 150
+    steps: int = 200
     """Optimizer steps."""
     global_batch: int = 16
     """Sequences per optimizer step, over all data-parallel ranks."""

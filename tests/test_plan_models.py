@@ -1,0 +1,111 @@
+"""Planner model shapes: presets, Hugging Face config.json, TOML (pure, no torch needed)."""
+
+import json
+
+import pytest
+
+from paratrain.plan.models import PRESETS, from_gpt_config, load_model
+
+
+@pytest.mark.parametrize("name,billions", [("llama3-8b", 8.03), ("llama3-70b", 70.55),
+                                           ("llama3-405b", 405.85), ("gpt3-175b", 174.6),
+                                           ("bloom-176b", 176.25)])
+def test_preset_parameter_counts(name, billions):
+    assert PRESETS[name].num_params() / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_paratrain_presets_match_gpt_config():
+    gpt = pytest.importorskip("paratrain.models.gpt")
+    for name, cfg in gpt.PRESETS.items():
+        spec = load_model(name)
+        assert spec.num_params() == cfg.num_params()
+        assert from_gpt_config(cfg, name) == spec
+
+
+LLAMA3_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 8192,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "vocab_size": 128256,
+}
+GPT2_CONFIG = {"model_type": "gpt2", "activation_function": "gelu_new", "n_ctx": 1024,
+               "n_embd": 768, "n_head": 12, "n_inner": None, "n_layer": 12,
+               "n_positions": 1024, "resid_pdrop": 0.1, "vocab_size": 50257}
+NEOX_CONFIG = {"model_type": "gpt_neox", "hidden_act": "gelu", "hidden_size": 512,
+               "intermediate_size": 2048, "max_position_embeddings": 2048,
+               "num_attention_heads": 8, "num_hidden_layers": 6, "vocab_size": 50304,
+               "tie_word_embeddings": False}
+
+
+def _write(tmp_path, name, data):
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(data))
+    return path
+
+
+def test_hf_llama_config_equals_the_preset(tmp_path):
+    spec = load_model(str(_write(tmp_path, "llama", LLAMA3_8B_CONFIG) / "config.json"))
+    assert spec.num_params() == PRESETS["llama3-8b"].num_params()
+    assert spec.gated_mlp and spec.n_kv_heads == 8 and spec.max_seq_len == 8192
+
+
+def test_hf_gpt2_config_counts_gpt2_small(tmp_path):
+    spec = load_model(str(_write(tmp_path, "gpt2", GPT2_CONFIG)))  # a directory works too
+    assert spec.num_params() == 124_439_808  # GPT-2 small as Hugging Face counts it
+    assert spec.tie_embeddings and spec.learned_pos and spec.dropout and not spec.gated_mlp
+    assert spec.ffn_hidden == 4 * 768
+
+
+def test_hf_neox_config(tmp_path):
+    spec = load_model(str(_write(tmp_path, "neox", NEOX_CONFIG)))
+    assert spec.norm == "layernorm" and spec.bias and not spec.tie_embeddings
+    assert spec.n_kv_heads == 8 and spec.ffn_hidden == 2048
+
+
+def test_hf_config_missing_field(tmp_path):
+    path = _write(tmp_path, "bad", {"hidden_size": 64, "vocab_size": 10})
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        load_model(str(path))
+
+
+def test_toml_model_config(tmp_path):
+    path = tmp_path / "model.toml"
+    path.write_text("[model]\nd_model = 64\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\n"
+                    "ffn_hidden = 128\nmax_seq_len = 64\nrope_theta = 10000.0\n"
+                    "[train]\nseq_len = 64\n")
+    spec = load_model(str(path))
+    assert (spec.d_model, spec.n_layers, spec.n_kv_heads, spec.vocab_size) == (64, 2, 2, 256)
+    assert spec.num_params() == 106_816  # paratrain's tiny GPT
+
+
+def test_toml_defaults_follow_gpt_config(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text("d_model = 192\nn_layers = 6\nn_heads = 6\n")
+    spec = load_model(str(path))
+    assert spec.n_kv_heads == 6 and spec.ffn_hidden == 512  # 8/3 * 192 rounded up to 32
+
+
+def test_toml_unknown_field(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text("[model]\nd_model = 64\nn_layers = 2\nn_heads = 4\nwidth = 3\n")
+    with pytest.raises(ValueError, match="unknown model fields \\['width'\\]"):
+        load_model(str(path))
+
+
+def test_unknown_preset_and_missing_files(tmp_path):
+    with pytest.raises(ValueError, match="llama3-70b.*tiny"):
+        load_model("llama-7")
+    with pytest.raises(FileNotFoundError):
+        load_model(str(tmp_path / "none.toml"))
+    with pytest.raises(FileNotFoundError):
+        load_model(str(tmp_path / "none.json"))
+
+
+def test_bad_shapes_are_refused():
+    from paratrain.plan.models import ModelSpec
+    with pytest.raises(ValueError, match="divisible"):
+        ModelSpec("x", 2, 100, 3, 3, 400, 10)
+    with pytest.raises(ValueError, match="multiple"):
+        ModelSpec("x", 2, 96, 6, 4, 400, 10)

@@ -1,0 +1,91 @@
+"""Planner search: validity of every ranked layout, pruning, speed (pure arithmetic)."""
+
+import time
+
+import pytest
+
+from paratrain.plan.candidate import Training
+from paratrain.plan.hardware import Cluster, gpu_preset
+from paratrain.plan.models import PRESETS, ModelSpec
+from paratrain.plan.search import search
+
+
+def _assert_valid(result, model, training, cluster):
+    for plan in result.plans:
+        c = plan.cand
+        assert c.n_gpus == cluster.n_gpus
+        assert c.tp <= cluster.node_size
+        assert training.global_batch == c.dp * c.micro_batch * c.microbatches
+        c.layout().check_model(n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
+                               n_layers=model.n_layers, seq_len=training.seq_len,
+                               virtual_stages=c.virtual_stages)
+        assert plan.memory.total <= cluster.memory_limit
+        if c.schedule == "interleaved":
+            assert c.microbatches % c.pp == 0 and c.virtual_stages > 1
+        if c.shard == 1:
+            assert c.zero == 0
+
+
+def test_405b_on_16384_gpus_under_5_seconds():
+    model, training = PRESETS["llama3-405b"], Training(2048, 8192)
+    cluster = Cluster(gpu_preset("h100-80g"), 16384)
+    start = time.perf_counter()
+    result = search(model, training, cluster)
+    assert time.perf_counter() - start < 5
+    assert result.plans
+    _assert_valid(result, model, training, cluster)
+    steps = [p.time.step for p in result.plans]
+    assert steps[0] == min(steps)
+    assert 0.2 < result.plans[0].mfu < 0.5
+    reasons = " | ".join(result.rejected)
+    assert "model states exceed memory" in reasons and "activations exceed memory" in reasons
+
+
+def test_ranked_plans_are_valid_and_sorted():
+    model, training = PRESETS["llama3-8b"], Training(128, 4096)
+    cluster = Cluster(gpu_preset("a100-40g"), 32)
+    result = search(model, training, cluster)
+    _assert_valid(result, model, training, cluster)
+    keys = [float(f"{p.time.step:.3g}") for p in result.plans]
+    assert keys == sorted(keys)
+    assert result.considered == len(result.plans) + result.dominated + sum(
+        r.count for r in result.rejected.values())
+
+
+def test_small_model_on_one_node_prefers_data_parallelism():
+    model, training = PRESETS["llama3-8b"], Training(64, 2048)
+    best = search(model, training, Cluster(gpu_preset("h200"), 8)).plans[0].cand
+    assert best.tp == 1 and best.pp == 1
+
+
+def test_fixed_choices_are_respected():
+    model, training = PRESETS["llama3-8b"], Training(64, 4096)
+    result = search(model, training, Cluster(gpu_preset("h100-80g"), 16),
+                    micro_batch=2, recompute="full")
+    assert result.plans
+    assert {(p.cand.micro_batch, p.cand.recompute) for p in result.plans} == {(2, "full")}
+
+
+def test_nothing_fits_reports_why():
+    model, training = PRESETS["llama3-405b"], Training(64, 8192)
+    result = search(model, training, Cluster(gpu_preset("a100-40g"), 8))
+    assert not result.plans
+    states = result.rejected["model states exceed memory"]
+    assert states.count > 0 and "GiB" in states.detail
+
+
+def test_layout_rules_reject_with_the_layout_message():
+    model, training = PRESETS["bloom-176b"], Training(2048, 2048)
+    result = search(model, training, Cluster(gpu_preset("a100-80g"), 384))
+    assert not result.plans  # 70 layers and 112 heads leave no even split of 384 GPUs
+    assert any("layers cannot be split" in r for r in result.rejected)
+    assert any("spans nodes" in r for r in result.rejected)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_small_model_on_a_few_gpus(gpus):
+    model, training = ModelSpec("small", 6, 192, 6, 2, 512, 256, 128), Training(16, 128)
+    cluster = Cluster(gpu_preset("h100-80g"), gpus)
+    result = search(model, training, cluster)
+    assert result.plans
+    _assert_valid(result, model, training, cluster)
