@@ -1,0 +1,191 @@
+"""Megatron's paired communication operators, as autograd functions.
+
+Tensor parallelism needs a collective wherever a replicated activation meets a sharded
+weight or a partial result must become whole again; every such collective has a
+*conjugate* in backward (Shoeybi et al. 2019, "f" and "g"; Korthikanti et al. 2022 for the
+sequence-parallel pair):
+
+=============================  ==========================  ==========================
+operator                       forward                     backward
+=============================  ==========================  ==========================
+copy_to_tp_region (f)          identity                    all-reduce
+reduce_from_tp_region (g)      all-reduce                  identity
+scatter_to_sequence_region     keep own sequence chunk     all-gather along sequence
+gather_from_sequence_region    all-gather along sequence   reduce-scatter along sequence
+reduce_scatter_to_sequence_    reduce-scatter along seq.   all-gather along sequence
+region
+=============================  ==========================  ==========================
+
+Activations are (batch, seq, hidden); the sequence is dim 1. The collectives in
+``collectives.py`` work on dim 0, so the sequence operators move dim 1 to the front,
+communicate contiguous memory, and move it back. Each operator takes its tensor-parallel
+group explicitly; a group of one rank makes every operator an identity.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed import ProcessGroup
+
+from . import collectives as C
+
+SEQ_DIM = 1
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    out = x.contiguous().clone() if C.size(group) > 1 else x
+    C.all_reduce(out, group)
+    return out
+
+
+def _gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """(b, s/t, h) on each rank -> (b, s, h), rank i's chunk at position i."""
+    t = C.size(group)
+    if t == 1:
+        return x
+    front = x.transpose(0, SEQ_DIM).contiguous()
+    out = front.new_empty((front.shape[0] * t, *front.shape[1:]))
+    C.all_gather(out, front, group)
+    return out.transpose(0, SEQ_DIM)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """(b, s, h) partial sums on each rank -> (b, s/t, h) of the full sum, chunk i on rank i."""
+    t = C.size(group)
+    if t == 1:
+        return x
+    _check_divisible(x.shape[SEQ_DIM], t)
+    front = x.transpose(0, SEQ_DIM).contiguous()
+    out = front.new_empty((front.shape[0] // t, *front.shape[1:]))
+    C.reduce_scatter(out, front, group)
+    return out.transpose(0, SEQ_DIM)
+
+
+def _split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """This rank's chunk of the sequence (no communication)."""
+    t = C.size(group)
+    if t == 1:
+        return x
+    _check_divisible(x.shape[SEQ_DIM], t)
+    return x.chunk(t, dim=SEQ_DIM)[C.rank(group)].contiguous()
+
+
+def _check_divisible(seq: int, t: int) -> None:
+    if seq % t:
+        raise ValueError(f"sequence length {seq} is not divisible by the tensor-parallel size {t}; "
+                         f"sequence parallelism shards the sequence evenly: use a sequence length "
+                         f"that is a multiple of {t}, or turn sequence parallelism off")
+
+
+class CopyToTPRegion(torch.autograd.Function):
+    """f: enter a tensor-parallel region with a replicated activation.
+
+    Forward: identity (every rank already holds the full input).
+    Backward: all-reduce, because each rank's sharded weights produced only a partial
+    gradient of the input.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromTPRegion(torch.autograd.Function):
+    """g: leave a tensor-parallel region whose ranks hold partial sums.
+
+    Forward: all-reduce, so every rank holds the full output.
+    Backward: identity (the output's gradient is already replicated).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class ScatterToSequenceRegion(torch.autograd.Function):
+    """Split a replicated (b, s, h) activation into sequence shards.
+
+    Forward: keep this rank's chunk of the sequence, no communication.
+    Backward: all-gather the chunks' gradients into the full sequence.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_seq(grad, ctx.group), None
+
+
+class GatherFromSequenceRegion(torch.autograd.Function):
+    """g-bar in Megatron-SP: sequence shards in, full sequence out, before a
+    column-parallel layer.
+
+    Forward: all-gather along the sequence.
+    Backward: reduce-scatter along the sequence: the column-parallel layer after it gives
+    each rank a partial gradient of the whole sequence; each rank keeps the sum for its
+    own chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class ReduceScatterToSequenceRegion(torch.autograd.Function):
+    """g in Megatron-SP: partial sums of the full sequence in, summed sequence shards out,
+    after a row-parallel layer (replaces the all-reduce of plain tensor parallelism).
+
+    Forward: reduce-scatter along the sequence.
+    Backward: all-gather along the sequence.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_seq(grad, ctx.group), None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """f: identity forward, all-reduce backward."""
+    return CopyToTPRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """g: all-reduce forward, identity backward."""
+    return ReduceFromTPRegion.apply(x, group)
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Keep own sequence chunk forward, all-gather backward."""
+    return ScatterToSequenceRegion.apply(x, group)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-gather along the sequence forward, reduce-scatter backward."""
+    return GatherFromSequenceRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Reduce-scatter along the sequence forward, all-gather backward."""
+    return ReduceScatterToSequenceRegion.apply(x, group)
