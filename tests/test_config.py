@@ -35,7 +35,7 @@ def test_every_field_is_a_flag():
 
 @pytest.mark.parametrize("overrides, words", [
     ({"tp": 2}, "tensor parallelism is not implemented"),
-    ({"zero": 1}, "ZeRO sharding is not implemented"),
+    ({"zero": 1, "tie_embeddings": True}, "cannot shard tied embeddings"),
     ({"sp": True}, "sequence parallelism is not implemented"),
     ({"dp": 3, "nproc": 4}, "nproc=4 but dp"),
     ({"global_batch": 10, "dp": 4}, "not divisible by dp=4"),

@@ -24,15 +24,15 @@ def fail_mid_step(cfg):
     gradient all-reduce, which can then never complete."""
     run = loop.build(cfg, Mesh.build(cfg.layout))
     if dist.get_rank() == 1:
-        forward = run.dp_model.forward
+        forward = run.engine.forward
 
         def broken(*args, **kwargs):
             loss = forward(*args, **kwargs)
-            if run.optimizer.state:  # past the first step
+            if run.engine.optimizer.state:  # past the first step
                 raise FloatingPointError("injected: loss became nan on rank 1")
             return loss
 
-        run.dp_model.forward = broken
+        run.engine.forward = broken
     for step in range(3):
         loop.train_step(run, step)
 

@@ -1,24 +1,33 @@
 """Turn a plain model into a parallel one, in a fixed order.
 
-The order is the one every strategy of paratrain composes in:
+The order every strategy composes in:
 TP/SP -> CP -> pipeline split -> activation checkpointing -> ZeRO/DDP wrapping.
-This version implements the last step (data parallelism over the dp x cp group); the
-others are rejected up front by ``Config.validate``.
+This version implements the last step (data parallelism, plain or ZeRO, over the dp x cp
+group); the others are rejected up front by ``Config.validate``.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .mesh import Mesh
 from .parallel.data import DataParallel
+from .parallel.engine import ReplicatedEngine
+from .parallel.zero import ZeroDataParallel
 from .train.config import Config
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
-    """Wrap ``model`` (already on ``mesh.device``) for the layout in ``cfg``.
+def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
+    """Wrap ``model`` (already on ``mesh.device``) for the layout in ``cfg``; returns an
+    engine (see parallel/engine.py) that owns the optimizer too.
 
     Gradients are averaged over dp x cp: context-parallel ranks hold the same weights but
     see different tokens, exactly like data-parallel replicas.
     """
-    return DataParallel(model, mesh.group("dp-cp"), bucket_mb=cfg.parallel.bucket_mb)
+    group = mesh.group("dp-cp")
+    if cfg.parallel.zero:
+        dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+        return ZeroDataParallel(model, group, cfg.parallel.zero, cfg.optim,
+                                param_dtype=dtype, offload=cfg.parallel.offload)
+    return ReplicatedEngine(DataParallel(model, group, bucket_mb=cfg.parallel.bucket_mb), cfg.optim)

@@ -43,7 +43,9 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel ranks."""
     zero: int = 0
-    """ZeRO stage on the data-parallel axis (0, 1, 2, 3)."""
+    """ZeRO stage on the data-parallel axis: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters)."""
+    offload: bool = False
+    """ZeRO: keep optimizer state (fp32 masters, Adam moments) in CPU memory (GPU runs only)."""
     sp: bool = False
     """Megatron sequence parallelism on the tensor-parallel axis."""
     cp_method: str = "ring"
@@ -89,7 +91,7 @@ class OptimConfig:
     warmup_steps: int = 20
     """Steps of linear warm-up from 0 to lr."""
     weight_decay: float = 0.1
-    """Decoupled weight decay (matrices only; norms and embeddings are not decayed)."""
+    """Decoupled weight decay on matrices (embeddings included); norm weights are not decayed."""
     beta1: float = 0.9
     """Adam first-moment decay."""
     beta2: float = 0.95
@@ -133,8 +135,7 @@ CHOICES = {"cp_method": ("ring", "ulysses"), "schedule": ("gpipe", "1f1b", "inte
 # Strategies whose code has not landed: rejected up front, never silently ignored.
 # Each maps to (what it is, the value that means "off").
 NOT_YET = {"tp": ("tensor parallelism", 1), "pp": ("pipeline parallelism", 1),
-           "cp": ("context parallelism", 1), "zero": ("ZeRO sharding", 0),
-           "sp": ("sequence parallelism", False)}
+           "cp": ("context parallelism", 1), "sp": ("sequence parallelism", False)}
 
 
 @dataclass
@@ -191,12 +192,15 @@ class Config:
 
     def _check_implemented(self) -> None:
         p = self.parallel
+        if p.zero and self.model.tie_embeddings:
+            raise ConfigError("ZeRO shards each parameter once, so it cannot shard tied "
+                              "embeddings; set tie_embeddings = false or --zero 0")
         for name, (what, off) in NOT_YET.items():
             value = getattr(p, name)
             if value != off:
                 raise ConfigError(f"--{name} {value}: {what} is not implemented in this version "
                                   f"of paratrain yet; this version trains with data parallelism "
-                                  f"(--dp) only")
+                                  f"(--dp) or ZeRO (--zero)")
 
     def _check_batch(self) -> None:
         t, dp = self.train, self.parallel.dp

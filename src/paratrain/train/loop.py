@@ -20,12 +20,11 @@ from tqdm import tqdm
 from ..comm import collectives as C
 from ..mesh import Mesh
 from ..models.gpt import GPT
-from ..parallel.data import DataParallel
+from ..optim import lr_at
 from ..parallelize import parallelize
 from . import data as D
 from .config import Config
 from .metrics import MetricsWriter, state_bytes, summary
-from .optim import build_adamw, clip_grad_norm_, lr_at, set_lr
 
 
 @dataclass
@@ -49,8 +48,7 @@ class Run:
     cfg: Config
     mesh: Mesh
     model: GPT
-    dp_model: DataParallel
-    optimizer: torch.optim.Optimizer
+    engine: torch.nn.Module
     train_data: D.Samples
     val_data: D.Samples
     sampler: D.DistributedSampler
@@ -64,26 +62,23 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     """Model, parallel wrapper, optimizer and data for this rank."""
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
     model = GPT(cfg.model).to(mesh.device)
-    dp_model = parallelize(model, mesh, cfg)
-    optimizer = build_adamw([p for p in model.parameters() if p.requires_grad], cfg.optim)
+    engine = parallelize(model, mesh, cfg)
     train_tokens, val_tokens = D.split(D.load_corpus(cfg.data.corpus), cfg.data.val_fraction)
     train_data = D.Samples(train_tokens, cfg.data.seq_len)
     sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch,
                                    dp_rank=mesh.coord("dp"), dp_size=mesh.size("dp"),
                                    seed=cfg.train.seed, remainder=cfg.data.remainder)
-    return Run(cfg, mesh, model, dp_model, optimizer, train_data,
+    return Run(cfg, mesh, model, engine, train_data,
                D.Samples(val_tokens, cfg.data.seq_len), sampler)
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
     """One optimizer step over a global batch; returns its loss, grad norm and lr."""
-    cfg, mesh = run.cfg, run.mesh
-    lr = lr_at(step, cfg.train.steps, cfg.optim)
-    set_lr(run.optimizer, lr)
+    cfg, mesh, engine = run.cfg, run.mesh, run.engine
     local = run.sampler.local_indices(step)
     global_tokens = D.valid_tokens(run.sampler.global_indices(step), cfg.data.seq_len)
     scale = mesh.size("dp") / global_tokens
-    run.dp_model.zero_grad()
+    engine.zero_grad()
     micro = [local[i:i + cfg.micro_batch] for i in range(0, len(local), cfg.micro_batch)]
     loss_sum = torch.zeros((), device=mesh.device)
     for i, indices in enumerate(micro):
@@ -91,15 +86,15 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         last = i == len(micro) - 1
         # Only the last microbatch's backward reduces gradients; the context must cover
         # backward, which is where the reduction is launched.
-        with contextlib.nullcontext() if last else run.dp_model.no_sync():
+        with contextlib.nullcontext() if last else engine.no_sync():
             with _autocast(cfg, mesh):
-                loss = run.dp_model(tokens, targets)
+                loss = engine(tokens, targets)
             (loss * scale).backward()
         loss_sum += loss.detach().float()
-    run.dp_model.finish_grad_sync()
-    # Gradients are replicated on every data-parallel rank: the local norm is the global one.
-    grad_norm = clip_grad_norm_([p.grad for p in run.model.parameters()], cfg.optim.grad_clip)
-    run.optimizer.step()
+    engine.finish_grad_sync()
+    grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
+    lr = lr_at(step, cfg.train.steps, cfg.optim)
+    engine.step(lr)
     C.all_reduce(loss_sum, mesh.group("dp"))
     return {"loss": loss_sum.item() / global_tokens, "grad_norm": grad_norm, "lr": lr,
             "tokens": global_tokens}
@@ -141,7 +136,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         _sync(mesh)
         elapsed = time.perf_counter() - t0
         if step == 0:
-            result.state_bytes = _gather(state_bytes(run.model, run.optimizer))
+            result.state_bytes = _gather(state_bytes(run.engine.state_tensors()))
         record.update(step=step + 1, step_time_s=elapsed, tokens_per_s=record["tokens"] / elapsed,
                       **result.state_bytes[0])
         result.losses.append(record["loss"])
@@ -159,7 +154,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         print(summary(records, result.state_bytes, time.perf_counter() - start), flush=True)
         print(f"metrics       {cfg.metrics_path}", flush=True)
     if keep_params:
-        result.params = {k: v.detach().cpu().clone() for k, v in run.model.state_dict().items()}
+        result.params = {k: v.cpu() for k, v in run.engine.full_state_dict().items()}
     return result
 
 
@@ -176,7 +171,10 @@ def describe(run: Run) -> str:
 
 
 def _autocast(cfg: Config, mesh: Mesh):
-    return torch.autocast(mesh.device.type, dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16")
+    # bf16 under plain DDP: autocast over fp32 weights. Under ZeRO the weights themselves
+    # are bf16 (with fp32 masters in the sharded optimizer) and need no autocast.
+    enabled = cfg.train.precision == "bf16" and not cfg.parallel.zero
+    return torch.autocast(mesh.device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 def _sync(mesh: Mesh) -> None:

@@ -4,36 +4,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
-from torch import nn
+
+from ..accounting import storage_bytes
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is not None:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's bytes of parameters, gradients and optimizer state.
-
-    Counted from the tensors themselves, so it is exact whatever the strategy shards.
-    Adam's per-tensor ``step`` counters (0-d) are bookkeeping, not state, and are skipped.
-    """
-    params = list(model.parameters())
-    optim = [v for state in optimizer.state.values() for v in state.values()
-             if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return {
-        "param_bytes": storage_bytes(params),
-        "grad_bytes": storage_bytes(p.grad for p in params),
-        "optim_bytes": storage_bytes(optim),
-    }
+def state_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state, from the tensors an
+    engine holds (``engine.state_tensors()``): exact whatever the strategy shards."""
+    return {"param_bytes": storage_bytes(tensors["params"]),
+            "grad_bytes": storage_bytes(tensors["grads"]),
+            "optim_bytes": storage_bytes(tensors["optim"])}
 
 
 class MetricsWriter:

@@ -1,4 +1,7 @@
-"""AdamW, the learning-rate schedule and gradient clipping that is correct across ranks."""
+"""AdamW, the learning-rate schedule and gradient clipping that is correct across ranks.
+
+``cfg`` arguments are ``train.config.OptimConfig`` (any object with its fields).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +11,10 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..comm import collectives as C
-from .config import OptimConfig
+from .comm import collectives as C
 
 
-def build_adamw(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+def build_adamw(params: list[nn.Parameter], cfg) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm weights are not decayed)."""
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
@@ -21,7 +23,7 @@ def build_adamw(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Ada
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
-def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
+def lr_at(step: int, total_steps: int, cfg) -> float:
     """Linear warm-up to ``cfg.lr`` over ``warmup_steps``, then cosine decay to ``min_lr``."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps

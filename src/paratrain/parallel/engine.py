@@ -1,0 +1,61 @@
+"""The interface the training loop drives, and its data-parallel (replicated) engine.
+
+An engine owns the parallel wrapper *and* the optimizer, because sharded strategies
+(ZeRO) shard the optimizer too. Every engine provides:
+
+    engine(tokens, targets, positions=None) -> summed loss      forward
+    engine.no_sync()                 context: accumulate gradients without communicating
+    engine.finish_grad_sync()        wait for gradient reduction (after the last backward)
+    engine.zero_grad()
+    engine.clip_grad_norm_(max_norm) -> global norm (clips in place; 0 only measures)
+    engine.step(lr)                  optimizer step (and whatever it implies, e.g. all-gather)
+    engine.state_tensors()           {"params", "grads", "optim"}: tensors, for exact accounting
+    engine.full_state_dict()         unsharded parameters under their model names (collective)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..optim import build_adamw, clip_grad_norm_, set_lr
+from .data import DataParallel
+
+
+class ReplicatedEngine(nn.Module):
+    """DDP: every rank holds the model and a full AdamW; gradients are averaged."""
+
+    def __init__(self, dp: DataParallel, optim_cfg):
+        super().__init__()
+        self.dp = dp
+        self.module = dp.module
+        self.optimizer = build_adamw([p for p in dp.module.parameters() if p.requires_grad], optim_cfg)
+
+    def forward(self, *args, **kwargs):
+        return self.dp(*args, **kwargs)
+
+    def no_sync(self):
+        return self.dp.no_sync()
+
+    def finish_grad_sync(self) -> None:
+        self.dp.finish_grad_sync()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self.dp.zero_grad()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        # Gradients are replicated on every data-parallel rank: the local norm is the global one.
+        return clip_grad_norm_([p.grad for p in self.module.parameters()], max_norm)
+
+    def step(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params = list(self.module.parameters())
+        optim = [v for state in self.optimizer.state.values() for v in state.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]  # skip Adam's 0-d step counters
+        return {"params": params, "grads": [p.grad for p in params], "optim": optim}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.module.named_parameters()}

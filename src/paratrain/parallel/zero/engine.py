@@ -1,0 +1,209 @@
+"""ZeRO-1, -2 and -3 over the data-parallel group, on flat units (see flat.py).
+
+Per rank, with N data-parallel ranks and Ψ parameters (fp32 training: 4 + 4 + 8 bytes per
+parameter; mixed precision: 2 + 2 + 12):
+
+    stage 1: parameters full, gradients full,  optimizer state 1/N    (4Ψ + 4Ψ + 8Ψ/N)
+    stage 2: parameters full, gradients 1/N,   optimizer state 1/N    (4Ψ + 4Ψ/N + 8Ψ/N)
+    stage 3: parameters 1/N,  gradients 1/N,   optimizer state 1/N    (16Ψ/N)
+
+What moves, per step:
+- stage 1 reduce-scatters each unit's accumulated gradient once, after the last
+  microbatch's backward (``no_sync`` defers it, like DDP), and all-gathers updated params.
+- stages 2 and 3 reduce-scatter each unit's gradient as soon as backward has produced it,
+  overlapping the rest of backward, *every microbatch* (they cannot keep a full gradient
+  to accumulate into; ``no_sync`` has no effect), and add it to the rank's shard.
+- stage 3 all-gathers a unit's parameters just before its forward and again before its
+  backward, frees them after, and prefetches the next unit's while the current one computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ...accounting import storage_bytes
+from ...comm import collectives as C
+from .flat import FlatUnit, build_unit, group_units
+from .optim import ShardedAdamW
+from .units import Unit, default_units
+
+
+class ZeroDataParallel(nn.Module):
+    """Shards optimizer state (stage 1), gradients (2) and parameters (3) over ``group``."""
+
+    def __init__(self, module: nn.Module, group: ProcessGroup, stage: int, optim_cfg,
+                 param_dtype: torch.dtype | None = None, offload: bool = False):
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
+        self.module, self.group, self.stage = module, group, stage
+        with torch.no_grad():  # replicas must start identical
+            for tensor in [*module.parameters(), *module.buffers()]:
+                C.broadcast(tensor, src=0, group=group)
+        world, rank = C.size(group), C.rank(group)
+        unit_modules = default_units(module)
+        named = group_units(module, [(name, [m]) for name, m in unit_modules])
+        self.units = [Unit(build_unit(name, params, world, rank, param_dtype), m)
+                      for (name, params), (_, m) in zip(named, unit_modules)]
+        for unit in self.units:
+            unit.setup_grads(stage)
+            if stage == 3:
+                unit.shard = unit.flat.own_slice(unit.flat.flat).clone()
+                unit.flat.free()
+        self.optimizer = ShardedAdamW(self.units, optim_cfg, offload=offload)
+        self._sync = True
+        self._in_flight: list[Unit] = []
+        self.peak_bytes = 0
+        for index, unit in enumerate(self.units):
+            for p in unit.flat.params:
+                p.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad_ready(u, p))
+            if stage == 3:
+                unit.module.register_forward_pre_hook(lambda m, a, i=index: self._pre_forward(i))
+                unit.module.register_forward_hook(lambda m, a, out, i=index: self._post_forward(i, out))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # ---- stage 3: gather, free, prefetch ---------------------------------------------------
+    def _gather(self, index: int, wait: bool) -> None:
+        if not 0 <= index < len(self.units):
+            return
+        unit = self.units[index]
+        if unit.gather_work is None and not unit.flat.gathered:
+            unit.flat.allocate()
+            unit.gather_work = C.all_gather(unit.flat.flat, unit.shard, self.group, async_op=True)
+            self._record_peak()
+        if wait and unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work = None
+
+    def _pre_forward(self, index: int) -> None:
+        self._gather(index, wait=True)
+        self._gather(index + 1, wait=False)  # prefetch: overlaps this unit's compute
+
+    def _post_forward(self, index: int, output) -> None:
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, i=index: self._pre_backward(i))
+        last = index == len(self.units) - 1
+        if not (last and torch.is_grad_enabled()):  # the last unit's backward comes next
+            self.units[index].flat.free()
+
+    def _pre_backward(self, index: int) -> None:
+        self._gather(index, wait=True)
+        self._gather(index - 1, wait=False)  # prefetch the unit backward reaches next
+
+    # ---- gradients -------------------------------------------------------------------------
+    def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
+        self._record_peak(extra=param.grad.numel() * param.grad.element_size())
+        if self.stage >= 2:
+            unit.stash_grad(param)  # into the unit's temporary flat gradient; frees param.grad
+        elif not self._sync:
+            return
+        unit.ready.add(id(param))
+        if len(unit.ready) == len(unit.flat.params):
+            self._start_reduce(unit)
+
+    def _start_reduce(self, unit: Unit) -> None:
+        """Reduce-scatter (average) a unit's gradient; stage 3 also frees its parameters."""
+        if self.stage >= 2 and len(self._in_flight) >= 2:  # bound the temporary buffers
+            self._finish_reduce(self._in_flight.pop(0))
+        unit.start_reduce(self.group)
+        self._in_flight.append(unit)
+        if self.stage == 3:
+            unit.flat.free()
+
+    def _finish_reduce(self, unit: Unit) -> None:
+        unit.finish_reduce()
+
+    def start_grad_sync(self) -> None:
+        """Launch the reduction of every unit not launched in this backward pass (e.g. one
+        whose parameters got no gradient)."""
+        for unit in self.units:
+            if not unit.launched:
+                self._start_reduce(unit)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every gradient reduction; after it each rank holds its averaged shard."""
+        self.start_grad_sync()
+        while self._in_flight:
+            self._finish_reduce(self._in_flight.pop(0))
+        for unit in self.units:
+            unit.launched = False
+            unit.ready.clear()
+        if self.stage == 3:
+            for unit in self.units:
+                unit.flat.free()
+        self._record_peak()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Stage 1: accumulate full gradients locally. Stages 2/3 reduce every microbatch."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+            if self.stage >= 2:
+                self.finish_grad_sync()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for unit in self.units:
+            unit.zero_grads()
+
+    # ---- optimizer -------------------------------------------------------------------------
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global gradient norm from the shards (summed over the group); clip in place."""
+        return self.optimizer.clip_grad_norm_(max_norm, self.group)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """Update this rank's shards; stages 1/2 then all-gather the full parameters."""
+        self.optimizer.step(lr)
+        if self.stage < 3:
+            works = [C.all_gather(u.flat.flat, u.flat.own_slice(u.flat.flat), self.group, async_op=True)
+                     for u in self.units]
+            C.wait_all(works)
+
+    # ---- inspection ------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors that hold this rank's parameters, gradients and optimizer state."""
+        params = [u.flat.flat for u in self.units] + [u.shard for u in self.units if u.shard is not None]
+        grads = [g for u in self.units for g in u.grad_tensors()]
+        return {"params": params, "grads": grads, "optim": self.optimizer.state_tensors()}
+
+    def live_bytes(self) -> int:
+        """Bytes of parameter, gradient and optimizer tensors alive right now on this rank."""
+        return sum(storage_bytes(kind) for kind in self.state_tensors().values())
+
+    def _record_peak(self, extra: int = 0) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes() + extra)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters under their model names (collective: every rank calls it)."""
+        out = {}
+        for unit in self.units:
+            full = torch.empty_like(unit.flat.flat) if self.stage == 3 else unit.flat.flat
+            if self.stage == 3:
+                full.untyped_storage().resize_(unit.flat.padded * full.element_size())
+                C.all_gather(full, unit.shard, self.group)
+            for name, view in zip(unit.flat.names, unit.flat.copy_out(full)):
+                out[name] = view.detach().clone()
+        return out
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for t in output if isinstance(t, torch.Tensor)]
+    return []
+

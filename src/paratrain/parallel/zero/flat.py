@@ -1,0 +1,133 @@
+"""Flat units: the parameters of one module group laid out in one padded buffer, sharded.
+
+A unit's parameters are concatenated into a flat buffer padded to a multiple of the
+data-parallel size N; rank i owns the i-th of N equal slices. Every collective of ZeRO is
+then one call on contiguous memory: reduce-scatter a unit's gradients, all-gather its
+parameters. Parameters that take weight decay come first, so a rank's slice splits into at
+most two runs (decayed, not decayed) and the optimizer needs no per-element mask.
+
+The model's parameters stay ordinary ``nn.Parameter`` objects; their ``.data`` become views
+into the unit's flat buffer. Freeing a gathered unit (ZeRO-3) shrinks the buffer's storage
+to zero bytes and gathering grows it back, so those views, and the tensors autograd saved
+for backward, stay valid across free and gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class FlatUnit:
+    """One unit's parameters in a flat, padded, sharded buffer."""
+
+    name: str
+    """Human name of the unit (e.g. 'layers.3')."""
+    params: list[nn.Parameter]
+    """Its parameters, decayed ones first; ``.data`` of each is a view into ``flat``."""
+    names: list[str]
+    """Fully qualified names of ``params`` in the model."""
+    offsets: list[int]
+    """Start of each parameter in ``flat``."""
+    numel: int
+    """Elements of all parameters (without padding)."""
+    decay_numel: int
+    """Elements ``[0, decay_numel)`` take weight decay, the rest do not."""
+    world: int
+    """Data-parallel size N."""
+    rank: int
+    """This rank's position on the data-parallel axis."""
+    flat: torch.Tensor
+    """The full (gathered) parameters, padded to a multiple of N."""
+
+    @property
+    def padded(self) -> int:
+        return self.flat.numel()
+
+    @property
+    def shard_size(self) -> int:
+        return self.padded // self.world
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.rank * self.shard_size, (self.rank + 1) * self.shard_size
+
+    @property
+    def gathered(self) -> bool:
+        return self.flat.untyped_storage().nbytes() > 0
+
+    def own_slice(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a unit-sized flat tensor (a view)."""
+        start, end = self.shard_range
+        return flat[start:end]
+
+    def decay_split(self, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of a shard-sized tensor: the elements that take weight decay, the rest."""
+        start, end = self.shard_range
+        cut = min(max(self.decay_numel - start, 0), end - start)
+        return shard[:cut], shard[cut:]
+
+    def free(self) -> None:
+        """Release the gathered parameters' memory; the views remain, pointing at nothing."""
+        self.flat.untyped_storage().resize_(0)
+
+    def allocate(self) -> None:
+        """Give the flat buffer its memory back (contents undefined until gathered)."""
+        storage = self.flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.padded * self.flat.element_size())
+
+    def copy_out(self, flat_grad: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a unit-sized flat tensor shaped like each parameter."""
+        return [flat_grad[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+
+
+def build_unit(name: str, named_params: list[tuple[str, nn.Parameter]], world: int, rank: int,
+               dtype: torch.dtype | None = None) -> FlatUnit:
+    """Move ``named_params`` into one flat buffer (of ``dtype``, default theirs) and make
+    each parameter a view into it."""
+    ordered = sorted(named_params, key=lambda item: item[1].ndim < 2)  # stable: decayed first
+    params = [p for _, p in ordered]
+    dtype = dtype or params[0].dtype
+    numel = sum(p.numel() for p in params)
+    padded = -(-numel // world) * world
+    flat = torch.zeros(padded, dtype=dtype, device=params[0].device)
+    offsets, offset = [], 0
+    for p in params:
+        flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+        offsets.append(offset)
+        offset += p.numel()
+    for p, o in zip(params, offsets):
+        p.data = flat[o:o + p.numel()].view_as(p)
+    decay_numel = sum(p.numel() for p in params if p.ndim >= 2)
+    return FlatUnit(name, params, [n for n, _ in ordered], offsets, numel, decay_numel,
+                    world, rank, flat)
+
+
+def group_units(model: nn.Module, unit_modules: list[tuple[str, list[nn.Module]]]
+                ) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
+    """The named parameters of each unit, each parameter in exactly one unit.
+
+    ``unit_modules`` lists (unit name, modules); every parameter of ``model`` must belong
+    to exactly one unit, and a parameter shared between units (tied weights) is an error.
+    """
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    owner: dict[int, str] = {}
+    units = []
+    for unit_name, modules in unit_modules:
+        named = []
+        for module in modules:
+            for p in module.parameters():
+                if id(p) in owner:
+                    raise ValueError(f"parameter {name_of[id(p)]} is shared by units {owner[id(p)]} "
+                                     f"and {unit_name}; ZeRO shards each parameter once (untie it)")
+                owner[id(p)] = unit_name
+                named.append((name_of[id(p)], p))
+        units.append((unit_name, named))
+    missing = [n for n, p in model.named_parameters() if id(p) not in owner]
+    if missing:
+        raise ValueError(f"parameters {missing} belong to no ZeRO unit")
+    return units

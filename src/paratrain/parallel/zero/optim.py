@@ -1,0 +1,69 @@
+"""AdamW over the shards a rank owns, with fp32 master weights when parameters are not fp32."""
+
+from __future__ import annotations
+
+import torch
+
+from ...comm import collectives as C
+from .units import Unit
+
+
+class ShardedAdamW:
+    """torch's AdamW applied to this rank's slices of every unit.
+
+    Parameters are updated element-wise, so updating slices of flat buffers gives exactly
+    the update AdamW would make to the whole tensors. With bf16 parameters (or offload) the
+    update runs on an fp32 master copy of the slice, which is then copied back.
+    """
+
+    def __init__(self, units: list[Unit], cfg, offload: bool = False):
+        self.units = units
+        self.shards = [u.shard if u.shard is not None else u.flat.own_slice(u.flat.flat) for u in units]
+        self.offload = offload and self.shards[0].device.type == "cuda"
+        self.master_copy = self.offload or self.shards[0].dtype != torch.float32
+        device = "cpu" if self.offload else self.shards[0].device
+        self.masters = [s.detach().float().to(device).clone() if self.master_copy else s for s in self.shards]
+        # (optimizer tensor, gradient) pairs, split at the weight-decay boundary. The view
+        # objects are made once: the optimizer keys its state on them and reads their .grad.
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        for unit, master in zip(units, self.masters):
+            views = zip(unit.flat.decay_split(master), unit.flat.decay_split(unit.grad_shard), (True, False))
+            self.pairs += [(m, g, decay) for m, g, decay in views if m.numel()]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [m for m, _, d in self.pairs if d], "weight_decay": cfg.weight_decay},
+             {"params": [m for m, _, d in self.pairs if not d], "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        if not self.master_copy:
+            self._bind_grads(lambda g: g)  # the grad shards themselves, once
+
+    def _bind_grads(self, convert) -> None:
+        for master, grad, _ in self.pairs:
+            master.grad = convert(grad)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.master_copy:
+            self._bind_grads(lambda g: g.to(self.masters[0].device, torch.float32))
+        self.optimizer.step()
+        if self.master_copy:
+            for shard, master in zip(self.shards, self.masters):
+                shard.copy_(master)
+            self._bind_grads(lambda g: None)  # free the fp32 copies of the gradients
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, group) -> float:
+        grads = [u.grad_shard for u in self.units]
+        sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        C.all_reduce(sq, group)
+        norm = sq.sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return float(norm)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        state = [v for s in self.optimizer.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return state + (self.masters if self.master_copy else [])

@@ -1,0 +1,95 @@
+"""Per-unit runtime state of ZeRO: gradient buffers and in-flight collectives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ...comm import collectives as C
+from .flat import FlatUnit
+
+
+def default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """One unit per element of a top-level ``nn.ModuleList`` (the transformer blocks) and
+    one per other top-level child that has parameters (embedding, final norm, head), in
+    the order the model runs them."""
+    units = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            units += [(f"{name}.{i}", block) for i, block in enumerate(child)]
+        elif any(True for _ in child.parameters()):
+            units.append((name, child))
+    return units
+
+
+@dataclass
+class Unit:
+    """A flat unit plus the module that runs it and its gradient state."""
+
+    flat: FlatUnit
+    """Parameters, flat and sharded."""
+    module: nn.Module
+    """The module whose forward uses them (ZeRO-3 hooks it)."""
+    shard: torch.Tensor | None = None
+    """Stage 3: this rank's parameter slice, the only copy kept between uses."""
+    flat_grad: torch.Tensor | None = None
+    """Stage 1: full gradients (params' .grad are views). Stages 2/3: the temporary flat
+    gradient being assembled during backward."""
+    grad_shard: torch.Tensor | None = None
+    """This rank's averaged gradient slice (stage 1: a view into flat_grad)."""
+    ready: set[int] = field(default_factory=set)
+    """ids of parameters whose gradient this backward produced."""
+    launched: bool = False
+    """Its reduction was launched in this backward pass."""
+    reduce_work: object | None = None
+    """Handle of the in-flight reduce-scatter."""
+    gather_work: object | None = None
+    """Handle of the in-flight all-gather (stage 3)."""
+
+    def __post_init__(self) -> None:
+        self._offset_of = {id(p): o for p, o in zip(self.flat.params, self.flat.offsets)}
+
+    def setup_grads(self, stage: int) -> None:
+        flat = self.flat
+        if stage == 1:
+            self.flat_grad = torch.zeros_like(flat.flat)
+            for p, view in zip(flat.params, flat.copy_out(self.flat_grad)):
+                p.grad = view
+            self.grad_shard = flat.own_slice(self.flat_grad)
+        else:
+            self.grad_shard = torch.zeros(flat.shard_size, dtype=flat.flat.dtype, device=flat.flat.device)
+
+    def stash_grad(self, param: nn.Parameter) -> None:
+        """Stages 2/3: copy ``param.grad`` into the unit's temporary flat gradient and drop it."""
+        if self.flat_grad is None:
+            self.flat_grad = self.grad_shard.new_zeros(self.flat.padded)
+        offset = self._offset_of[id(param)]
+        self.flat_grad[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        param.grad = None
+
+    def start_reduce(self, group: ProcessGroup) -> None:
+        """Average the unit's gradient over the group; this rank's slice lands in place."""
+        if self.flat_grad is None:  # no parameter of the unit got a gradient
+            self.flat_grad = self.grad_shard.new_zeros(self.flat.padded)
+        self.reduce_work = C.reduce_scatter(self.flat.own_slice(self.flat_grad), self.flat_grad,
+                                            group, op="avg", async_op=True)
+        self.launched = True
+
+    def finish_reduce(self) -> None:
+        self.reduce_work.wait()
+        self.reduce_work = None
+        if self.grad_shard.data_ptr() != self.flat.own_slice(self.flat_grad).data_ptr():
+            self.grad_shard += self.flat.own_slice(self.flat_grad)  # stages 2/3: accumulate
+            self.flat_grad = None  # the full gradient is never kept
+
+    def zero_grads(self) -> None:
+        if self.flat_grad is not None and self.grad_shard.data_ptr() == self.flat.own_slice(self.flat_grad).data_ptr():
+            self.flat_grad.zero_()  # stage 1
+        else:
+            self.grad_shard.zero_()
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.flat_grad, self.grad_shard) if t is not None]
