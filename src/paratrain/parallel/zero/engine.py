@@ -112,7 +112,9 @@ class ZeroDataParallel(nn.Module):
 
     def _start_reduce(self, unit: Unit) -> None:
         """Reduce-scatter (average) a unit's gradient; stage 3 also frees its parameters."""
-        if self.stage >= 2 and len(self._in_flight) >= 2:  # bound the temporary buffers
+        # One reduction in flight at a time: it overlaps the next unit's backward, and at
+        # most two units' full gradients (that one and the one being produced) exist at once.
+        if self.stage >= 2 and self._in_flight:
             self._finish_reduce(self._in_flight.pop(0))
         unit.start_reduce(self.group)
         self._in_flight.append(unit)
