@@ -58,10 +58,14 @@ def test_out_writes_a_train_config(tmp_path, capsys):
                         "microbatches", "virtual_stages"}
     assert par["dp"] * par["tp"] * par["pp"] * par["cp"] == 8
     assert par["schedule"] in ("gpipe", "1f1b", "interleaved")
-    assert train["global_batch"] == 32 and train["seq_len"] == 4096
+    assert train["global_batch"] == 32 and config["data"]["seq_len"] == 4096
     assert train["precision"] == "bf16" and train["recompute"] in ("none", "selective", "full")
     assert par["dp"] * train["micro_batch"] * par["microbatches"] == 32
     assert load_model(str(path)).num_params() == load_model("llama3-8b").num_params()
+    from paratrain.train.config import load
+
+    cfg = load(str(path))  # `paratrain train --config` reads it: every field is known
+    assert cfg.parallel.dp == par["dp"] and cfg.train.recompute == train["recompute"]
 
 
 def test_bad_inputs_exit_2(capsys, tmp_path):

@@ -60,6 +60,7 @@ def test_each_stage_matches_single_process_and_the_memory_table(nproc, reference
     configs = [tiny_config(tmp, nproc=nproc, zero=s) for s in STAGES]  # clipping is on (0.5)
     configs += [tiny_config(tmp, nproc=nproc, zero=s, micro_batch=8 // nproc // 2) for s in STAGES]
     configs += [tiny_config(tmp, nproc=nproc, zero=s, precision="bf16", steps=2) for s in STAGES]
+    configs += [tiny_config(tmp, nproc=nproc, zero=3, recompute=r) for r in ("full", "selective")]
     results = run_world(zero_runs, nproc, configs)[0]
     for i, stage in enumerate(STAGES):
         assert_same_run(results[i][0], reference[0])
@@ -69,6 +70,8 @@ def test_each_stage_matches_single_process_and_the_memory_table(nproc, reference
                 assert rank_bytes == expected_bytes(stage, nproc, precision), (stage, precision)
         bf16_losses = results[6 + i][0][0]
         assert abs(bf16_losses[0] - reference[0][0][0]) < 0.02  # bf16 trains the same model
+    for recomputed in results[9:]:  # ZeRO-3's gather/free hooks and recomputation compose
+        assert_same_run(recomputed[0], reference[0])
 
 
 def zero3_peak() -> tuple[int, int, int, int]:

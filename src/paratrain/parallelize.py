@@ -2,8 +2,9 @@
 
 The order every strategy composes in:
 TP/SP -> CP -> pipeline split -> activation checkpointing -> ZeRO/DDP wrapping.
-This version implements the last step (data parallelism, plain or ZeRO, over the dp x cp
-group); the others are rejected up front by ``Config.validate``.
+This version implements activation recomputation and the last step (data parallelism,
+plain or ZeRO, over the dp x cp group); the others are rejected up front by
+``Config.validate``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from .mesh import Mesh
 from .parallel.data import DataParallel
 from .parallel.engine import ReplicatedEngine
+from .parallel.recompute import apply_recompute
 from .parallel.zero import ZeroDataParallel
 from .train.config import Config
 
@@ -25,6 +27,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
     Gradients are averaged over dp x cp: context-parallel ranks hold the same weights but
     see different tokens, exactly like data-parallel replicas.
     """
+    apply_recompute(model.layers, cfg.train.recompute)
     group = mesh.group("dp-cp")
     if cfg.parallel.zero:
         dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None

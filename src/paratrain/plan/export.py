@@ -26,7 +26,10 @@ from .search import Plan
 
 
 def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str, dict]:
-    """The plan as the ``[model]``, ``[parallel]`` and ``[train]`` tables."""
+    """The plan as the ``[model]``, ``[parallel]``, ``[data]`` and ``[train]`` tables of
+    ``paratrain train --config`` (see train/config.py). Per step and data-parallel rank,
+    ``global_batch / dp = micro_batch x microbatches``: pipeline microbatches when pp > 1,
+    gradient-accumulation steps otherwise."""
     c = plan.cand
     return {
         "model": model.gpt_fields(training.seq_len),
@@ -34,9 +37,9 @@ def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str,
                      "sp": c.sp, "cp_method": "ring",
                      "schedule": c.schedule if c.pp > 1 else "1f1b",
                      "microbatches": c.microbatches, "virtual_stages": c.virtual_stages},
+        "data": {"seq_len": training.seq_len},
         "train": {"global_batch": training.global_batch, "micro_batch": c.micro_batch,
-                  "seq_len": training.seq_len, "precision": training.precision,
-                  "recompute": c.recompute},
+                  "precision": training.precision, "recompute": c.recompute},
     }
 
 

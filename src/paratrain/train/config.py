@@ -53,7 +53,8 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b or interleaved."""
     microbatches: int = 0
-    """Pipeline microbatches per step (0: 2 x pp)."""
+    """Microbatches per step and data-parallel rank: pipeline microbatches when pp > 1,
+    gradient-accumulation steps otherwise (0: derived from micro_batch)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedule)."""
     order: str = "tp-cp-pp-dp"
@@ -115,7 +116,9 @@ class TrainConfig:
     seed: int = 0
     """Seed for initialisation and data order."""
     precision: str = "fp32"
-    """fp32, or bf16 (bf16 autocast compute, fp32 master weights and optimizer)."""
+    """fp32, or bf16 (bf16 compute; fp32 master weights and optimizer state)."""
+    recompute: str = "none"
+    """Activation recomputation: none, selective (attention core), full (whole blocks)."""
     eval_every: int = 50
     """Validation every this many steps (0: never; always at the end)."""
     eval_batches: int = 4
@@ -131,7 +134,7 @@ class TrainConfig:
 SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
 CHOICES = {"cp_method": ("ring", "ulysses"), "schedule": ("gpipe", "1f1b", "interleaved"),
            "backend": ("auto", "gloo", "nccl"), "remainder": ("drop", "pad"),
-           "precision": ("fp32", "bf16")}
+           "precision": ("fp32", "bf16"), "recompute": ("none", "selective", "full")}
 # Strategies whose code has not landed: rejected up front, never silently ignored.
 # Each maps to (what it is, the value that means "off").
 NOT_YET = {"tp": ("tensor parallelism", 1), "pp": ("pipeline parallelism", 1),
@@ -210,6 +213,10 @@ class Config:
         if (t.global_batch // dp) % self.micro_batch:
             raise ConfigError(f"each rank gets {t.global_batch // dp} sequences per step, not a "
                               f"multiple of micro_batch={self.micro_batch}")
+        m = self.parallel.microbatches
+        if m and self.parallel.pp == 1 and m != self.accumulation:
+            raise ConfigError(f"microbatches={m} but global_batch / (dp x micro_batch) = "
+                              f"{self.accumulation}; leave microbatches at 0 or make them agree")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"seq_len={self.data.seq_len} exceeds the model's max_seq_len="
                               f"{self.model.max_seq_len}; raise --max-seq-len or lower --seq-len")
