@@ -16,6 +16,9 @@ The local tokens of a rank are always in increasing position order (i < 2·cp−
 from __future__ import annotations
 
 import torch
+from torch.distributed import ProcessGroup
+
+from ...comm import collectives as C
 
 
 def check_divisible(seq_len: int, cp_size: int) -> None:
@@ -52,19 +55,24 @@ def positions_for(cp_rank: int, cp_size: int, seq_len: int,
 def unshard_sequence(shards: list[torch.Tensor] | torch.Tensor, dim: int = 1) -> torch.Tensor:
     """Inverse of ``shard_sequence``: the full sequence from every rank's shard, given in
     cp-rank order (a list, or a tensor stacked along a new leading dimension)."""
-    cp_size = len(shards)
     halves = [shard.chunk(2, dim=dim) for shard in shards]
     # Chunk c < cp is the first half of rank c; chunk 2cp-1-c the second half of rank c.
     ordered = [h[0] for h in halves] + [h[1] for h in reversed(halves)]
-    assert len(ordered) == 2 * cp_size
     return torch.cat(ordered, dim=dim)
 
 
-def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
     """The full sequence on every rank of ``group`` from each rank's shard (for tests and
     evaluation; not differentiable)."""
-    from ...comm import collectives as C
-
     stacked = torch.empty((C.size(group), *x.shape), dtype=x.dtype, device=x.device)
     C.all_gather(stacked.view(-1), x.contiguous().view(-1), group)
     return unshard_sequence(list(stacked.unbind(0)), dim=dim)
+
+
+def shard_batch(tokens: torch.Tensor, targets: torch.Tensor, cp_rank: int,
+                cp_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's ``(tokens, targets, positions)`` of a (batch, seq) batch: exactly what
+    a cp rank passes to ``GPT.forward(tokens, targets, positions)``."""
+    positions = positions_for(cp_rank, cp_size, tokens.shape[1], device=tokens.device)
+    return (shard_sequence(tokens, cp_rank, cp_size), shard_sequence(targets, cp_rank, cp_size),
+            positions)

@@ -1,0 +1,54 @@
+"""Context parallelism: shard the sequence over the cp ranks and make attention see it whole.
+
+Two methods replace ``Attention.core`` of the plain GPT:
+
+* ``RingAttention`` (``ring.py``): K/V blocks travel around the cp ring with P2P while
+  each rank computes; online softmax; any number of heads.
+* ``UlyssesAttention`` (``ulysses.py``): all-to-all to head sharding and back; needs cp to
+  divide the query and KV heads.
+
+Both use the load-balanced layout of ``sharding.py``. Everything outside attention
+(embeddings, norms, MLP, loss) is per token and runs on the local shard unchanged.
+"""
+
+from __future__ import annotations
+
+from torch.distributed import ProcessGroup
+
+from ...comm import collectives as C
+from ...models.gpt import GPT
+from .ring import RingAttention
+from .sharding import (chunk_ids, gather_sequence, positions_for, shard_batch, shard_sequence,
+                       unshard_sequence)
+from .ulysses import UlyssesAttention, check_heads
+
+METHODS = {"ring": RingAttention, "ulysses": UlyssesAttention}
+
+__all__ = ["METHODS", "RingAttention", "UlyssesAttention", "apply_context_parallel",
+           "chunk_ids", "gather_sequence", "positions_for", "shard_batch", "shard_sequence",
+           "unshard_sequence"]
+
+
+def apply_context_parallel(model: GPT, cp_group: ProcessGroup, method: str = "ring") -> None:
+    """Make every attention block of ``model`` attend across the ranks of ``cp_group``.
+
+    Swaps ``block.attn.core`` in place (after any tensor parallelism: head counts are read
+    from the weights this rank holds). What the caller must do besides:
+
+    * feed each cp rank its shard: ``tokens, targets, positions = shard_batch(tokens,
+      targets, cp_rank, cp_size)`` and call ``model(tokens, targets, positions)`` (the
+      positions keep RoPE right); the sequence length must divide by 2·cp;
+    * normalise the loss by the token count of the *global* batch over all dp × cp ranks:
+      ``loss_sum * (dp·cp / global_tokens)`` before backward, so that averaging gradients
+      over dp × cp yields the full-batch mean gradient;
+    * reduce gradients over dp × cp (``DataParallel(model, mesh.group("dp-cp"))``): cp
+      ranks hold the same weights but see different tokens.
+    """
+    if method not in METHODS:
+        raise ValueError(f"cp method {method!r} is not one of {', '.join(METHODS)}")
+    for block in model.layers:
+        attn = block.attn
+        if method == "ulysses":  # fail at set-up, not in the first forward
+            check_heads(attn.wq.out_features // attn.head_dim,
+                        attn.wk.out_features // attn.head_dim, C.size(cp_group))
+        attn.core = METHODS[method](cp_group)
