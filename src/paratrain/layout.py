@@ -179,10 +179,11 @@ class Layout:
             )
         if self.cp > 1 and cp_method == "ulysses":
             local_heads, local_kv = n_heads // self.tp, max(n_kv_heads // self.tp, 1)
-            if local_heads % self.cp or local_kv % self.cp or seq_len % self.cp:
+            if local_heads % self.cp or local_kv % self.cp or seq_len % (2 * self.cp):
                 raise LayoutError(
-                    f"Ulysses with cp={self.cp} needs the per-tp-rank heads ({local_heads}), "
-                    f"KV heads ({local_kv}) and seq_len ({seq_len}) divisible by cp; "
+                    f"Ulysses with cp={self.cp} needs the per-tp-rank heads ({local_heads}) and "
+                    f"KV heads ({local_kv}) divisible by cp, and seq_len ({seq_len}) by 2*cp "
+                    f"(the load-balanced sequence layout); "
                     f"use --cp-method ring or a cp from {_divisors(local_kv)}"
                 )
 

@@ -2,9 +2,7 @@
 
 The order every strategy composes in:
 TP/SP -> CP -> pipeline split -> activation checkpointing -> ZeRO/DDP wrapping.
-This version implements activation recomputation and the last step (data parallelism,
-plain or ZeRO, over the dp x cp group); the others are rejected up front by
-``Config.validate``.
+Strategies not implemented yet are rejected up front by ``Config.validate``.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ import torch
 from torch import nn
 
 from .mesh import Mesh
+from .parallel.context import apply_context_parallel
 from .parallel.data import DataParallel
 from .parallel.engine import ReplicatedEngine
 from .parallel.recompute import apply_recompute
@@ -27,6 +26,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
     Gradients are averaged over dp x cp: context-parallel ranks hold the same weights but
     see different tokens, exactly like data-parallel replicas.
     """
+    if cfg.parallel.cp > 1:
+        apply_context_parallel(model, mesh.group("cp"), cfg.parallel.cp_method)
     apply_recompute(model.layers, cfg.train.recompute)
     group = mesh.group("dp-cp")
     if cfg.parallel.zero:

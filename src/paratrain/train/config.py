@@ -138,7 +138,7 @@ CHOICES = {"cp_method": ("ring", "ulysses"), "schedule": ("gpipe", "1f1b", "inte
 # Strategies whose code has not landed: rejected up front, never silently ignored.
 # Each maps to (what it is, the value that means "off").
 NOT_YET = {"tp": ("tensor parallelism", 1), "pp": ("pipeline parallelism", 1),
-           "cp": ("context parallelism", 1), "sp": ("sequence parallelism", False)}
+           "sp": ("sequence parallelism", False)}
 
 
 @dataclass
@@ -203,7 +203,7 @@ class Config:
             if value != off:
                 raise ConfigError(f"--{name} {value}: {what} is not implemented in this version "
                                   f"of paratrain yet; this version trains with data parallelism "
-                                  f"(--dp) or ZeRO (--zero)")
+                                  f"(--dp) ZeRO (--zero) and context parallelism (--cp)")
 
     def _check_batch(self) -> None:
         t, dp = self.train, self.parallel.dp

@@ -1,10 +1,10 @@
 """The training loop, run by every rank. Reads top to bottom: build, then step, then report.
 
 Loss normalisation: the model returns the *sum* of token losses over a microbatch; each
-rank scales it by ``dp / tokens_in_global_batch`` before backward, and the data-parallel
-average of gradients then equals the gradient of the mean loss over the whole global
-batch — the same number a single process computes on the same batch, whatever the
-data-parallel size, the accumulation steps or the padding.
+rank scales it by ``dp * cp / tokens_in_global_batch`` before backward, and the average of
+gradients over the dp x cp group then equals the gradient of the mean loss over the whole
+global batch — the same number a single process computes on the same batch, whatever the
+data- or context-parallel size, the accumulation steps or the padding.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ..comm import collectives as C
 from ..mesh import Mesh
 from ..models.gpt import GPT
 from ..optim import lr_at
+from ..parallel.context import shard_batch
 from ..parallelize import parallelize
 from . import data as D
 from .config import Config
@@ -77,25 +78,25 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     cfg, mesh, engine = run.cfg, run.mesh, run.engine
     local = run.sampler.local_indices(step)
     global_tokens = D.valid_tokens(run.sampler.global_indices(step), cfg.data.seq_len)
-    scale = mesh.size("dp") / global_tokens
+    scale = mesh.size("dp-cp") / global_tokens
     engine.zero_grad()
     micro = [local[i:i + cfg.micro_batch] for i in range(0, len(local), cfg.micro_batch)]
     loss_sum = torch.zeros((), device=mesh.device)
     for i, indices in enumerate(micro):
-        tokens, targets = run.train_data.batch(indices, mesh.device)
+        tokens, targets, positions = _local_batch(run.train_data, indices, mesh)
         last = i == len(micro) - 1
         # Only the last microbatch's backward reduces gradients; the context must cover
         # backward, which is where the reduction is launched.
         with contextlib.nullcontext() if last else engine.no_sync():
             with _autocast(cfg, mesh):
-                loss = engine(tokens, targets)
+                loss = engine(tokens, targets, positions)
             (loss * scale).backward()
         loss_sum += loss.detach().float()
     engine.finish_grad_sync()
     grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
     lr = lr_at(step, cfg.train.steps, cfg.optim)
     engine.step(lr)
-    C.all_reduce(loss_sum, mesh.group("dp"))
+    C.all_reduce(loss_sum, mesh.group("dp-cp"))
     return {"loss": loss_sum.item() / global_tokens, "grad_norm": grad_norm, "lr": lr,
             "tokens": global_tokens}
 
@@ -112,10 +113,10 @@ def evaluate(run: Run) -> float:
         count += D.valid_tokens(indices, cfg.data.seq_len)
         mine = indices[mesh.coord("dp") * share:(mesh.coord("dp") + 1) * share]
         for i in range(0, share, cfg.micro_batch):
-            tokens, targets = run.val_data.batch(mine[i:i + cfg.micro_batch], mesh.device)
+            tokens, targets, positions = _local_batch(run.val_data, mine[i:i + cfg.micro_batch], mesh)
             with _autocast(cfg, mesh):
-                total += run.model(tokens, targets).float()
-    C.all_reduce(total, mesh.group("dp"))
+                total += run.model(tokens, targets, positions).float()
+    C.all_reduce(total, mesh.group("dp-cp"))
     return total.item() / max(count, 1)
 
 
@@ -168,6 +169,15 @@ def describe(run: Run) -> str:
             f"{cfg.accumulation} accumulation, {cfg.train.precision}\n"
             f"data: {len(run.train_data)} train samples, {s.steps_per_epoch} steps per epoch; "
             f"remainder {remainder}")
+
+
+def _local_batch(samples: D.Samples, indices: list[int], mesh: Mesh):
+    """This rank's tokens, targets and their positions in the sequence: the whole
+    sequences, or under context parallelism this rank's load-balanced share of each."""
+    tokens, targets = samples.batch(indices, mesh.device)
+    if mesh.size("cp") == 1:
+        return tokens, targets, None
+    return shard_batch(tokens, targets, mesh.coord("cp"), mesh.size("cp"))
 
 
 def _autocast(cfg: Config, mesh: Mesh):
