@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import time
 
@@ -37,7 +38,9 @@ class Peer:
     def step(self, tokens):
         self._step(tokens)
 
-    def state(self) -> dict[str, int]:
+    def state(self) -> dict[str, int | None]:
+        if self._tensors is None:  # an implementation whose buffers we cannot enumerate
+            return {"param_bytes": None, "grad_bytes": None, "optim_bytes": None}
         return state_bytes(self._tensors())
 
 
@@ -97,6 +100,8 @@ def worker(args) -> dict:
     torch.manual_seed(0)
     base = GPT(preset(args.model))
     peers = [paratrain_zero(base, s) for s in (1, 2, 3)] + [torch_zero_redundancy(base), torch_fsdp2(base)]
+    if args.deepspeed:
+        peers += [deepspeed_zero(base, s) for s in (1, 2, 3)]
     gen = torch.Generator().manual_seed(dist.get_rank())
     batches = [torch.randint(0, 256, (args.batch, args.seq), generator=gen) for _ in range(args.steps)]
     times = {p.name: [] for p in peers}
@@ -112,13 +117,31 @@ def worker(args) -> dict:
     return {p.name: {"step_s": statistics.median(times[p.name]), **p.state()} for p in peers}
 
 
-def deepspeed_note() -> str:
+def deepspeed_zero(base, stage: int) -> Peer:
+    """DeepSpeed's ZeRO stage on the same world (its launcher's variables set by hand)."""
+    os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()),
+                      LOCAL_RANK=str(dist.get_rank()), MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}}
+    engine, *_ = deepspeed.initialize(model=copy.deepcopy(base), config=config,
+                                      model_parameters=None)
+
+    def step(tokens):
+        engine.backward(engine(tokens, tokens) / tokens.numel())
+        engine.step()
+
+    return Peer(f"DeepSpeed ZeRO-{stage}", engine, step, None)
+
+
+def deepspeed_available() -> bool:
     try:
         import deepspeed  # noqa: F401
     except ImportError:
-        return ("DeepSpeed is not installed: its ZeRO stages were not measured "
-                "(optional: DS_BUILD_OPS=0 pip install deepspeed, then run under torchrun)")
-    return "DeepSpeed is installed but this script does not drive it yet"
+        return False
+    return True
 
 
 def main() -> None:
@@ -130,22 +153,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    args.deepspeed = deepspeed_available()
     results = spawn(worker, args.nproc, args, backend="gloo", timeout_s=1800)
     rank0 = results[0]
     print(f"ZeRO, model {args.model} ({preset(args.model).num_params() / 1e6:.2f}M params), "
           f"{args.nproc} ranks x {args.batch} x {args.seq} tokens, median of "
           f"{args.rounds * args.steps} steps; bytes on rank 0")
     print(f"{'implementation':<32}{'ms/step':>9}{'params MB':>11}{'grads MB':>10}{'optim MB':>10}")
+    mb = lambda b: f"{b / 1e6:.2f}" if b is not None else "n/a"  # noqa: E731
     for name, r in rank0.items():
-        print(f"{name:<32}{r['step_s'] * 1e3:>9.1f}{r['param_bytes'] / 1e6:>11.2f}"
-              f"{r['grad_bytes'] / 1e6:>10.2f}{r['optim_bytes'] / 1e6:>10.2f}")
-    print(deepspeed_note())
+        print(f"{name:<32}{r['step_s'] * 1e3:>9.1f}{mb(r['param_bytes']):>11}"
+              f"{mb(r['grad_bytes']):>10}{mb(r['optim_bytes']):>10}")
+    extra = {}
+    if args.deepspeed:
+        for s in (1, 2):
+            extra[f"zero{s}_vs_deepspeed_ratio"] = round(
+                rank0[f"paratrain ZeRO-{s}"]["step_s"] / rank0[f"DeepSpeed ZeRO-{s}"]["step_s"], 3)
+    else:
+        print("DeepSpeed is not installed: its ZeRO stages were not measured "
+              "(optional: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)")
     ours, peer = rank0["paratrain ZeRO-3"]["step_s"], rank0["torch FSDP2 fully_shard"]["step_s"]
     z1, zro = rank0["paratrain ZeRO-1"]["step_s"], rank0["torch ZeroRedundancyOptimizer"]["step_s"]
     print(json.dumps({"benchmark": "zero_vs_peers", "pair": "paratrain ZeRO-3 vs torch FSDP2",
                       "metric": "step_time_s", "nproc": args.nproc, "paratrain": round(ours, 5),
                       "peer": round(peer, 5), "ratio": round(ours / peer, 3),
-                      "zero1_vs_zero_redundancy_ratio": round(z1 / zro, 3)}))
+                      "zero1_vs_zero_redundancy_ratio": round(z1 / zro, 3), **extra}))
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def zero3_peak() -> tuple[int, int, int, int]:
     gathered parameters and gradients."""
     torch.manual_seed(0)
     model = GPT(PRESETS["tiny"])
-    engine = ZeroDataParallel(model, dist.group.WORLD, 3, OptimConfig())
+    engine = ZeroDataParallel(model, dist.group.WORLD, 3, OptimConfig(), track_peak=True)
     tokens = torch.randint(0, 256, (2, 32))
     for _ in range(2):  # the second step runs with optimizer state allocated
         engine.zero_grad()

@@ -37,7 +37,8 @@ class ZeroDataParallel(nn.Module):
     """Shards optimizer state (stage 1), gradients (2) and parameters (3) over ``group``."""
 
     def __init__(self, module: nn.Module, group: ProcessGroup, stage: int, optim_cfg,
-                 param_dtype: torch.dtype | None = None, offload: bool = False):
+                 param_dtype: torch.dtype | None = None, offload: bool = False,
+                 track_peak: bool = False):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
@@ -58,6 +59,7 @@ class ZeroDataParallel(nn.Module):
         self.optimizer = ShardedAdamW(self.units, optim_cfg, offload=offload)
         self._sync = True
         self._in_flight: list[Unit] = []
+        self.track_peak = track_peak  # measuring live bytes at every hook costs time
         self.peak_bytes = 0
         for index, unit in enumerate(self.units):
             for p in unit.flat.params:
@@ -101,7 +103,8 @@ class ZeroDataParallel(nn.Module):
 
     # ---- gradients -------------------------------------------------------------------------
     def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
-        self._record_peak(extra=param.grad.numel() * param.grad.element_size())
+        if self.track_peak:
+            self._record_peak(extra=param.grad.numel() * param.grad.element_size())
         if self.stage >= 2:
             unit.stash_grad(param)  # into the unit's temporary flat gradient; frees param.grad
         elif not self._sync:
@@ -186,7 +189,8 @@ class ZeroDataParallel(nn.Module):
         return sum(storage_bytes(kind) for kind in self.state_tensors().values())
 
     def _record_peak(self, extra: int = 0) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes() + extra)
+        if self.track_peak:
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes() + extra)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
