@@ -24,6 +24,8 @@ group explicitly; a group of one rank makes every operator an identity.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed import ProcessGroup
 
@@ -32,13 +34,17 @@ from . import collectives as C
 SEQ_DIM = 1
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+# ---- the collectives along the sequence, and launched-not-awaited variants ----------------
+# (The fused region entry in parallel/sequence.py overlaps them with weight gradients.)
+
+def start_all_reduce(x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, Any]:
+    """Launch the sum of ``x`` over ``group`` into a new tensor; returns (result, handle):
+    wait on the handle before reading the result."""
     out = x.contiguous().clone() if C.size(group) > 1 else x
-    C.all_reduce(out, group)
-    return out
+    return out, C.all_reduce(out, group, async_op=True)
 
 
-def _gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """(b, s/t, h) on each rank -> (b, s, h), rank i's chunk at position i."""
     t = C.size(group)
     if t == 1:
@@ -49,19 +55,25 @@ def _gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return out.transpose(0, SEQ_DIM)
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """(b, s, h) partial sums on each rank -> (b, s/t, h) of the full sum, chunk i on rank i."""
+def start_reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, Any]:
+    """Launch the reduce-scatter along the sequence: (b, s, h) partial sums on each rank ->
+    (b, s/t, h) of the full sum, chunk i on rank i. Returns (result, handle)."""
     t = C.size(group)
     if t == 1:
-        return x
+        return x, C.all_reduce(x, group, async_op=True)  # a no-op handle
     _check_divisible(x.shape[SEQ_DIM], t)
     front = x.transpose(0, SEQ_DIM).contiguous()
     out = front.new_empty((front.shape[0] // t, *front.shape[1:]))
-    C.reduce_scatter(out, front, group)
-    return out.transpose(0, SEQ_DIM)
+    return out.transpose(0, SEQ_DIM), C.reduce_scatter(out, front, group, async_op=True)
 
 
-def _split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _finish(started: tuple[torch.Tensor, Any]) -> torch.Tensor:
+    out, work = started
+    work.wait()
+    return out
+
+
+def split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """This rank's chunk of the sequence (no communication)."""
     t = C.size(group)
     if t == 1:
@@ -92,7 +104,7 @@ class CopyToTPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.group), None
+        return _finish(start_all_reduce(grad, ctx.group)), None
 
 
 class ReduceFromTPRegion(torch.autograd.Function):
@@ -104,7 +116,7 @@ class ReduceFromTPRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        return _all_reduce(x, group)
+        return _finish(start_all_reduce(x, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -121,11 +133,11 @@ class ScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _split_seq(x, group)
+        return split_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _gather_seq(grad, ctx.group), None
+        return gather_seq(grad, ctx.group), None
 
 
 class GatherFromSequenceRegion(torch.autograd.Function):
@@ -141,11 +153,11 @@ class GatherFromSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _gather_seq(x, group)
+        return gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_seq(grad, ctx.group), None
+        return _finish(start_reduce_scatter_seq(grad, ctx.group)), None
 
 
 class ReduceScatterToSequenceRegion(torch.autograd.Function):
@@ -159,11 +171,11 @@ class ReduceScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _reduce_scatter_seq(x, group)
+        return _finish(start_reduce_scatter_seq(x, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _gather_seq(grad, ctx.group), None
+        return gather_seq(grad, ctx.group), None
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

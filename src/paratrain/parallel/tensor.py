@@ -1,0 +1,427 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) for the plain GPT, after it is built.
+
+Every weight matrix of a transformer block is split across the ``t`` ranks of the
+tensor-parallel group so that each block needs one collective in forward and one in
+backward:
+
+* attention: ``wq``/``wk``/``wv`` split by heads (column-parallel: each rank computes whole
+  heads), ``wo`` split by its input rows (row-parallel: each rank's heads give a partial sum);
+* MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel;
+* token embedding split over the vocabulary; the output projection column-parallel over
+  the vocabulary, followed by a cross-entropy that never gathers the full logits.
+
+The layers here only hold their shard and multiply; the communication sits at the
+block's entry (operator f, or an all-gather under sequence parallelism) and exit
+(operator g, or a reduce-scatter), see ``paratrain.comm.autograd`` and
+``paratrain.parallel.sequence``. Each shard is sliced from the unsharded model's
+initialisation, so a tp=t model starts exactly where the single-process one does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..comm import collectives as C
+from ..models.gpt import GPT, IGNORE_INDEX
+from .sequence import DeferredWeightGradLinear, Regions
+
+
+def padded_size(n: int, t: int) -> int:
+    """``n`` rounded up to a multiple of ``t``."""
+    return math.ceil(n / t) * t
+
+
+def _shard_rows(weight: torch.Tensor, num_shards: int, shard: int, padded: int) -> torch.Tensor:
+    """Rows ``shard`` of ``num_shards`` equal pieces of ``weight``, zero-padded to ``padded`` rows."""
+    if padded > weight.shape[0]:
+        weight = torch.cat([weight, weight.new_zeros(padded - weight.shape[0], *weight.shape[1:])])
+    return weight.detach().chunk(num_shards, dim=0)[shard].clone()
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_i = x A_i^T: this rank's slice of the output features (rows of the weight).
+
+    Built from an unsharded ``nn.Linear`` by keeping piece ``shard`` of ``num_shards`` equal
+    row blocks (default: this rank's piece of ``size(group)``); ``padded_out`` zero-pads the
+    output features first (a vocabulary not divisible by t). The input must already be
+    replicated on every rank (after f, or after the sequence all-gather).
+    """
+
+    def __init__(self, linear: nn.Linear, group: ProcessGroup, num_shards: int | None = None,
+                 shard: int | None = None, padded_out: int | None = None):
+        super().__init__()
+        num_shards = num_shards or C.size(group)
+        shard = C.rank(group) if shard is None else shard
+        padded = padded_out or linear.out_features
+        if padded % num_shards:
+            raise ValueError(f"{linear.out_features} output features (padded to {padded}) cannot be "
+                             f"split into {num_shards} equal column shards")
+        self.in_features = linear.in_features
+        self.full_out_features = linear.out_features
+        self.weight = nn.Parameter(_shard_rows(linear.weight, num_shards, shard, padded))
+        self.out_features = self.weight.shape[0]
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = nn.Parameter(_shard_rows(linear.bias, num_shards, shard, padded))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The region's entry operator marks its output with the layers whose weight
+        # gradient it will compute; any other use is a plain linear.
+        pending = getattr(x, "tp_pending", None)
+        if pending is None or id(self) not in pending or self.bias is not None:
+            return F.linear(x, self.weight, self.bias)
+        return DeferredWeightGradLinear.apply(x, self.weight, pending, id(self))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features} of {self.full_out_features}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_i x_i B_i^T: this rank's slice of the input features (columns of the weight).
+
+    The input is the matching slice produced by a column-parallel layer; the output is a
+    partial sum that the block's exit operator (all-reduce or reduce-scatter) completes.
+    """
+
+    def __init__(self, linear: nn.Linear, group: ProcessGroup):
+        super().__init__()
+        t = C.size(group)
+        if linear.bias is not None:
+            raise ValueError("RowParallelLinear does not support a bias: it would be added once per "
+                             "rank before the reduction; build the layer with bias=False")
+        if linear.in_features % t:
+            raise ValueError(f"{linear.in_features} input features cannot be split evenly "
+                             f"over tp={t}; choose a tp that divides them")
+        self.full_in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = nn.Parameter(linear.weight.detach().chunk(t, dim=1)[C.rank(group)].clone())
+        self.in_features = self.weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features} of {self.full_in_features}, out={self.out_features}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows (the vocabulary, padded to a multiple of t) are split
+    over the group.
+
+    Each rank looks up the tokens inside its vocabulary range and writes zeros for the
+    others; ``exit`` (all-reduce, or reduce-scatter along the sequence under sequence
+    parallelism) sums the ranks' partial embeddings. Padding rows are never looked up.
+    """
+
+    def __init__(self, embedding: nn.Embedding, group: ProcessGroup, regions: Regions):
+        super().__init__()
+        if embedding.padding_idx is not None or embedding.max_norm is not None:
+            raise ValueError("VocabParallelEmbedding does not support padding_idx or max_norm")
+        t = C.size(group)
+        self.vocab_size = embedding.num_embeddings
+        padded = padded_size(self.vocab_size, t)
+        self.weight = nn.Parameter(_shard_rows(embedding.weight, t, C.rank(group), padded))
+        self.vocab_start = C.rank(group) * self.weight.shape[0]
+        self.regions = regions
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.regions.exit(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def extra_repr(self) -> str:
+        return f"rows {self.vocab_start}..{self.vocab_start + self.weight.shape[0]} of {self.vocab_size}"
+
+
+class VocabParallelCrossEntropyFn(torch.autograd.Function):
+    """Cross-entropy over logits split along the vocabulary, summed over tokens.
+
+    Forward: subtract the global max (all-reduce max), then one all-reduce of the
+    concatenated [sum of exp, target logit] (the target logit lives on one rank, the others
+    contribute zero); loss = log(sum exp) - target logit. Padding columns are -inf.
+    Backward: softmax minus one-hot of the target on this rank's columns, scaled by the
+    incoming gradient; ignored targets get zero. No communication.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: ProcessGroup,
+                vocab_size: int) -> torch.Tensor:
+        shard = logits.shape[-1]
+        start = C.rank(group) * shard
+        x = logits.reshape(-1, shard).float().clone()  # clone: exp and softmax below run in place
+        valid_cols = max(0, min(shard, vocab_size - start))
+        if valid_cols < shard:
+            x[:, valid_cols:] = float("-inf")
+        peak = x.max(dim=-1).values
+        C.all_reduce(peak, group, op="max")
+        x -= peak.unsqueeze(-1)
+        t = targets.reshape(-1) - start
+        mine = (t >= 0) & (t < shard)
+        rows = torch.arange(x.shape[0], device=x.device)
+        local_t = t.masked_fill(~mine, 0)
+        target_logit = x[rows, local_t].masked_fill(~mine, 0.0)
+        x.exp_()
+        both = torch.cat([x.sum(dim=-1), target_logit])
+        C.all_reduce(both, group)
+        sum_exp, target_logit = both.chunk(2)
+        keep = targets.reshape(-1) != IGNORE_INDEX
+        loss = (sum_exp.log() - target_logit).masked_fill(~keep, 0.0).sum()
+        x /= sum_exp.unsqueeze(-1)  # softmax, kept for backward
+        ctx.save_for_backward(x, local_t, mine, keep)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local_t, mine, keep = ctx.saved_tensors
+        rows = torch.arange(softmax.shape[0], device=softmax.device)
+        g = softmax  # reused in place: backward runs once (no retain_graph through the loss)
+        g[rows, local_t] -= mine.to(g.dtype)
+        g *= (keep.to(g.dtype) * grad).unsqueeze(-1)
+        return g.view(ctx.shape).to(ctx.dtype), None, None, None
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """Replacement for ``GPT.loss_fn``: (b, s, V_padded / t) logits of this rank and the full
+    (b, s) targets -> sum of the token losses over targets != IGNORE_INDEX, equal on every
+    rank of ``group``. Full logits are never gathered."""
+
+    def __init__(self, group: ProcessGroup, vocab_size: int):
+        super().__init__()
+        self.group = group
+        self.vocab_size = vocab_size
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return VocabParallelCrossEntropyFn.apply(logits, targets, self.group, self.vocab_size)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is split over the tensor-parallel group."""
+
+    dim: int
+    """Dimension of the parameter split over the group (0: rows / vocabulary, 1: columns)."""
+    full_size: int
+    """Size of that dimension in the unsharded model, before vocabulary padding."""
+    copies: int = 1
+    """Consecutive ranks holding the same shard (KV heads replicated when kv_heads < tp)."""
+
+
+class TensorParallel:
+    """What ``apply_tensor_parallel`` did to a model, and what the training loop needs from it.
+
+    Parameters fall in two kinds. *Sharded* ones hold different slices on every rank of the
+    group. *Replicated* ones are the same on several ranks: the norm weights (on all of
+    them) and, when kv_heads < tp, the K/V projections (on the ``copies`` ranks sharing a
+    KV head). A replicated parameter whose ranks see different data gets partial gradients
+    that ``sync_replicated_grads`` sums.
+    """
+
+    def __init__(self, group: ProcessGroup, sequence_parallel: bool):
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.specs: dict[int, ShardSpec] = {}  # by id(param); absent: replicated on all ranks
+        self.hooks: list = []  # handles of the region hooks
+        self.sharded_params: list[nn.Parameter] = []
+        self.replicated_params: list[nn.Parameter] = []
+        self._partial: list[nn.Parameter] = []  # replicated params with partial gradients
+        self._hooked = False  # partial gradients summed by hooks during backward
+
+    def shard(self, param: nn.Parameter, spec: ShardSpec) -> None:
+        self.specs[id(param)] = spec
+
+    def collect_replicated(self, model: nn.Module) -> None:
+        """Sort the model's parameters into sharded and replicated ones."""
+        for p in model.parameters():
+            spec = self.specs.get(id(p))
+            if spec is not None and spec.copies == 1:
+                self.sharded_params.append(p)
+                continue
+            self.replicated_params.append(p)
+            # Norms see different tokens on each rank only under SP; a replicated KV head
+            # always serves different query heads on each of its copies.
+            if spec is not None or self.sequence_parallel:
+                self._partial.append(p)
+
+    def is_sharded(self, param: nn.Parameter) -> bool:
+        """True if ``param`` holds a different slice on every rank of the group."""
+        spec = self.specs.get(id(param))
+        return spec is not None and spec.copies == 1
+
+    def owned_params(self) -> list[nn.Parameter]:
+        """The parameters this rank counts in a global gradient norm: all sharded ones, and
+        each replicated one on exactly one rank of the ranks holding it. Then
+        ``norm = sqrt(all_reduce_tp(sum of owned squared grads))``."""
+        rank = C.rank(self.group)
+        owned = list(self.sharded_params)
+        for p in self.replicated_params:
+            spec = self.specs.get(id(p))
+            if rank % (spec.copies if spec else C.size(self.group)) == 0:
+                owned.append(p)
+        return owned
+
+    @torch.no_grad()
+    def sync_replicated_grads(self) -> None:
+        """Sum the partial gradients of replicated parameters over the group, in place, in
+        one all-reduce. Call after the last backward of a step, before clipping and the
+        optimizer step. Plain TP with kv_heads >= tp has nothing to sum: the norms see every
+        token and, through f's all-reduce in backward, the full gradient of their output."""
+        if not self._partial or C.size(self.group) == 1 or self._hooked:
+            return
+        for p in self._partial:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        packed = [self._pack(p, p.grad) for p in self._partial]
+        flat = torch.cat(packed)
+        C.all_reduce(flat, self.group)
+        for p, summed in zip(self._partial, flat.split([t.numel() for t in packed])):
+            p.grad.copy_(self._unpack(p, summed))
+
+    def register_grad_sync_hooks(self) -> None:
+        """Sum each partial gradient over the group as backward produces it, before it is
+        accumulated into ``.grad`` (one small all-reduce per parameter and backward), for
+        wrappers that consume ``.grad`` during backward (ZeRO-2/3). Call before wrapping
+        the model. ``sync_replicated_grads`` then does nothing."""
+        if C.size(self.group) == 1 or self._hooked:
+            return
+        self._hooked = True
+        for p in self._partial:
+            self.hooks.append(p.register_hook(lambda grad, p=p: self._sum_one(p, grad)))
+
+    def _sum_one(self, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        packed = self._pack(p, grad).clone()
+        C.all_reduce(packed, self.group)
+        return self._unpack(p, packed).clone()
+
+    def _pack(self, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` flattened for the sum over the group. A replicated KV head goes to its
+        own slot (zeros in the others), so only the ranks sharing that head add up."""
+        spec = self.specs.get(id(p))
+        if spec is None:
+            return grad.flatten()
+        t, rank = C.size(self.group), C.rank(self.group)
+        slots = grad.new_zeros(t // spec.copies, grad.numel())
+        slots[rank // spec.copies] = grad.flatten()
+        return slots.flatten()
+
+    def _unpack(self, p: nn.Parameter, summed: torch.Tensor) -> torch.Tensor:
+        spec = self.specs.get(id(p))
+        if spec is None:
+            return summed.view_as(p)
+        return summed.view(-1, p.numel())[C.rank(self.group) // spec.copies].view_as(p)
+
+    @torch.no_grad()
+    def full_state_dict(self, model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+        """The unsharded parameters (or their gradients) under the plain model's names, with
+        the vocabulary padding removed. Collective: every rank of the group must call it."""
+        t = C.size(self.group)
+        out = {}
+        for name, p in model.named_parameters():
+            value = p.grad if grads else p
+            if value is None:
+                value = torch.zeros_like(p)
+            spec = self.specs.get(id(p))
+            if spec is None:
+                out[name] = value.detach().clone()
+                continue
+            front = value.detach().transpose(0, spec.dim).contiguous()
+            gathered = front.new_empty(front.shape[0] * t, *front.shape[1:])
+            C.all_gather(gathered, front, self.group)
+            distinct = gathered.chunk(t)[::spec.copies]
+            full = torch.cat(distinct)[:spec.full_size]
+            out[name] = full.transpose(0, spec.dim).contiguous()
+        return out
+
+
+def _check_model(model: GPT, t: int) -> None:
+    cfg = model.cfg
+    if isinstance(model.tok_embeddings, VocabParallelEmbedding):
+        raise ValueError("apply_tensor_parallel was already applied to this model")
+    problems = []
+    if cfg.n_heads % t:
+        problems.append(f"n_heads={cfg.n_heads} is not divisible by tp={t}")
+    kv = cfg.kv_heads
+    if kv >= t and kv % t:
+        problems.append(f"n_kv_heads={kv} is not divisible by tp={t}")
+    if kv < t and t % kv:
+        problems.append(f"tp={t} is not a multiple of n_kv_heads={kv} (each rank must need "
+                        f"exactly one replicated KV head)")
+    if cfg.ffn_dim % t:
+        problems.append(f"ffn_dim={cfg.ffn_dim} is not divisible by tp={t}")
+    if problems:
+        raise ValueError("cannot split the model over tp=%d: %s; choose a tp that divides the "
+                         "head counts and the MLP width" % (t, "; ".join(problems)))
+
+
+def _kv_split(kv_heads: int, t: int, rank: int) -> tuple[int, int, int]:
+    """(num_shards, shard, copies) of the K/V projections: split by KV head when there are
+    at least t of them; otherwise each rank keeps the one KV head its query heads use, and
+    ``copies = t / kv_heads`` consecutive ranks hold the same head."""
+    if kv_heads >= t:
+        return t, rank, 1
+    copies = t // kv_heads
+    return kv_heads, rank // copies, copies
+
+
+def _split_block(block: nn.Module, tp: TensorParallel, regions: Regions,
+                 kv_split: tuple[int, int, int]) -> None:
+    """Attention and MLP of one transformer block: column-parallel in, row-parallel out,
+    the region operators at their entry and exit."""
+    group, (num_kv, kv_shard, copies) = tp.group, kv_split
+    attn, mlp = block.attn, block.mlp
+    attn.wq = ColumnParallelLinear(attn.wq, group)
+    attn.wk = ColumnParallelLinear(attn.wk, group, num_kv, kv_shard)
+    attn.wv = ColumnParallelLinear(attn.wv, group, num_kv, kv_shard)
+    attn.wo = RowParallelLinear(attn.wo, group)
+    mlp.w1 = ColumnParallelLinear(mlp.w1, group)
+    mlp.w3 = ColumnParallelLinear(mlp.w3, group)
+    mlp.w2 = RowParallelLinear(mlp.w2, group)
+    for linear in (attn.wq, mlp.w1, mlp.w3):
+        tp.shard(linear.weight, ShardSpec(0, linear.full_out_features))
+    for linear in (attn.wk, attn.wv):
+        tp.shard(linear.weight, ShardSpec(0, linear.full_out_features, copies))
+    for linear in (attn.wo, mlp.w2):
+        tp.shard(linear.weight, ShardSpec(1, linear.full_in_features))
+    for region, columns in ((attn, [attn.wq, attn.wk, attn.wv]), (mlp, [mlp.w1, mlp.w3])):
+        tp.hooks.append(region.register_forward_pre_hook(regions.enter_hook(columns)))
+        tp.hooks.append(region.register_forward_hook(regions.exit_hook))
+
+
+def apply_tensor_parallel(model: GPT, tp_group: ProcessGroup, sequence_parallel: bool = False,
+                          overlap_comm: bool = True) -> TensorParallel:
+    """Split ``model`` in place over ``tp_group`` (Megatron TP, plus Megatron-SP when
+    ``sequence_parallel``). Afterwards ``model(tokens, targets)`` with the same full
+    (b, s) tokens and targets on every rank of the group returns the same summed loss
+    as the unsharded model. ``overlap_comm`` computes the column-parallel layers' weight
+    gradients while the backward collective at each block's entry runs. Call before
+    wrapping in DataParallel / ZeRO."""
+    t, rank = C.size(tp_group), C.rank(tp_group)
+    _check_model(model, t)
+    cfg = model.cfg
+    tied = model.output.weight is model.tok_embeddings.weight
+    regions = Regions(tp_group, sequence_parallel, overlap_comm)
+    tp = TensorParallel(tp_group, sequence_parallel)
+    vocab = padded_size(cfg.vocab_size, t)
+
+    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, tp_group, regions)
+    tp.shard(model.tok_embeddings.weight, ShardSpec(0, cfg.vocab_size))
+    output = ColumnParallelLinear(model.output, tp_group, padded_out=vocab)
+    if tied:  # both are split over the vocabulary the same way: share the one shard
+        output.weight = model.tok_embeddings.weight
+    model.output = output
+    tp.shard(output.weight, ShardSpec(0, cfg.vocab_size))
+    tp.hooks.append(model.output.register_forward_pre_hook(regions.enter_hook([output])))
+    model.loss_fn = VocabParallelCrossEntropy(tp_group, cfg.vocab_size)
+
+    kv_split = _kv_split(cfg.kv_heads, t, rank)
+    for block in model.layers:
+        _split_block(block, tp, regions, kv_split)
+    tp.collect_replicated(model)
+    return tp
