@@ -34,9 +34,12 @@ def test_every_field_is_a_flag():
 
 
 @pytest.mark.parametrize("overrides, words", [
-    ({"tp": 2}, "tensor parallelism is not implemented"),
+    ({"pp": 2, "dp": 1}, "pipeline parallelism is not implemented"),
     ({"zero": 1, "tie_embeddings": True}, "cannot shard tied embeddings"),
-    ({"sp": True}, "sequence parallelism is not implemented"),
+    ({"sp": True}, "needs --tp > 1"),
+    ({"tp": 2, "sp": True, "seq_len": 31, "dp": 1}, "divisible by 2"),
+    ({"tp": 4, "dp": 1, "nproc": 4}, "divide the 6 attention heads"),
+    ({"tp": 3, "dp": 1, "nproc": 3}, "2 KV heads must divide"),
     ({"dp": 3, "nproc": 4}, "nproc=4 but dp"),
     ({"global_batch": 10, "dp": 4}, "not divisible by dp=4"),
     ({"micro_batch": 3}, "not a multiple of micro_batch=3"),
@@ -62,5 +65,5 @@ def test_bad_file(tmp_path):
 
 
 def test_cli_reports_config_errors_without_spawning(capsys):
-    assert main(["train", "--tp", "2", "--nproc", "2", "--dp", "1"]) == 2
-    assert "tensor parallelism is not implemented" in capsys.readouterr().err
+    assert main(["train", "--pp", "2", "--nproc", "2", "--dp", "1"]) == 2
+    assert "pipeline parallelism is not implemented" in capsys.readouterr().err

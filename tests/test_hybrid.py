@@ -33,3 +33,13 @@ def test_context_parallel_on_two_ranks(reference, tmp_path):
 def test_data_and_context_parallel_on_four_ranks(reference, tmp_path):
     check(4, reference, tmp_path, dict(dp=2, cp=2, cp_method="ring"),
           dict(dp=2, cp=2, cp_method="ulysses", zero=2))
+
+
+def test_tensor_and_sequence_parallel_on_two_ranks(reference, tmp_path):
+    check(2, reference, tmp_path, dict(tp=2), dict(tp=2, sp=True), dict(tp=2, sp=True, zero=3))
+
+
+def test_tensor_parallel_with_data_zero_and_context_parallel_on_four_ranks(reference, tmp_path):
+    check(4, reference, tmp_path, dict(tp=4, sp=True), dict(dp=2, tp=2), dict(dp=2, tp=2, zero=1),
+          dict(dp=2, tp=2, sp=True, zero=2), dict(dp=2, tp=2, zero=3), dict(tp=2, cp=2),
+          dict(tp=2, sp=True, cp=2, cp_method="ring"))

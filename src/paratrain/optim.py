@@ -39,16 +39,20 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 @torch.no_grad()
 def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float,
-                    groups: tuple[ProcessGroup, ...] = ()) -> float:
-    """Scale ``grads`` so their global L2 norm is at most ``max_norm`` (0: only measure it).
+                    groups: tuple[ProcessGroup, ...] = (),
+                    scale: list[torch.Tensor] | None = None) -> float:
+    """Scale gradients so their global L2 norm is at most ``max_norm`` (0: only measure it).
 
     ``grads`` are the gradients this rank owns; ``groups`` are the process groups across
-    which ownership is partitioned (e.g. the ZeRO shards, the pipeline stages). The squared
-    norm is summed over those groups, so every rank computes the same global norm. A
-    gradient replicated on several ranks must be passed by exactly one of them, or by
-    all of them with no group over that axis. Returns the norm before clipping.
+    which ownership is partitioned (e.g. the ZeRO shards, the pipeline stages, the tensor-
+    parallel shards). The squared norm is summed over those groups, so every rank computes
+    the same global norm. A gradient replicated on several ranks must be passed by exactly
+    one of them, or by all of them with no group over that axis. The clipping factor is
+    applied to ``scale`` (default: ``grads``), which lets a rank clip gradients it does not
+    count. Returns the norm before clipping.
     """
     grads = [g for g in grads if g is not None]
+    scale = grads if scale is None else [g for g in scale if g is not None]
     if grads:
         sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
     else:
@@ -56,7 +60,7 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float,
     for group in groups:
         C.all_reduce(sq, group)
     norm = sq.sqrt()
-    if max_norm > 0 and grads:
+    if max_norm > 0 and scale:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        torch._foreach_mul_(scale, coef.to(scale[0].dtype))
     return float(norm)

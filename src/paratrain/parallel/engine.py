@@ -20,14 +20,15 @@ from torch import nn
 
 from ..optim import build_adamw, clip_grad_norm_, set_lr
 from .data import DataParallel
+from .tensor import TensorParallel
 
 
 class ReplicatedEngine(nn.Module):
     """DDP: every rank holds the model and a full AdamW; gradients are averaged."""
 
-    def __init__(self, dp: DataParallel, optim_cfg):
+    def __init__(self, dp: DataParallel, optim_cfg, tp: TensorParallel | None = None):
         super().__init__()
-        self.dp = dp
+        self.dp, self.tp = dp, tp
         self.module = dp.module
         self.optimizer = build_adamw([p for p in dp.module.parameters() if p.requires_grad], optim_cfg)
 
@@ -39,13 +40,20 @@ class ReplicatedEngine(nn.Module):
 
     def finish_grad_sync(self) -> None:
         self.dp.finish_grad_sync()
+        if self.tp is not None:  # norm weights under SP saw only their sequence shard
+            self.tp.sync_replicated_grads()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         self.dp.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        # Gradients are replicated on every data-parallel rank: the local norm is the global one.
-        return clip_grad_norm_([p.grad for p in self.module.parameters()], max_norm)
+        # Replicated over data-parallel ranks, so no dp reduction; over tensor-parallel ranks
+        # each rank counts its shards and one rank counts each replicated parameter.
+        grads = [p.grad for p in self.module.parameters()]
+        if self.tp is None:
+            return clip_grad_norm_(grads, max_norm)
+        owned = [p.grad for p in self.tp.owned_params()]
+        return clip_grad_norm_(owned, max_norm, groups=(self.tp.group,), scale=grads)
 
     def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -58,4 +66,6 @@ class ReplicatedEngine(nn.Module):
         return {"params": params, "grads": [p.grad for p in params], "optim": optim}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.tp is not None:
+            return self.tp.full_state_dict(self.module)
         return {k: v.detach().clone() for k, v in self.module.named_parameters()}

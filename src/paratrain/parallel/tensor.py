@@ -318,13 +318,16 @@ class TensorParallel:
         return summed.view(-1, p.numel())[C.rank(self.group) // spec.copies].view_as(p)
 
     @torch.no_grad()
-    def full_state_dict(self, model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, model: nn.Module, grads: bool = False,
+                        local: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The unsharded parameters (or their gradients) under the plain model's names, with
-        the vocabulary padding removed. Collective: every rank of the group must call it."""
+        the vocabulary padding removed. ``local`` supplies this rank's tensors by name when
+        the parameters themselves are not materialised (ZeRO-3). Collective: every rank of
+        the group must call it."""
         t = C.size(self.group)
         out = {}
         for name, p in model.named_parameters():
-            value = p.grad if grads else p
+            value = local[name] if local is not None else (p.grad if grads else p)
             if value is None:
                 value = torch.zeros_like(p)
             spec = self.specs.get(id(p))

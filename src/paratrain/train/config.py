@@ -137,8 +137,7 @@ CHOICES = {"cp_method": ("ring", "ulysses"), "schedule": ("gpipe", "1f1b", "inte
            "precision": ("fp32", "bf16"), "recompute": ("none", "selective", "full")}
 # Strategies whose code has not landed: rejected up front, never silently ignored.
 # Each maps to (what it is, the value that means "off").
-NOT_YET = {"tp": ("tensor parallelism", 1), "pp": ("pipeline parallelism", 1),
-           "sp": ("sequence parallelism", False)}
+NOT_YET = {"pp": ("pipeline parallelism", 1)}
 
 
 @dataclass
@@ -182,7 +181,6 @@ class Config:
                 got = getattr(section, name, None)
                 if got is not None and got not in value:
                     raise ConfigError(f"{name}={got!r} is not one of {', '.join(value)}")
-        self._check_implemented()
         try:
             self.layout.check_model(n_heads=self.model.n_heads, n_kv_heads=self.model.kv_heads,
                                     n_layers=self.model.n_layers, seq_len=self.data.seq_len,
@@ -190,11 +188,19 @@ class Config:
                                     cp_method=self.parallel.cp_method)
         except LayoutError as exc:
             raise ConfigError(str(exc)) from None
+        self._check_strategies()
         self._check_batch()
         return self
 
-    def _check_implemented(self) -> None:
+    def _check_strategies(self) -> None:
         p = self.parallel
+        if p.sp and p.tp == 1:
+            raise ConfigError("--sp shards the sequence over the tensor-parallel group: it needs --tp > 1")
+        if p.sp and (self.data.seq_len // p.cp) % p.tp:
+            raise ConfigError(f"sequence parallelism splits each rank's {self.data.seq_len // p.cp} "
+                              f"tokens over tp={p.tp}; use a seq_len divisible by {p.tp * p.cp}")
+        if self.model.ffn_dim % p.tp:
+            raise ConfigError(f"tp={p.tp} must divide the MLP width ffn_hidden={self.model.ffn_dim}")
         if p.zero and self.model.tie_embeddings:
             raise ConfigError("ZeRO shards each parameter once, so it cannot shard tied "
                               "embeddings; set tie_embeddings = false or --zero 0")
@@ -203,7 +209,8 @@ class Config:
             if value != off:
                 raise ConfigError(f"--{name} {value}: {what} is not implemented in this version "
                                   f"of paratrain yet; this version trains with data parallelism "
-                                  f"(--dp) ZeRO (--zero) and context parallelism (--cp)")
+                                  f"(--dp) ZeRO (--zero), tensor and sequence parallelism (--tp, --sp) and context "
+                                  f"parallelism (--cp)")
 
     def _check_batch(self) -> None:
         t, dp = self.train, self.parallel.dp

@@ -28,7 +28,8 @@ from torch.distributed import ProcessGroup
 
 from ...accounting import storage_bytes
 from ...comm import collectives as C
-from .flat import FlatUnit, build_unit, group_units
+from ..tensor import TensorParallel
+from .flat import build_unit, group_units
 from .optim import ShardedAdamW
 from .units import Unit, default_units
 
@@ -38,11 +39,13 @@ class ZeroDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group: ProcessGroup, stage: int, optim_cfg,
                  param_dtype: torch.dtype | None = None, offload: bool = False,
-                 track_peak: bool = False):
+                 track_peak: bool = False, tp: TensorParallel | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
-        self.module, self.group, self.stage = module, group, stage
+        self.module, self.group, self.stage, self.tp = module, group, stage, tp
+        if tp is not None:  # replicated TP gradients are summed as backward makes them
+            tp.register_grad_sync_hooks()
         with torch.no_grad():  # replicas must start identical
             for tensor in [*module.parameters(), *module.buffers()]:
                 C.broadcast(tensor, src=0, group=group)
@@ -166,7 +169,11 @@ class ZeroDataParallel(nn.Module):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global gradient norm from the shards (summed over the group); clip in place."""
-        return self.optimizer.clip_grad_norm_(max_norm, self.group)
+        if self.tp is None:
+            return self.optimizer.clip_grad_norm_(max_norm, (self.group,))
+        owned = {id(p) for p in self.tp.owned_params()}
+        not_owned = {id(p) for p in self.module.parameters() if id(p) not in owned}
+        return self.optimizer.clip_grad_norm_(max_norm, (self.group, self.tp.group), not_owned)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -203,6 +210,8 @@ class ZeroDataParallel(nn.Module):
                 C.all_gather(full, unit.shard, self.group)
             for name, view in zip(unit.flat.names, unit.flat.copy_out(full)):
                 out[name] = view.detach().clone()
+        if self.tp is not None:
+            return self.tp.full_state_dict(self.module, local=out)
         return out
 
 

@@ -53,10 +53,19 @@ class ShardedAdamW:
             self._bind_grads(lambda g: None)  # free the fp32 copies of the gradients
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, group) -> float:
+    def clip_grad_norm_(self, max_norm: float, groups: tuple, not_owned: set[int] = frozenset()) -> float:
+        """Global norm of the gradient shards, summed over ``groups``; parameters whose id is
+        in ``not_owned`` (replicated ones another rank counts) are left out of the sum."""
         grads = [u.grad_shard for u in self.units]
         sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-        C.all_reduce(sq, group)
+        for unit in self.units if not_owned else []:
+            start, end = unit.flat.shard_range
+            for p, offset in zip(unit.flat.params, unit.flat.offsets):
+                lo, hi = max(offset, start), min(offset + p.numel(), end)
+                if id(p) in not_owned and lo < hi:
+                    sq -= unit.grad_shard[lo - start:hi - start].float().pow(2).sum()
+        for group in groups:
+            C.all_reduce(sq, group)
         norm = sq.sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
