@@ -43,3 +43,30 @@ def test_tensor_parallel_with_data_zero_and_context_parallel_on_four_ranks(refer
     check(4, reference, tmp_path, dict(tp=4, sp=True), dict(dp=2, tp=2), dict(dp=2, tp=2, zero=1),
           dict(dp=2, tp=2, sp=True, zero=2), dict(dp=2, tp=2, zero=3), dict(tp=2, cp=2),
           dict(tp=2, sp=True, cp=2, cp_method="ring"))
+
+
+def test_pipeline_schedules_on_two_ranks(reference, tmp_path):
+    check(2, reference, tmp_path, dict(pp=2, schedule="gpipe", microbatches=4),
+          dict(pp=2, schedule="1f1b", microbatches=4), dict(pp=2, schedule="1f1b", microbatches=8),
+          dict(pp=2, schedule="1f1b", microbatches=4, recompute="full"))
+
+
+@pytest.fixture(scope="module")
+def reference4(tmp_path_factory):
+    """The same run with 4 layers, so 4 stages or 2 stages x 2 virtual stages fit."""
+    tmp = str(tmp_path_factory.mktemp("ref4"))
+    return run_world(train_runs, 1, [tiny_config(tmp, nproc=1, lr=1e-3, n_layers=4)])[0][0]
+
+
+def test_pipeline_with_data_tensor_parallel_and_interleaving_on_four_ranks(reference4, tmp_path):
+    check(4, reference4, tmp_path, dict(pp=4, n_layers=4, schedule="1f1b", microbatches=8),
+          dict(pp=4, n_layers=4, schedule="gpipe", microbatches=4),
+          dict(pp=2, n_layers=4, schedule="interleaved", virtual_stages=2, microbatches=4),
+          dict(dp=2, pp=2, n_layers=4, microbatches=2), dict(dp=2, pp=2, n_layers=4, zero=1),
+          dict(tp=2, pp=2, n_layers=4), dict(tp=2, sp=True, pp=2, n_layers=4))
+
+
+def test_dp_tp_pp_on_eight_ranks(reference4, tmp_path):
+    check(8, reference4, tmp_path, dict(dp=2, tp=2, pp=2, n_layers=4, microbatches=2),
+          dict(dp=2, tp=2, sp=True, pp=2, n_layers=4, schedule="interleaved", virtual_stages=2,
+               microbatches=2, zero=1))

@@ -2,7 +2,7 @@
 
 The order every strategy composes in:
 TP/SP -> CP -> pipeline split -> activation checkpointing -> ZeRO/DDP wrapping.
-Strategies not implemented yet are rejected up front by ``Config.validate``.
+Impossible combinations are rejected up front by ``Config.validate``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from .mesh import Mesh
 from .parallel.context import apply_context_parallel
 from .parallel.data import DataParallel
 from .parallel.engine import ReplicatedEngine
+from .parallel.pipeline import split_model
 from .parallel.recompute import apply_recompute
 from .parallel.tensor import apply_tensor_parallel
 from .parallel.zero import ZeroDataParallel
@@ -21,21 +22,26 @@ from .train.config import Config
 
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
-    """Wrap ``model`` (already on ``mesh.device``) for the layout in ``cfg``; returns an
-    engine (see parallel/engine.py) that owns the optimizer too.
+    """Parallelize ``model`` (already on ``mesh.device``) for the layout in ``cfg``; returns
+    an engine (see parallel/engine.py) that owns the optimizer too. Under pipeline
+    parallelism ``engine.module`` is the ``nn.ModuleList`` of this rank's chunks.
 
     Gradients are averaged over dp x cp: context-parallel ranks hold the same weights but
     see different tokens, exactly like data-parallel replicas.
     """
-    tp = None
-    if cfg.parallel.tp > 1:
-        tp = apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=cfg.parallel.sp)
-    if cfg.parallel.cp > 1:
-        apply_context_parallel(model, mesh.group("cp"), cfg.parallel.cp_method)
-    apply_recompute(model.layers, cfg.train.recompute)
+    p = cfg.parallel
+    tp = apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=p.sp) if p.tp > 1 else None
+    if p.cp > 1:
+        apply_context_parallel(model, mesh.group("cp"), p.cp_method)
+    pp_group = None
+    if p.pp > 1:
+        model = nn.ModuleList(split_model(model, mesh.coord("pp"), p.pp, p.virtual_stages))
+        pp_group = mesh.group("pp")
+    blocks = [b for chunk in model for b in chunk.layers.values()] if p.pp > 1 else model.layers
+    apply_recompute(blocks, cfg.train.recompute)
     group = mesh.group("dp-cp")
-    if cfg.parallel.zero:
+    if p.zero:
         dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
-        return ZeroDataParallel(model, group, cfg.parallel.zero, cfg.optim,
-                                param_dtype=dtype, offload=cfg.parallel.offload, tp=tp)
-    return ReplicatedEngine(DataParallel(model, group, bucket_mb=cfg.parallel.bucket_mb), cfg.optim, tp)
+        return ZeroDataParallel(model, group, p.zero, cfg.optim, param_dtype=dtype,
+                                offload=p.offload, tp=tp, pp_group=pp_group)
+    return ReplicatedEngine(DataParallel(model, group, bucket_mb=p.bucket_mb), cfg.optim, tp, pp_group)

@@ -15,8 +15,12 @@ An engine owns the parallel wrapper *and* the optimizer, because sharded strateg
 
 from __future__ import annotations
 
+import re
+
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from ..optim import build_adamw, clip_grad_norm_, set_lr
 from .data import DataParallel
@@ -26,9 +30,10 @@ from .tensor import TensorParallel
 class ReplicatedEngine(nn.Module):
     """DDP: every rank holds the model and a full AdamW; gradients are averaged."""
 
-    def __init__(self, dp: DataParallel, optim_cfg, tp: TensorParallel | None = None):
+    def __init__(self, dp: DataParallel, optim_cfg, tp: TensorParallel | None = None,
+                 pp_group: ProcessGroup | None = None):
         super().__init__()
-        self.dp, self.tp = dp, tp
+        self.dp, self.tp, self.pp_group = dp, tp, pp_group
         self.module = dp.module
         self.optimizer = build_adamw([p for p in dp.module.parameters() if p.requires_grad], optim_cfg)
 
@@ -49,11 +54,13 @@ class ReplicatedEngine(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> float:
         # Replicated over data-parallel ranks, so no dp reduction; over tensor-parallel ranks
         # each rank counts its shards and one rank counts each replicated parameter.
+        # Pipeline stages own disjoint parameters: their squared norms add up over pp.
         grads = [p.grad for p in self.module.parameters()]
+        stages = (self.pp_group,) if self.pp_group is not None else ()
         if self.tp is None:
-            return clip_grad_norm_(grads, max_norm)
+            return clip_grad_norm_(grads, max_norm, groups=stages)
         owned = [p.grad for p in self.tp.owned_params()]
-        return clip_grad_norm_(owned, max_norm, groups=(self.tp.group,), scale=grads)
+        return clip_grad_norm_(owned, max_norm, groups=(self.tp.group, *stages), scale=grads)
 
     def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -67,5 +74,19 @@ class ReplicatedEngine(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         if self.tp is not None:
-            return self.tp.full_state_dict(self.module)
-        return {k: v.detach().clone() for k, v in self.module.named_parameters()}
+            local = self.tp.full_state_dict(self.module)
+        else:
+            local = {k: v.detach().clone() for k, v in self.module.named_parameters()}
+        return merge_stages(local, self.pp_group)
+
+
+def merge_stages(local: dict[str, torch.Tensor], pp_group: ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's parameters under the plain model's names (collective over
+    ``pp_group``). A rank's chunks are a module list, so their names start with the chunk's
+    index ('0.layers.3...'), which is dropped."""
+    if pp_group is None:
+        return local
+    mine = {re.sub(r"^\d+\.", "", k): v.cpu() for k, v in local.items()}
+    stages: list = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(stages, mine, group=pp_group)
+    return {k: v for stage in stages for k, v in stage.items()}

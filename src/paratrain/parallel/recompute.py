@@ -12,6 +12,8 @@ again during the recomputation, which calls the original ``forward`` directly.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -27,7 +29,7 @@ def _recompute(module: nn.Module) -> None:
     module.forward = forward
 
 
-def apply_recompute(blocks: nn.ModuleList, policy: str) -> None:
+def apply_recompute(blocks: Iterable[nn.Module], policy: str) -> None:
     """Make the blocks (or their attention cores) recompute their forward in backward."""
     if policy not in POLICIES:
         raise ValueError(f"recompute policy {policy!r} is not one of {', '.join(POLICIES)}")

@@ -136,8 +136,6 @@ CHOICES = {"cp_method": ("ring", "ulysses"), "schedule": ("gpipe", "1f1b", "inte
            "backend": ("auto", "gloo", "nccl"), "remainder": ("drop", "pad"),
            "precision": ("fp32", "bf16"), "recompute": ("none", "selective", "full")}
 # Strategies whose code has not landed: rejected up front, never silently ignored.
-# Each maps to (what it is, the value that means "off").
-NOT_YET = {"pp": ("pipeline parallelism", 1)}
 
 
 @dataclass
@@ -161,7 +159,13 @@ class Config:
 
     @property
     def micro_batch(self) -> int:
-        return self.train.micro_batch or self.train.global_batch // self.parallel.dp
+        """Sequences per forward/backward on one rank: as given, else the rank's share of
+        the global batch split into ``microbatches`` (default 2 x pp under a pipeline)."""
+        if self.train.micro_batch:
+            return self.train.micro_batch
+        p = self.parallel
+        parts = p.microbatches or (2 * p.pp if p.pp > 1 else 1)
+        return max(1, self.train.global_batch // p.dp // parts)
 
     @property
     def accumulation(self) -> int:
@@ -204,13 +208,26 @@ class Config:
         if p.zero and self.model.tie_embeddings:
             raise ConfigError("ZeRO shards each parameter once, so it cannot shard tied "
                               "embeddings; set tie_embeddings = false or --zero 0")
-        for name, (what, off) in NOT_YET.items():
-            value = getattr(p, name)
-            if value != off:
-                raise ConfigError(f"--{name} {value}: {what} is not implemented in this version "
-                                  f"of paratrain yet; this version trains with data parallelism "
-                                  f"(--dp) ZeRO (--zero), tensor and sequence parallelism (--tp, --sp) and context "
-                                  f"parallelism (--cp)")
+        if p.pp > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        from ..parallel.pipeline import ScheduleError, schedule
+
+        p = self.parallel
+        if p.zero >= 2:
+            raise ConfigError(f"--zero {p.zero} reduce-scatters gradients after every microbatch, "
+                              f"which a pipeline runs many of per step; use --zero 1 with --pp "
+                              f"(DeepSpeed draws the same line)")
+        if self.model.tie_embeddings:
+            raise ConfigError("tied embeddings would live on the first and the last pipeline "
+                              "stage at once; set tie_embeddings = false to use --pp")
+        if p.virtual_stages > 1 and p.schedule != "interleaved":
+            raise ConfigError(f"--virtual-stages {p.virtual_stages} needs --schedule interleaved")
+        try:
+            schedule(p.schedule, p.pp, self.accumulation, p.virtual_stages)
+        except ScheduleError as exc:
+            raise ConfigError(str(exc)) from None
 
     def _check_batch(self) -> None:
         t, dp = self.train, self.parallel.dp
@@ -221,7 +238,7 @@ class Config:
             raise ConfigError(f"each rank gets {t.global_batch // dp} sequences per step, not a "
                               f"multiple of micro_batch={self.micro_batch}")
         m = self.parallel.microbatches
-        if m and self.parallel.pp == 1 and m != self.accumulation:
+        if m and m != self.accumulation:
             raise ConfigError(f"microbatches={m} but global_batch / (dp x micro_batch) = "
                               f"{self.accumulation}; leave microbatches at 0 or make them agree")
         if self.data.seq_len > self.model.max_seq_len:

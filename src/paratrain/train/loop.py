@@ -22,6 +22,7 @@ from ..mesh import Mesh
 from ..models.gpt import GPT
 from ..optim import lr_at
 from ..parallel.context import shard_batch
+from ..parallel.pipeline import forward_schedule, run_schedule, schedule
 from ..parallelize import parallelize
 from . import data as D
 from .config import Config
@@ -48,8 +49,8 @@ class Run:
 
     cfg: Config
     mesh: Mesh
-    model: GPT
     engine: torch.nn.Module
+    """The parallel model and its optimizer (parallel/engine.py)."""
     train_data: D.Samples
     val_data: D.Samples
     sampler: D.DistributedSampler
@@ -69,7 +70,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch,
                                    dp_rank=mesh.coord("dp"), dp_size=mesh.size("dp"),
                                    seed=cfg.train.seed, remainder=cfg.data.remainder)
-    return Run(cfg, mesh, model, engine, train_data,
+    return Run(cfg, mesh, engine, train_data,
                D.Samples(val_tokens, cfg.data.seq_len), sampler)
 
 
@@ -81,24 +82,61 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     scale = mesh.size("dp-cp") / global_tokens
     engine.zero_grad()
     micro = [local[i:i + cfg.micro_batch] for i in range(0, len(local), cfg.micro_batch)]
-    loss_sum = torch.zeros((), device=mesh.device)
-    for i, indices in enumerate(micro):
-        tokens, targets, positions = _local_batch(run.train_data, indices, mesh)
-        last = i == len(micro) - 1
-        # Only the last microbatch's backward reduces gradients; the context must cover
-        # backward, which is where the reduction is launched.
-        with contextlib.nullcontext() if last else engine.no_sync():
-            with _autocast(cfg, mesh):
-                loss = engine(tokens, targets, positions)
-            (loss * scale).backward()
-        loss_sum += loss.detach().float()
+    if cfg.parallel.pp > 1:
+        loss_sum = _pipeline(run, run.train_data, micro, scale, training=True)
+    else:
+        loss_sum = _accumulate(run, micro, scale)
     engine.finish_grad_sync()
     grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
     lr = lr_at(step, cfg.train.steps, cfg.optim)
     engine.step(lr)
-    C.all_reduce(loss_sum, mesh.group("dp-cp"))
+    _sum_loss(loss_sum, mesh)
     return {"loss": loss_sum.item() / global_tokens, "grad_norm": grad_norm, "lr": lr,
             "tokens": global_tokens}
+
+
+def _accumulate(run: Run, micro: list[list[int]], scale: float) -> torch.Tensor:
+    """Forward and backward of each microbatch in turn; gradients accumulate."""
+    loss_sum = torch.zeros((), device=run.mesh.device)
+    for i, indices in enumerate(micro):
+        tokens, targets, positions = _local_batch(run.train_data, indices, run.mesh)
+        last = i == len(micro) - 1
+        # Only the last microbatch's backward reduces gradients; the context must cover
+        # backward, which is where the reduction is launched.
+        with contextlib.nullcontext() if last else run.engine.no_sync():
+            with _autocast(run.cfg, run.mesh):
+                loss = run.engine(tokens, targets, positions)
+            (loss * scale).backward()
+        loss_sum += loss.detach().float()
+    return loss_sum
+
+
+def _pipeline(run: Run, samples: D.Samples, micro: list[list[int]], scale: float,
+              training: bool) -> torch.Tensor:
+    """This rank's part of the pipeline schedule over the microbatches (forward only when
+    not training); the summed loss is non-zero on the last stage only."""
+    cfg, mesh = run.cfg, run.mesh
+    p = cfg.parallel
+    batches = [_local_batch(samples, indices, mesh) for indices in micro]
+    seq = batches[0][0].shape[1]
+    positions = batches[0][2]
+    if p.sp:  # the stream between stages is cut along the sequence; attention sees all of it
+        positions = positions if positions is not None else torch.arange(seq, device=mesh.device)
+        seq //= p.tp
+    tables = (schedule(p.schedule, p.pp, len(micro), p.virtual_stages) if training
+              else forward_schedule(p.pp, len(micro), p.virtual_stages))
+    dtype = next(run.engine.module.parameters()).dtype
+    return run_schedule(tables[mesh.coord("pp")], list(run.engine.module),
+                        [(t, y) for t, y, _ in batches], mesh.group("pp"), scale, mesh.device,
+                        act_shape=(cfg.micro_batch, seq, cfg.model.d_model), act_dtype=dtype,
+                        no_sync=run.engine.no_sync if training else None, positions=positions,
+                        autocast=lambda: _autocast(cfg, mesh)).detach().float()
+
+
+def _sum_loss(loss_sum: torch.Tensor, mesh: Mesh) -> None:
+    """Total loss over the pipeline (only its last stage has it) and the dp x cp ranks."""
+    C.all_reduce(loss_sum, mesh.group("pp"))
+    C.all_reduce(loss_sum, mesh.group("dp-cp"))
 
 
 @torch.no_grad()
@@ -112,11 +150,15 @@ def evaluate(run: Run) -> float:
         indices = D.eval_indices(len(run.val_data), cfg.train.global_batch, b)
         count += D.valid_tokens(indices, cfg.data.seq_len)
         mine = indices[mesh.coord("dp") * share:(mesh.coord("dp") + 1) * share]
-        for i in range(0, share, cfg.micro_batch):
-            tokens, targets, positions = _local_batch(run.val_data, mine[i:i + cfg.micro_batch], mesh)
+        micro = [mine[i:i + cfg.micro_batch] for i in range(0, share, cfg.micro_batch)]
+        if cfg.parallel.pp > 1:
+            total += _pipeline(run, run.val_data, micro, 1.0, training=False)
+            continue
+        for indices_mb in micro:
+            tokens, targets, positions = _local_batch(run.val_data, indices_mb, mesh)
             with _autocast(cfg, mesh):
-                total += run.model(tokens, targets, positions).float()
-    C.all_reduce(total, mesh.group("dp-cp"))
+                total += run.engine.module(tokens, targets, positions).float()
+    _sum_loss(total, mesh)
     return total.item() / max(count, 1)
 
 

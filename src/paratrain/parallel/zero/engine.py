@@ -28,6 +28,7 @@ from torch.distributed import ProcessGroup
 
 from ...accounting import storage_bytes
 from ...comm import collectives as C
+from ..engine import merge_stages
 from ..tensor import TensorParallel
 from .flat import build_unit, group_units
 from .optim import ShardedAdamW
@@ -39,11 +40,13 @@ class ZeroDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group: ProcessGroup, stage: int, optim_cfg,
                  param_dtype: torch.dtype | None = None, offload: bool = False,
-                 track_peak: bool = False, tp: TensorParallel | None = None):
+                 track_peak: bool = False, tp: TensorParallel | None = None,
+                 pp_group: ProcessGroup | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
         self.module, self.group, self.stage, self.tp = module, group, stage, tp
+        self.pp_group = pp_group  # pipeline stages own disjoint parameters
         if tp is not None:  # replicated TP gradients are summed as backward makes them
             tp.register_grad_sync_hooks()
         with torch.no_grad():  # replicas must start identical
@@ -169,11 +172,12 @@ class ZeroDataParallel(nn.Module):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global gradient norm from the shards (summed over the group); clip in place."""
+        groups = (self.group,) + ((self.pp_group,) if self.pp_group is not None else ())
         if self.tp is None:
-            return self.optimizer.clip_grad_norm_(max_norm, (self.group,))
+            return self.optimizer.clip_grad_norm_(max_norm, groups)
         owned = {id(p) for p in self.tp.owned_params()}
         not_owned = {id(p) for p in self.module.parameters() if id(p) not in owned}
-        return self.optimizer.clip_grad_norm_(max_norm, (self.group, self.tp.group), not_owned)
+        return self.optimizer.clip_grad_norm_(max_norm, groups + (self.tp.group,), not_owned)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -211,8 +215,8 @@ class ZeroDataParallel(nn.Module):
             for name, view in zip(unit.flat.names, unit.flat.copy_out(full)):
                 out[name] = view.detach().clone()
         if self.tp is not None:
-            return self.tp.full_state_dict(self.module, local=out)
-        return out
+            out = self.tp.full_state_dict(self.module, local=out)
+        return merge_stages(out, self.pp_group)
 
 
 def _tensors(output) -> list[torch.Tensor]:

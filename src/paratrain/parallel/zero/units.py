@@ -12,17 +12,26 @@ from ...comm import collectives as C
 from .flat import FlatUnit
 
 
-def default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """One unit per element of a top-level ``nn.ModuleList`` (the transformer blocks) and
-    one per other top-level child that has parameters (embedding, final norm, head), in
-    the order the model runs them."""
+def default_units(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """The modules whose parameters ZeRO communicates together, in the order the model runs
+    them: one unit per element of a module list (the transformer blocks) and one per other
+    child that has parameters (embedding, final norm, head). Containers of such models (a
+    pipeline rank's chunks) are unpacked the same way."""
     units = []
     for name, child in model.named_children():
-        if isinstance(child, nn.ModuleList):
-            units += [(f"{name}.{i}", block) for i, block in enumerate(child)]
-        elif any(True for _ in child.parameters()):
-            units.append((name, child))
+        path = prefix + name
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            for key, element in child.named_children():
+                units += _unit_or_parts(element, f"{path}.{key}")
+        else:
+            units += _unit_or_parts(child, path)
     return units
+
+
+def _unit_or_parts(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    if any(isinstance(c, (nn.ModuleList, nn.ModuleDict)) for c in module.children()):
+        return default_units(module, path + ".")
+    return [(path, module)] if any(True for _ in module.parameters()) else []
 
 
 @dataclass

@@ -1,0 +1,28 @@
+"""Pipeline parallelism: stages of layers on different ranks, microbatches flowing through.
+
+* ``schedules``: GPipe, 1F1B and interleaved 1F1B as pure tables of actions per rank.
+* ``simulator``: executes tables with given costs (bubble, peak in-flight microbatches,
+  deadlock check). Like ``schedules`` and ``timeline``, no torch.
+* ``partition``: split a built GPT into each rank's chunks (virtual stages).
+* ``executor``: run any table with batched non-blocking point-to-point transfers.
+* ``timeline``: what each rank did when, recorded or simulated; the measured bubble.
+
+Typical use on each rank of a pipeline group::
+
+    chunks = split_model(model, pp_rank, pp, virtual_stages=v)
+    table = schedule("1f1b", pp, microbatches, v)[pp_rank]
+    loss = run_schedule(table, chunks, microbatches, pp_group, loss_scale, device,
+                        act_shape=(micro_batch, seq, d_model))
+"""
+
+from .executor import gather_timeline, run_schedule
+from .partition import PipelineChunk, split_layers, split_model
+from .schedules import (Action, ScheduleError, check, forward_schedule, notes, peak_inflight,
+                        schedule)
+from .simulator import Simulation, simulate
+from .timeline import Interval, Recorder, Timeline, theoretical_bubble
+
+__all__ = ["Action", "Interval", "PipelineChunk", "Recorder", "ScheduleError", "Simulation",
+           "Timeline", "check", "forward_schedule", "gather_timeline", "notes",
+           "peak_inflight", "run_schedule", "schedule", "simulate", "split_layers",
+           "split_model", "theoretical_bubble"]

@@ -1,0 +1,260 @@
+"""One executor for every pipeline schedule.
+
+``run_schedule`` walks one rank's action table (``schedules.schedule``) and does what each
+action says:
+
+* ``F``: run the chunk of that virtual stage on the microbatch's input (token ids on the
+  first stage, the received activation elsewhere) and keep the output for the backward.
+  The last stage returns the summed token loss.
+* ``B``: backpropagate the kept output with the received gradient (on the last stage:
+  the loss times ``loss_scale``); the input's gradient is what goes back. Everything kept
+  for this microbatch and stage is dropped.
+* A run of consecutive transfers is one batch of non-blocking point-to-point operations
+  (``collectives.send_recv``). Nothing waits at the batch: a computation waits only for
+  the batch carrying its input, and sends are waited for at the end of the step, so the
+  backend completes transfers while the rank computes (batches complete in posting order,
+  as NCCL groups do; the tables are checked deadlock-free under that rule).
+
+Loss scaling: the caller passes ``loss_scale = dp / tokens_in_global_batch``; every
+microbatch's summed loss is multiplied by it before backward, so after the data-parallel
+average the gradients equal those of the mean loss over the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ...comm import collectives as C
+from .schedules import Action, ScheduleError, batches, local_chunk, owner
+from .timeline import Recorder, Timeline
+
+# (tokens, targets) each (micro_batch, seq), optionally with the tokens' positions in the
+# full sequence (context parallelism gives each rank its own; None: 0..seq-1).
+Microbatch = tuple[torch.Tensor, ...]
+
+
+class _Batch:
+    """Posted transfers, waited for once, by whoever needs them first."""
+
+    def __init__(self, works: list, tensors: list[torch.Tensor]):
+        self.works, self.tensors, self.done = works, tensors, False
+
+    def wait(self) -> None:
+        if not self.done:
+            C.wait_all(self.works)
+            self.done, self.tensors = True, []
+
+
+class _Executor:
+    """The state of one step: tensors kept for backward, transfers in flight."""
+
+    def __init__(self, chunks: Sequence[nn.Module], microbatches: Sequence[Microbatch],
+                 group: ProcessGroup | None, loss_scale: float, device: torch.device,
+                 act_shape: tuple[int, ...], act_dtype: torch.dtype,
+                 positions: torch.Tensor | None, recorder: Recorder | None,
+                 autocast: Callable[[], ContextManager] | None, training: bool):
+        self.chunks, self.microbatches, self.group = chunks, microbatches, group
+        self.training = training  # False: a forward-only table, nothing kept for backward
+        self.p = C.size(group) if group is not None else 1
+        self.rank = C.rank(group) if group is not None else 0
+        self.last = self.p * len(chunks) - 1
+        self.loss_scale, self.device = loss_scale, device
+        self.act_shape, self.act_dtype, self.positions = act_shape, act_dtype, positions
+        self.recorder, self.autocast = recorder, autocast or contextlib.nullcontext
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (mb, stage) -> fed to chunk
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # kept for backward
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}  # gradient of an output
+        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}  # to send back
+        self.arriving: dict[tuple[str, int, int], _Batch] = {}  # receives not yet waited for
+        self.sends: list[_Batch] = []
+        self.loss = torch.zeros((), device=device)
+
+    # ---- timing --------------------------------------------------------------------------
+    def _timed(self, kind: str, mb: int, stage: int, fn: Callable[..., None], *args) -> None:
+        if self.recorder is None:
+            fn(*args)
+            return
+        start = self.recorder.now()
+        fn(*args)
+        self.recorder.add(kind, mb, stage, start, self.recorder.now())
+
+    def _await(self, key: tuple[str, int, int]) -> None:
+        """Wait for the batch bringing ``key`` (("x"|"g", mb, stage)), if still in flight."""
+        batch = self.arriving.pop(key, None)
+        if batch is not None and not batch.done:
+            self._timed("WAIT", -1, -1, batch.wait)
+
+    # ---- transfers -----------------------------------------------------------------------
+    def post(self, actions: list[Action]) -> None:
+        """Post a batch of transfers (recorded as POST: the cost of starting them)."""
+        self._timed("POST", -1, -1, self._post, actions)
+
+    def _post(self, actions: list[Action]) -> None:
+        if self.group is None:
+            raise ScheduleError("the schedule has transfers but no pipeline group was given")
+        ops, received = [], []
+        for a in actions:
+            key = (a.microbatch, a.stage)
+            if a.kind == "SEND_F":
+                out = self.outputs[key] if self.training else self.outputs.pop(key)
+                ops.append(C.P2P("send", out.detach().contiguous(), a.peer))
+            elif a.kind == "SEND_B":
+                ops.append(C.P2P("send", self.input_grads.pop(key).contiguous(), a.peer))
+            else:
+                buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+                ops.append(C.P2P("recv", buf, a.peer))
+                received.append((a, buf))
+        # Receives first: on gloo a posted receive lets the peer's payload flow at once.
+        # A stable sort keeps each channel's order, which is what matching relies on.
+        ops.sort(key=lambda op: op.kind != "recv")
+        batch = _Batch(C.send_recv(ops, self.group), [op.tensor for op in ops])
+        for a, buf in received:
+            if a.kind == "RECV_F":
+                self.inputs[(a.microbatch, a.stage)] = buf
+                self.arriving[("x", a.microbatch, a.stage)] = batch
+            else:
+                self.grads[(a.microbatch, a.stage)] = buf
+                self.arriving[("g", a.microbatch, a.stage)] = batch
+        if any(a.kind.startswith("SEND") for a in actions):
+            self.sends.append(batch)
+
+    def finish(self) -> None:
+        """Wait for every send: their buffers may be reused once the step returns."""
+        for batch in self.sends:
+            if not batch.done:
+                self._timed("WAIT", -1, -1, batch.wait)
+        self.sends = []
+
+    # ---- compute -------------------------------------------------------------------------
+    def forward(self, a: Action) -> None:
+        mb, s = a.microbatch, a.stage
+        tokens, targets, *rest = self.microbatches[mb]
+        positions = rest[0] if rest and rest[0] is not None else self.positions
+        if s == 0:
+            x = tokens
+        else:
+            self._await(("x", mb, s))
+            x = self.inputs[(mb, s)].requires_grad_() if self.training else self.inputs.pop((mb, s))
+        chunk = self.chunks[local_chunk(s, self.p)]
+
+        def run() -> None:
+            with self.autocast():
+                out = chunk(x, targets if s == self.last else None, positions)
+            if s == self.last:
+                self.loss += out.detach().float()
+            if self.training or (s != self.last and owner(s + 1, self.p) != self.rank):
+                self.outputs[(mb, s)] = out  # kept for backward, or until sent
+            if s != self.last and owner(s + 1, self.p) == self.rank:  # next chunk here
+                self.inputs[(mb, s + 1)] = out.detach()
+
+        self._timed("F", mb, s, run)
+
+    def backward(self, a: Action, context: ContextManager) -> None:
+        mb, s = a.microbatch, a.stage
+        if s != self.last:
+            self._await(("g", mb, s))
+
+        def run() -> None:
+            out = self.outputs.pop((mb, s))
+            if s == self.last:
+                grad = torch.full_like(out, self.loss_scale)
+            else:
+                grad = self.grads.pop((mb, s))
+            with context:
+                torch.autograd.backward(out, grad)
+            if s > 0:
+                input_grad = self.inputs.pop((mb, s)).grad
+                if owner(s - 1, self.p) == self.rank:
+                    self.grads[(mb, s - 1)] = input_grad
+                else:
+                    self.input_grads[(mb, s)] = input_grad
+
+        self._timed("B", mb, s, run)
+
+
+def run_schedule(actions: list[Action], chunks: Sequence[nn.Module],
+                 microbatches: Sequence[Microbatch], pp_group: ProcessGroup | None,
+                 loss_scale: float, device: torch.device, act_shape: tuple[int, ...],
+                 act_dtype: torch.dtype = torch.float32,
+                 no_sync: Callable[[], ContextManager] | None = None,
+                 recorder: Recorder | None = None, positions: torch.Tensor | None = None,
+                 autocast: Callable[[], ContextManager] | None = None) -> torch.Tensor:
+    """Run this rank's ``actions`` for one step; return the summed, unscaled loss of all
+    microbatches on the rank holding the last stage (zero elsewhere). A table without
+    backwards (``schedules.forward_schedule``) runs under ``torch.no_grad`` (evaluation).
+
+    ``chunks[c]`` is virtual stage ``c * pp + rank`` (``partition.split_model``);
+    ``microbatches[i]`` is microbatch i's (tokens, targets[, positions]): the first stage
+    reads tokens, the last reads targets. ``positions`` (default: 0..L-1 for a stream of
+    length L) are the places of the tokens attention sees, for the rotary tables: pass
+    them when they differ, e.g. arange(seq) under Megatron-SP (the stream is cut along the
+    sequence, attention sees all of it) or the rank's shard under context parallelism.
+    ``act_shape`` is the shape of the activations received from other stages:
+    (micro_batch, seq, d_model), ``seq`` as this rank's stream holds it.
+    ``no_sync`` (e.g. ``DataParallel.no_sync``) covers every backward except each chunk's
+    last, so the data-parallel reduction starts only with the final backward of each chunk
+    and overlaps the rest. ``autocast`` wraps each forward (e.g. bf16 autocast).
+    ``pp_group`` may be None for a pipeline of one rank.
+    """
+    training = any(a.kind == "B" for a in actions)
+    run = _Executor(chunks, microbatches, pp_group, loss_scale, device, act_shape, act_dtype,
+                    positions, recorder, autocast, training)
+    _check(actions, run)
+    with contextlib.nullcontext() if training else torch.no_grad():
+        _run(actions, run, no_sync, recorder)
+    return run.loss
+
+
+def _run(actions: list[Action], run: _Executor, no_sync: Callable[[], ContextManager] | None,
+         recorder: Recorder | None) -> None:
+    final = _last_backwards(actions)
+    if recorder is not None:
+        recorder.begin_step()
+    for item in batches(actions):
+        if isinstance(item, list):
+            run.post(item)
+        elif item.kind == "F":
+            run.forward(item)
+        else:
+            last = final[item.stage] is item
+            run.backward(item, contextlib.nullcontext() if last or no_sync is None else no_sync())
+    run.finish()
+    if recorder is not None:
+        recorder.end_step()
+
+
+def _last_backwards(actions: list[Action]) -> dict[int, Action]:
+    """The final backward of each virtual stage: the only one allowed to reduce gradients."""
+    final = {}
+    for a in actions:
+        if a.kind == "B":
+            final[a.stage] = a
+    return final
+
+
+def _check(actions: list[Action], run: _Executor) -> None:
+    stages = {a.stage for a in actions if a.kind == "F"}
+    wanted = {run.rank + c * run.p for c in range(len(run.chunks))}
+    if stages != wanted:
+        raise ScheduleError(f"rank {run.rank} was given {len(run.chunks)} chunks (virtual stages "
+                            f"{sorted(wanted)}) but its table runs stages {sorted(stages)}: "
+                            f"build the table with chunks={len(run.chunks)} and this rank's row")
+    used = {a.microbatch for a in actions if a.kind == "F"}
+    if used and max(used) >= len(run.microbatches):
+        raise ScheduleError(f"the table runs {max(used) + 1} microbatches but "
+                            f"{len(run.microbatches)} were given")
+
+
+def gather_timeline(recorder: Recorder, pp_group: ProcessGroup, schedule: str,
+                    microbatches: int, chunks: int = 1) -> Timeline:
+    """Every pipeline rank's recorded steps, on every rank (collective over ``pp_group``);
+    ``.save(path)`` it for ``paratrain trace --run``."""
+    everyone: list = [None] * C.size(pp_group)
+    dist.all_gather_object(everyone, recorder.to_dict(), group=pp_group)
+    return Timeline.from_recorders(schedule, len(everyone), microbatches, chunks, everyone)

@@ -1,0 +1,153 @@
+"""Split a built GPT into the chunks one pipeline rank runs.
+
+Virtual stage ``k`` of ``pp * v`` gets a contiguous run of transformer blocks, balanced by
+a cost per block (uniform by default); the token embedding joins the first virtual stage
+and the final norm, output projection and loss the last. Rank ``r`` keeps the chunks of
+virtual stages ``r, r + pp, r + 2pp, ...`` (Megatron's interleaving) and the parameters of
+every other stage are released, so each rank holds about 1/pp of the model.
+
+Chunks keep the GPT's module names (``layers.5.attn.wq.weight`` stays that), so gradients,
+optimizer states and checkpoints line up with the unsplit model.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ...layout import Layout, LayoutError
+from ...models.gpt import GPT
+
+
+class PipelineChunk(nn.Module):
+    """A contiguous slice of a GPT: optionally the embedding, some blocks, optionally the
+    head and loss.
+
+    ``forward(x, targets=None, positions=None)`` takes token ids on the first virtual
+    stage and the residual stream (batch, seq, d_model) elsewhere; it returns the residual
+    stream, or on the last virtual stage the summed token loss against ``targets``.
+    """
+
+    def __init__(self, model: GPT, stage: int, num_stages: int, layers: range):
+        super().__init__()
+        self.stage, self.num_stages = stage, num_stages
+        self.layer_ids = layers
+        first, last = stage == 0, stage == num_stages - 1
+        self.tok_embeddings = model.tok_embeddings if first else None
+        # Keyed by the original index so parameter names match the unsplit GPT.
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self.loss_fn = model.loss_fn if last else None
+        # Rotary tables are shared with the model (no copy); each chunk needs the angles
+        # of the sequence positions it sees.
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the rotary angles at ``positions`` (as ``GPT.rope``)."""
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)
+        cos, sin = self.rope(positions)
+        h = self.tok_embeddings(x) if self.is_first else x
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if not self.is_last:
+            return h
+        if targets is None:
+            raise ValueError(f"virtual stage {self.stage} is the last one and computes the "
+                             f"loss: pass targets")
+        return self.loss_fn(self.output(self.norm(h)), targets)
+
+    def extra_repr(self) -> str:
+        ids = self.layer_ids
+        return f"stage={self.stage}/{self.num_stages}, layers={ids.start}..{ids.stop - 1}"
+
+
+def split_layers(n_layers: int, parts: int, layer_costs: Sequence[float] | None = None,
+                 embed_cost: float = 0.0, head_cost: float = 0.0) -> list[range]:
+    """Cut ``n_layers`` blocks into ``parts`` contiguous non-empty runs minimising the most
+    expensive run. The embedding's cost counts toward the first run, the head's toward
+    the last (all in units of one block when ``layer_costs`` is uniform)."""
+    if not 1 <= parts <= n_layers:
+        raise LayoutError(f"cannot split {n_layers} layers into {parts} pipeline chunks: every "
+                          f"chunk needs at least one layer; use pp*virtual_stages <= {n_layers}")
+    costs = [1.0] * n_layers if layer_costs is None else [float(c) for c in layer_costs]
+    if len(costs) != n_layers:
+        raise ValueError(f"layer_costs has {len(costs)} entries for {n_layers} layers")
+    if layer_costs is None and not embed_cost and not head_cost and n_layers % parts == 0:
+        size = n_layers // parts
+        return [range(i * size, (i + 1) * size) for i in range(parts)]
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def run_cost(a: int, b: int, k: int) -> float:  # layers a..b-1 as run k
+        return (prefix[b] - prefix[a] + (embed_cost if k == 0 else 0.0)
+                + (head_cost if k == parts - 1 else 0.0))
+
+    # best[k][i]: smallest achievable maximum cost putting layers 0..i-1 into runs 0..k-1.
+    inf = float("inf")
+    best = [[inf] * (n_layers + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n_layers + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n_layers - (parts - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], run_cost(j, i, k - 1))
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    bounds, i = [], n_layers
+    for k in range(parts, 0, -1):
+        bounds.append(range(cut[k][i], i))
+        i = cut[k][i]
+    return bounds[::-1]
+
+
+def split_model(model: GPT, pp_rank: int, pp_size: int, virtual_stages: int = 1,
+                layer_costs: Sequence[float] | None = None, embed_cost: float = 0.0,
+                head_cost: float = 0.0) -> list[PipelineChunk]:
+    """This rank's chunks of ``model``, in local order (chunk c is virtual stage
+    c * pp_size + pp_rank). The model is consumed: parameters of other ranks' stages are
+    released (their storage freed) and only the returned chunks remain usable."""
+    cfg = model.cfg
+    Layout(pp=pp_size).check_model(n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads,
+                                   n_layers=cfg.n_layers, seq_len=cfg.max_seq_len,
+                                   virtual_stages=virtual_stages)
+    if not 0 <= pp_rank < pp_size:
+        raise LayoutError(f"pp_rank={pp_rank} is outside a pipeline of {pp_size} ranks")
+    num_stages = pp_size * virtual_stages
+    if cfg.tie_embeddings and pp_size > 1:
+        raise LayoutError("tie_embeddings shares the embedding (first stage) with the output "
+                          "projection (last stage), which live on different pipeline ranks; "
+                          "set tie_embeddings = false to use pp > 1")
+    runs = split_layers(cfg.n_layers, num_stages, layer_costs, embed_cost, head_cost)
+    chunks = [PipelineChunk(model, s, num_stages, runs[s])
+              for s in range(pp_rank, num_stages, pp_size)]
+    _release_others(model, chunks)
+    return chunks
+
+
+@torch.no_grad()
+def _release_others(model: nn.Module, chunks: list[PipelineChunk]) -> None:
+    """Free the storage of every parameter no local chunk uses: the caller may still
+    hold the model, and memory must fall by ~pp all the same."""
+    kept = {id(p) for chunk in chunks for p in chunk.parameters()}
+    for p in model.parameters():
+        if id(p) not in kept:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.grad = None

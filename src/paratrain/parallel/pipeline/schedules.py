@@ -1,0 +1,307 @@
+"""Pipeline schedules as data: each rank's ordered list of actions.
+
+A pipeline of ``p`` ranks holds ``p * v`` virtual stages (``v`` chunks per rank). Following
+Megatron, chunk ``c`` of rank ``r`` is virtual stage ``c * p + r``, so every chunk boundary
+is a hop to the next rank and the last virtual stage sits on the last rank.
+
+``schedule(kind, stages, microbatches, chunks)`` returns, for every rank, the actions it
+runs in order: ``F``/``B`` (forward/backward of a microbatch on a virtual stage) and the
+transfers they imply: ``SEND_F``/``RECV_F`` carry activations to the next stage,
+``SEND_B``/``RECV_B`` carry gradients to the previous one. A run of consecutive transfers
+is one *batch*, posted at once without blocking; a batch completes only when every peer
+has posted the matching transfers, and a computation waits for the batch carrying its
+input. Sends and receives between two ranks match in the order they are posted (as in
+gloo and NCCL), and the tables are built so that order agrees on both sides.
+
+* **GPipe**: every forward, then every backward. Stage s holds all m microbatches.
+* **1F1B**: stage s warms up with p - s - 1 forwards, then alternates one forward and one
+  backward, then drains the remaining backwards: at most p - s microbatches in flight.
+* **Interleaved 1F1B** (Megatron): 1F1B over chunk-sized work units, microbatches taken in
+  groups of p per chunk; the bubble shrinks by v for v times as many transfers.
+
+``simulator.simulate(tables)`` executes the tables with given costs; ``peak_inflight``
+gives the activation memory of a schedule from its compute order alone. Pure Python: no
+torch.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+from ...layout import LayoutError
+from .timeline import theoretical_bubble
+
+KINDS = ("gpipe", "1f1b", "interleaved")
+COMPUTE = ("F", "B")
+TRANSFERS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+class ScheduleError(LayoutError):
+    """A schedule that cannot run (bad sizes, unmatched transfers, deadlock); the message
+    names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's schedule."""
+
+    kind: str
+    """F or B (compute), or SEND_F, RECV_F, SEND_B, RECV_B (transfers)."""
+    microbatch: int
+    """Which microbatch."""
+    stage: int
+    """The virtual stage on *this* rank the action serves: the one computed (F, B), whose
+    output is sent (SEND_F), whose input is received (RECV_F), whose input gradient is
+    sent (SEND_B) or whose output gradient is received (RECV_B)."""
+    peer: int = -1
+    """Pipeline rank at the other end of a transfer; -1 for compute."""
+
+    @property
+    def is_transfer(self) -> bool:
+        return self.kind in TRANSFERS
+
+    def __str__(self) -> str:
+        peer = ""
+        if self.is_transfer:
+            peer = f"->{self.peer}" if self.kind.startswith("SEND") else f"<-{self.peer}"
+        return f"{self.kind}(mb={self.microbatch}, stage={self.stage}{peer})"
+
+
+def owner(stage: int, stages: int) -> int:
+    """Pipeline rank holding virtual ``stage``."""
+    return stage % stages
+
+
+def local_chunk(stage: int, stages: int) -> int:
+    """Index of virtual ``stage`` among its rank's chunks."""
+    return stage // stages
+
+
+# ---- validation ----------------------------------------------------------------------------
+
+
+def check(kind: str, stages: int, microbatches: int, chunks: int = 1) -> None:
+    """Raise ``ScheduleError`` naming the fix unless the schedule can be built."""
+    if kind not in KINDS:
+        raise ScheduleError(f"unknown pipeline schedule {kind!r}; pick one of {', '.join(KINDS)}")
+    for name, value in (("stages (pp)", stages), ("microbatches", microbatches),
+                        ("chunks (virtual stages)", chunks)):
+        if not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name}={value!r} must be a positive integer")
+    if kind != "interleaved" and chunks != 1:
+        raise ScheduleError(f"{kind} runs one chunk per rank but virtual_stages={chunks}; use "
+                            f"--schedule interleaved or --virtual-stages 1")
+    if kind == "interleaved":
+        if chunks < 2:
+            raise ScheduleError("interleaved 1F1B needs --virtual-stages >= 2 (with one chunk "
+                                "per rank it is plain 1F1B: use --schedule 1f1b)")
+        if microbatches % stages:
+            fix = max(stages, microbatches // stages * stages)
+            raise ScheduleError(
+                f"interleaved 1F1B runs microbatches in groups of pp={stages}, but "
+                f"microbatches={microbatches} is not a multiple of {stages}; use "
+                f"--microbatches {fix} or {fix + stages}")
+
+
+def notes(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[str]:
+    """Advice on a valid but wasteful configuration (printed by ``paratrain trace``)."""
+    out = []
+    if stages > 1 and microbatches < stages:
+        bubble = theoretical_bubble(stages, microbatches, chunks)
+        out.append(f"microbatches={microbatches} < pp={stages}: the pipeline never fills; every "
+                   f"rank idles {bubble:.0%} of the step (1F1B degenerates to GPipe). Use at "
+                   f"least {stages}, ideally {4 * stages}, microbatches.")
+    return out
+
+
+# ---- tables --------------------------------------------------------------------------------
+
+
+def schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
+    """Each pipeline rank's ordered actions, transfers included."""
+    check(kind, stages, microbatches, chunks)
+    order = _ORDERS[kind]
+    return place_transfers([order(stages, microbatches, chunks, r) for r in range(stages)],
+                           stages, chunks)
+
+
+def forward_schedule(stages: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
+    """Each rank's actions for a forward-only pass (evaluation): every microbatch through
+    chunk 0, then chunk 1, ..., with the activation transfers; no backward."""
+    check("gpipe", stages, microbatches)  # any sizes work without backward
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ScheduleError(f"chunks (virtual stages)={chunks!r} must be a positive integer")
+    orders = [[("F", mb, c * stages + r) for c in range(chunks) for mb in range(microbatches)]
+              for r in range(stages)]
+    return place_transfers(orders, stages, chunks)
+
+
+def peak_inflight(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[float]:
+    """Peak in-flight microbatches of each rank (forwarded, not yet backwarded; a chunk
+    counts 1/chunks), from the compute order alone: the same numbers as
+    ``simulate(...).peak_inflight`` in a fraction of the time (for the planner)."""
+    check(kind, stages, microbatches, chunks)
+    order = _ORDERS[kind]
+    peaks = []
+    for r in range(stages):
+        alive = peak = 0
+        for work in order(stages, microbatches, chunks, r):
+            alive += 1 if work[0] == "F" else -1
+            peak = max(peak, alive)
+        peaks.append(peak / chunks)
+    return peaks
+
+
+Work = tuple[str, int, int]  # (F or B, microbatch, virtual stage)
+
+
+def _gpipe(p: int, m: int, v: int, r: int) -> list[Work]:
+    return [("F", i, r) for i in range(m)] + [("B", i, r) for i in range(m)]
+
+
+def _one_f_one_b(p: int, m: int, v: int, r: int) -> list[Work]:
+    warmup = min(p - r - 1, m)
+    order = [("F", i, r) for i in range(warmup)]
+    for i in range(m - warmup):  # steady state: one forward, one backward
+        order += [("F", warmup + i, r), ("B", i, r)]
+    return order + [("B", i, r) for i in range(m - warmup, m)]
+
+
+def _interleaved(p: int, m: int, v: int, r: int) -> list[Work]:
+    total = m * v  # chunk-sized work units per rank
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        # Units go p microbatches at a time through chunk 0, 1, ... (backwards: v-1, ...).
+        group, pos = divmod(k, p * v)
+        chunk = pos // p if forward else v - 1 - pos // p
+        return group * p + pos % p, chunk * p + r
+
+    # Megatron's warm-up: enough forwards that the first backward's gradient arrives just
+    # as it is needed. (Megatron runs m == p all-forward-then-backward; these tables do
+    # not need to: the simulator finds them deadlock-free, and they hold fewer activations.)
+    warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+    order = [("F", *unit(k, True)) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [("F", *unit(warmup + k, True)), ("B", *unit(k, False))]
+    return order + [("B", *unit(k, False)) for k in range(total - warmup, total)]
+
+
+_ORDERS = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}
+
+
+def _needs(kind: str, s: int, last: int) -> int | None:
+    """The stage whose result a computation consumes (None: nothing from another stage)."""
+    if kind == "F":
+        return s - 1 if s > 0 else None
+    return s + 1 if s < last else None
+
+
+def place_transfers(orders: list[list[Work]], p: int, v: int) -> list[list[Action]]:
+    """Turn each rank's compute order into actions with the transfers it implies.
+
+    Transfers go where a run with unit costs puts them: a send right after the
+    computation that produced the tensor, the matching receive in the receiver's first
+    gap between computations at or after that moment. Each batch (the transfers between
+    two computations) then meets its peers' batches at the same moment, the lock-step
+    exchange Megatron's schedules make. A receive placed just before its use instead
+    deadlocks the ring of an interleaved pipeline when a rank's batches complete in order
+    (NCCL groups on one stream): the simulator finds such cycles for most sizes. Both
+    sides of a pair post their transfers in production order, so they match.
+    """
+    last = p * v - 1
+    starts = _unit_cost_starts(orders, p, last)
+    done = {(k, mb, s): t + 1 for r in range(p) for (k, mb, s), t in zip(orders[r], starts[r])}
+    gaps: list[list[list[tuple[float, Action]]]] = [[[] for _ in range(len(o) + 1)] for o in orders]
+    for r, order in enumerate(orders):
+        for i, (kind, mb, s) in enumerate(order):
+            src = _needs(kind, s, last)
+            if src is None or owner(src, p) == r:
+                continue
+            made = done[("F" if kind == "F" else "B", mb, src)]
+            gap = bisect_left(starts[r], made)  # first computation starting at or after it
+            kind_r = "RECV_F" if kind == "F" else "RECV_B"
+            gaps[r][gap].append((made, Action(kind_r, mb, s, owner(src, p))))
+    tables = []
+    for r, order in enumerate(orders):
+        actions: list[Action] = []
+        for i, (kind, mb, s) in enumerate(order):
+            actions += [a for _, a in sorted(gaps[r][i], key=lambda x: x[0])]
+            actions.append(Action(kind, mb, s))
+            dst = s + 1 if kind == "F" else s - 1
+            if 0 <= dst <= last and owner(dst, p) != r:
+                actions.append(Action("SEND_F" if kind == "F" else "SEND_B", mb, s, owner(dst, p)))
+        actions += [a for _, a in sorted(gaps[r][-1], key=lambda x: x[0])]
+        tables.append(actions)
+    return tables
+
+
+def _unit_cost_starts(orders: list[list[Work]], p: int, last: int) -> list[list[int]]:
+    """Start time of every computation when each takes one unit and transfers are free."""
+    finish: dict[Work, int] = {}
+    starts: list[list[int]] = [[] for _ in range(p)]
+    clock, pos = [0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                kind, mb, s = orders[r][pos[r]]
+                src = _needs(kind, s, last)
+                deps = [(kind, mb, src)] if src is not None else []
+                if kind == "B":
+                    deps.append(("F", mb, s))
+                if any(d not in finish for d in deps):
+                    break
+                start = max([clock[r], *(finish[d] for d in deps)])
+                starts[r].append(start)
+                clock[r] = finish[(kind, mb, s)] = start + 1
+                pos[r] += 1
+                progress = True
+    if any(pos[r] < len(orders[r]) for r in range(p)):
+        raise ScheduleError("the compute orders wait on each other (a backward before its "
+                            "forward, or a stage before its input): the schedule is invalid")
+    return starts
+
+
+def batches(actions: list[Action]) -> list[Action | list[Action]]:
+    """Group a rank's actions as the executor runs them: compute actions alone, runs of
+    consecutive transfers as one list (posted together, completing together)."""
+    items: list[Action | list[Action]] = []
+    for action in actions:
+        if not action.is_transfer:
+            items.append(action)
+        elif items and isinstance(items[-1], list):
+            items[-1].append(action)
+        else:
+            items.append([action])
+    return items
+
+
+def check_transfers(tables: list[list[Action]]) -> None:
+    """Raise ``ScheduleError`` unless, for every pair of ranks, the n-th send from one is
+    the n-th receive of the other (same microbatch, neighbouring stages, same kind).
+
+    Backends match point-to-point messages by order, so a mismatch would hand one
+    microbatch's tensor to another (or hang), not fail loudly."""
+    sends: dict[tuple[int, int], list[Action]] = {}
+    recvs: dict[tuple[int, int], list[Action]] = {}
+    for r, actions in enumerate(tables):
+        for a in actions:
+            if a.kind.startswith("SEND"):
+                sends.setdefault((r, a.peer), []).append(a)
+            elif a.kind.startswith("RECV"):
+                recvs.setdefault((a.peer, r), []).append(a)
+    for channel in sends.keys() | recvs.keys():
+        src, dst = channel
+        out, inc = sends.get(channel, []), recvs.get(channel, [])
+        if len(out) != len(inc):
+            raise ScheduleError(f"rank {src} sends {len(out)} tensors to rank {dst}, which "
+                                f"receives {len(inc)}: the tables are inconsistent")
+        for n, (s, t) in enumerate(zip(out, inc)):
+            step = 1 if s.kind == "SEND_F" else -1
+            if (t.kind != "RECV" + s.kind[4:] or t.microbatch != s.microbatch
+                    or t.stage != s.stage + step):
+                raise ScheduleError(f"transfer {n} from rank {src} to rank {dst} is {s} on the "
+                                    f"sender but {t} on the receiver: reorder the tables so "
+                                    f"both sides post transfers in the same order")
