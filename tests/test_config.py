@@ -34,7 +34,11 @@ def test_every_field_is_a_flag():
 
 
 @pytest.mark.parametrize("overrides, words", [
-    ({"pp": 2, "dp": 1}, "pipeline parallelism is not implemented"),
+    ({"pp": 2, "dp": 1, "zero": 2}, "use --zero 1 with --pp"),
+    ({"pp": 2, "dp": 1, "virtual_stages": 3}, "needs --schedule interleaved"),
+    ({"pp": 2, "dp": 1, "virtual_stages": 2, "schedule": "interleaved"}, "cannot be split into pp=2 x virtual_stages=2"),
+    ({"pp": 3, "dp": 1, "preset": "tiny", "seq_len": 32}, "2 layers cannot be split"),
+    ({"pp": 2, "dp": 1, "tie_embeddings": True}, "set tie_embeddings = false"),
     ({"zero": 1, "tie_embeddings": True}, "cannot shard tied embeddings"),
     ({"sp": True}, "needs --tp > 1"),
     ({"tp": 2, "sp": True, "seq_len": 31, "dp": 1}, "divisible by 2"),
@@ -65,5 +69,5 @@ def test_bad_file(tmp_path):
 
 
 def test_cli_reports_config_errors_without_spawning(capsys):
-    assert main(["train", "--pp", "2", "--nproc", "2", "--dp", "1"]) == 2
-    assert "pipeline parallelism is not implemented" in capsys.readouterr().err
+    assert main(["train", "--tp", "4", "--nproc", "4", "--dp", "1"]) == 2
+    assert "tp=4 must divide the 6 attention heads" in capsys.readouterr().err
