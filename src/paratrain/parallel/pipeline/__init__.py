@@ -15,14 +15,25 @@ Typical use on each rank of a pipeline group::
                         act_shape=(micro_batch, seq, d_model))
 """
 
-from .executor import gather_timeline, run_schedule
-from .partition import PipelineChunk, split_layers, split_model
+import importlib
+
 from .schedules import (Action, ScheduleError, check, forward_schedule, notes, peak_inflight,
                         schedule)
 from .simulator import Simulation, simulate
 from .timeline import Interval, Recorder, Timeline, theoretical_bubble
 
+# The executor and the partition need torch; they are imported on first use, so the
+# planner can read tables and simulate them without importing torch.
+_LAZY = {"run_schedule": ".executor", "gather_timeline": ".executor",
+         "PipelineChunk": ".partition", "split_layers": ".partition", "split_model": ".partition"}
+
 __all__ = ["Action", "Interval", "PipelineChunk", "Recorder", "ScheduleError", "Simulation",
            "Timeline", "check", "forward_schedule", "gather_timeline", "notes",
            "peak_inflight", "run_schedule", "schedule", "simulate", "split_layers",
            "split_model", "theoretical_bubble"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

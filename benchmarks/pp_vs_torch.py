@@ -1,0 +1,230 @@
+"""Pipeline step time: paratrain's GPipe and 1F1B against torch.distributed.pipelining.
+
+Same GPT (8 layers, ~1.7M parameters), same split into stages, same microbatches and data,
+same AdamW, in one world per pipeline size: each sweep times every (schedule, runner)
+pair for a few steps, and the median over sweeps is reported (the machine is shared, so
+interleaving the runners spreads the noise over both). A step is timed from a barrier to
+the end of the optimizer step on the slowest rank; the CPU time all ranks spent on it is
+reported too, a measure of work that other jobs on the machine do not inflate.
+paratrain's executor also records its
+timeline, giving the measured bubble (1 - compute / step time; median over steps, mean
+over ranks) next to the theory (p-1)/(m+p-1), split into the shares of the step spent
+waiting for transfers and in the calls that post them (the rest: Python between actions,
+or the rank not being scheduled on a busy machine).
+
+    python benchmarks/pp_vs_torch.py [--pp 2,4] [--microbatches 8] [--sweeps 12] [--steps 1]
+
+Prints a table, then one JSON line (the headline pair: 1F1B at pp=2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.launch import spawn
+from paratrain.models.gpt import GPT, GPTConfig
+from paratrain.parallel.pipeline import (Recorder, gather_timeline, run_schedule, schedule,
+                                         split_model, theoretical_bubble)
+
+MODEL = GPTConfig(vocab_size=256, d_model=128, n_layers=8, n_heads=4, ffn_hidden=352,
+                  max_seq_len=128)
+SCHEDULES = ("gpipe", "1f1b")
+
+
+class TorchStage(nn.Module):
+    """A paratrain chunk as torch.distributed.pipelining wants a stage: one tensor in, one
+    out (logits on the last stage, whose loss torch's schedule computes)."""
+
+    def __init__(self, chunk):
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.chunk
+        if not c.is_last:
+            return c(x)
+        cos, sin = c.rope(torch.arange(x.shape[1]))
+        h = c.tok_embeddings(x) if c.is_first else x
+        for layer in c.layers.values():
+            h = layer(h, cos, sin)
+        return c.output(c.norm(h))
+
+
+def batch(args, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, MODEL.vocab_size, (args.batch, args.seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def paratrain_runner(args, pp: int, rank: int, kind: str):
+    chunks = split_model(_model(), rank, pp)
+    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-3)
+    table = schedule(kind, pp, args.microbatches)[rank]
+    micro = args.batch // args.microbatches
+    recorder = Recorder(rank=rank)
+
+    def step(i: int) -> float:
+        tokens, targets = batch(args, i)
+        mbs = [(tokens[j * micro:(j + 1) * micro], targets[j * micro:(j + 1) * micro])
+               for j in range(args.microbatches)]
+        opt.zero_grad()
+        loss = run_schedule(table, chunks, mbs, None if pp == 1 else dist.group.WORLD,
+                            1 / tokens.numel(), torch.device("cpu"),
+                            (micro, args.seq, MODEL.d_model), recorder=recorder)
+        opt.step()
+        return loss.item() / tokens.numel()
+
+    return step, recorder
+
+
+def torch_runner(args, pp: int, rank: int, kind: str):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage_module = TorchStage(split_model(_model(), rank, pp)[0])
+    opt = torch.optim.AdamW(stage_module.parameters(), lr=1e-3)
+    stage = PipelineStage(stage_module, rank, pp, torch.device("cpu"))
+    tokens_per_step = args.batch * args.seq
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return stage_module.chunk.loss_fn(logits, targets) / tokens_per_step
+
+    cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+    sched = cls(stage, args.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def step(i: int) -> float:
+        tokens, targets = batch(args, i)
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            sched.step(tokens)
+        elif rank == pp - 1:
+            sched.step(target=targets, losses=losses)
+        else:
+            sched.step()
+        opt.step()
+        return float(sum(loss.detach() for loss in losses)) if losses else 0.0
+
+    return step, None
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(MODEL)
+
+
+def timed(step, i: int) -> tuple[float, float, float]:
+    """(seconds of the slowest rank, CPU seconds of all ranks, loss of the last rank).
+
+    CPU time (every thread of every rank) is the work a step costs, whoever else uses the
+    machine: a rank waiting for a peer or for a core consumes none."""
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    loss = step(i)
+    wall = torch.tensor([time.perf_counter() - start])
+    cpu_loss = torch.tensor([time.process_time() - cpu, loss])
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu_loss[:1])
+    dist.broadcast(cpu_loss[1:], src=dist.get_world_size() - 1)
+    return wall.item(), cpu_loss[0].item(), cpu_loss[1].item()
+
+
+def _shares(recorder: Recorder, pp: int) -> dict[str, float]:
+    """Bubble, and the shares of the step spent waiting for transfers and posting them:
+    median over this rank's steps (on a shared machine a rank that is not scheduled looks
+    idle, and a median resists those steps), averaged over ranks."""
+    steps = recorder.steps[1:] if len(recorder.steps) > 1 else recorder.steps
+    parts = [s.breakdown() for s in steps]
+    mine = torch.tensor([statistics.median(s.bubble for s in steps)]
+                        + [statistics.median(p[k] for p in parts) for k in ("wait", "post")])
+    dist.all_reduce(mine)
+    return dict(zip(("bubble", "wait", "post"), (mine / pp).tolist()))
+
+
+def world(args, pp: int) -> dict:
+    """Every (schedule, runner) pair, interleaved over sweeps, on this world of pp ranks."""
+    rank = dist.get_rank()
+    runners = {(kind, name): make(args, pp, rank, kind) for kind in SCHEDULES
+               for name, make in (("paratrain", paratrain_runner), ("torch", torch_runner))}
+    times = {key: [] for key in runners}
+    first_loss = {}
+    for key, (step, _) in runners.items():  # warm-up: shape inference, allocator
+        first_loss[key] = timed(step, 0)[2]
+    for sweep in range(args.sweeps):
+        for key, (step, _) in runners.items():
+            times[key] += [timed(step, 1 + sweep * args.steps + i)[:2] for i in range(args.steps)]
+    bubbles = {}
+    for kind in SCHEDULES:
+        recorder = runners[(kind, "paratrain")][1]
+        bubbles[kind] = _shares(recorder, pp)
+        if args.timeline:
+            timeline = gather_timeline(recorder, dist.group.WORLD, kind, args.microbatches)
+            if rank == 0:
+                timeline.save(f"{args.timeline}-{kind}-pp{pp}.json")
+    return {"times": {k: statistics.median(w for w, _ in v) for k, v in times.items()},
+            "cpu": {k: statistics.median(c for _, c in v) for k, v in times.items()},
+            "first_loss": first_loss, "bubbles": bubbles}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pp", default="2,4", help="pipeline sizes (default: 2,4)")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--sweeps", type=int, default=12,
+                        help="rounds over all (schedule, runner) pairs (default: 12)")
+    parser.add_argument("--steps", type=int, default=1,
+                        help="timed steps per pair and round (default: 1: runners alternate "
+                             "step by step, so bursts of load on the machine hit both)")
+    parser.add_argument("--timeline", default="", metavar="PREFIX",
+                        help="save paratrain's timelines as PREFIX-<schedule>-pp<N>.json")
+    args = parser.parse_args()
+    pairs = {}
+    for pp in (int(x) for x in args.pp.split(",")):
+        result = spawn(world, pp, args, pp, backend="gloo")[0]
+        for kind in SCHEDULES:
+            pairs[(pp, kind)] = _pair(result, kind, theoretical_bubble(pp, args.microbatches))
+    _print_table(pairs)
+    head = pairs.get((2, "1f1b")) or next(iter(pairs.values()))
+    print(json.dumps({"benchmark": "pp_vs_torch", "metric": "step time (ms), 1F1B pp=2",
+                      "paratrain": head["paratrain_ms"], "peer": head["peer_ms"],
+                      "peer_name": "torch.distributed.pipelining", "ratio": head["ratio"],
+                      "cpu_ratio": head["cpu_ratio"], "microbatches": args.microbatches,
+                      "pairs": {f"{kind} pp={pp}": v for (pp, kind), v in pairs.items()}}))
+
+
+def _pair(result: dict, kind: str, theory: float) -> dict:
+    ours, peer = (result["times"][(kind, n)] * 1e3 for n in ("paratrain", "torch"))
+    cpu_ours, cpu_peer = (result["cpu"][(kind, n)] * 1e3 for n in ("paratrain", "torch"))
+    first, shares = result["first_loss"], result["bubbles"][kind]
+    return {"paratrain_ms": round(ours, 2), "peer_ms": round(peer, 2),
+            "ratio": round(ours / peer, 3), "paratrain_cpu_ms": round(cpu_ours, 1),
+            "peer_cpu_ms": round(cpu_peer, 1), "cpu_ratio": round(cpu_ours / cpu_peer, 3),
+            "bubble_theory": round(theory, 4), "bubble_measured": round(shares["bubble"], 4),
+            "waiting": round(shares["wait"], 4), "posting": round(shares["post"], 4),
+            "same_first_loss": abs(first[(kind, "paratrain")] / first[(kind, "torch")] - 1) < 1e-5}
+
+
+def _print_table(pairs: dict) -> None:
+    print(f"{'':>12} {'step time, median ms':^28} {'CPU ms, all ranks':^24} "
+          f"{'paratrain bubble':^35}")
+    print(f"{'pp':>3} {'schedule':>8} {'paratrain':>10} {'torch':>9} {'ratio':>7} "
+          f"{'paratrain':>10} {'torch':>7} {'ratio':>6} {'theory':>8} {'measured':>9} "
+          f"{'waiting':>8} {'posting':>8}  same loss")
+    for (pp, kind), r in pairs.items():
+        print(f"{pp:>3} {kind:>8} {r['paratrain_ms']:>10.1f} {r['peer_ms']:>9.1f} "
+              f"{r['ratio']:>7.2f} {r['paratrain_cpu_ms']:>10.0f} {r['peer_cpu_ms']:>7.0f} "
+              f"{r['cpu_ratio']:>6.2f} {r['bubble_theory']:>8.1%} {r['bubble_measured']:>9.1%} "
+              f"{r['waiting']:>8.1%} {r['posting']:>8.1%}  "
+              f"{'yes' if r['same_first_loss'] else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
