@@ -1,4 +1,4 @@
-"""The ``paratrain`` command: train, plan, bench."""
+"""The ``paratrain`` command: train, plan, bench, trace."""
 
 from __future__ import annotations
 
@@ -105,6 +105,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan_cli.add_parser(sub)
 
 
+def _add_trace(sub: argparse._SubParsersAction) -> None:
+    from . import trace_cli
+
+    trace_cli.add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description=__doc__)
     parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
@@ -112,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_plan(sub)
     _add_bench(sub)
+    _add_trace(sub)
     return parser
 
 

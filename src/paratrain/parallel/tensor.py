@@ -273,15 +273,17 @@ class TensorParallel:
         one all-reduce. Call after the last backward of a step, before clipping and the
         optimizer step. Plain TP with kv_heads >= tp has nothing to sum: the norms see every
         token and, through f's all-reduce in backward, the full gradient of their output."""
-        if not self._partial or C.size(self.group) == 1 or self._hooked:
+        # Parameters of other pipeline stages were released (no elements): not ours to sum.
+        partial = [p for p in self._partial if p.numel()]
+        if not partial or C.size(self.group) == 1 or self._hooked:
             return
-        for p in self._partial:
+        for p in partial:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        packed = [self._pack(p, p.grad) for p in self._partial]
+        packed = [self._pack(p, p.grad) for p in partial]
         flat = torch.cat(packed)
         C.all_reduce(flat, self.group)
-        for p, summed in zip(self._partial, flat.split([t.numel() for t in packed])):
+        for p, summed in zip(partial, flat.split([t.numel() for t in packed])):
             p.grad.copy_(self._unpack(p, summed))
 
     def register_grad_sync_hooks(self) -> None:

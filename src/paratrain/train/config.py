@@ -129,6 +129,9 @@ class TrainConfig:
     """JSON-lines metrics file ('' : RUN_DIR/metrics.jsonl)."""
     progress: bool = True
     """Show a progress bar (rank 0)."""
+    timeline: bool = False
+    """Pipeline runs: record what each rank did when into RUN_DIR/timeline.json, for
+    `paratrain trace --run`, and print the measured bubble."""
 
 
 SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
@@ -212,7 +215,7 @@ class Config:
             self._check_pipeline()
 
     def _check_pipeline(self) -> None:
-        from ..parallel.pipeline import ScheduleError, schedule
+        from ..parallel.pipeline import ScheduleError, check
 
         p = self.parallel
         if p.zero >= 2:
@@ -225,7 +228,7 @@ class Config:
         if p.virtual_stages > 1 and p.schedule != "interleaved":
             raise ConfigError(f"--virtual-stages {p.virtual_stages} needs --schedule interleaved")
         try:
-            schedule(p.schedule, p.pp, self.accumulation, p.virtual_stages)
+            check(p.schedule, p.pp, self.accumulation, p.virtual_stages)
         except ScheduleError as exc:
             raise ConfigError(str(exc)) from None
 

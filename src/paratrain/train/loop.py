@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from ..mesh import Mesh
 from ..models.gpt import GPT
 from ..optim import lr_at
 from ..parallel.context import shard_batch
-from ..parallel.pipeline import forward_schedule, run_schedule, schedule
+from ..parallel.pipeline import Recorder, forward_schedule, gather_timeline, run_schedule, schedule
 from ..parallelize import parallelize
 from . import data as D
 from .config import Config
@@ -54,6 +55,8 @@ class Run:
     train_data: D.Samples
     val_data: D.Samples
     sampler: D.DistributedSampler
+    recorder: Recorder | None = None
+    """Collects this rank's pipeline timeline when ``train.timeline`` is set."""
 
     @property
     def is_logger(self) -> bool:
@@ -70,8 +73,9 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch,
                                    dp_rank=mesh.coord("dp"), dp_size=mesh.size("dp"),
                                    seed=cfg.train.seed, remainder=cfg.data.remainder)
-    return Run(cfg, mesh, engine, train_data,
-               D.Samples(val_tokens, cfg.data.seq_len), sampler)
+    recorder = Recorder(rank=mesh.coord("pp")) if cfg.train.timeline and cfg.parallel.pp > 1 else None
+    return Run(cfg, mesh, engine, train_data, D.Samples(val_tokens, cfg.data.seq_len), sampler,
+               recorder)
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
@@ -130,6 +134,7 @@ def _pipeline(run: Run, samples: D.Samples, micro: list[list[int]], scale: float
                         [(t, y) for t, y, _ in batches], mesh.group("pp"), scale, mesh.device,
                         act_shape=(cfg.micro_batch, seq, cfg.model.d_model), act_dtype=dtype,
                         no_sync=run.engine.no_sync if training else None, positions=positions,
+                        recorder=run.recorder if training else None,
                         autocast=lambda: _autocast(cfg, mesh)).detach().float()
 
 
@@ -193,12 +198,26 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
     bar.close()
     writer.close()
+    if run.recorder is not None:
+        _save_timeline(run)
     if run.is_logger:
         print(summary(records, result.state_bytes, time.perf_counter() - start), flush=True)
         print(f"metrics       {cfg.metrics_path}", flush=True)
     if keep_params:
         result.params = {k: v.cpu() for k, v in run.engine.full_state_dict().items()}
     return result
+
+
+def _save_timeline(run: Run) -> None:
+    """Gather the pipeline's recorded steps (collective over pp) and save them."""
+    p = run.cfg.parallel
+    timeline = gather_timeline(run.recorder, run.mesh.group("pp"), p.schedule, run.cfg.accumulation,
+                               p.virtual_stages)
+    if run.is_logger:
+        path = Path(run.cfg.train.run_dir) / "timeline.json"
+        timeline.save(path)
+        print(f"timeline      {path} (measured bubble {timeline.bubble():.1%}; "
+              f"`paratrain trace --run {path}` draws it)", flush=True)
 
 
 def describe(run: Run) -> str:
