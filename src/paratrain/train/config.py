@@ -211,6 +211,8 @@ class Config:
         if p.zero and self.model.tie_embeddings:
             raise ConfigError("ZeRO shards each parameter once, so it cannot shard tied "
                               "embeddings; set tie_embeddings = false or --zero 0")
+        if p.offload and not p.zero:
+            raise ConfigError("--offload moves ZeRO's sharded optimizer state to the CPU: it needs --zero 1, 2 or 3")
         if p.pp > 1:
             self._check_pipeline()
 

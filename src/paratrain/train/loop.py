@@ -229,7 +229,15 @@ def describe(run: Run) -> str:
             f"{cfg.data.seq_len} tokens per step, micro-batch {cfg.micro_batch} x "
             f"{cfg.accumulation} accumulation, {cfg.train.precision}\n"
             f"data: {len(run.train_data)} train samples, {s.steps_per_epoch} steps per epoch; "
-            f"remainder {remainder}")
+            f"remainder {remainder}" + _offload_note(run))
+
+
+def _offload_note(run: Run) -> str:
+    if not run.cfg.parallel.offload:
+        return ""
+    if run.mesh.device.type != "cuda":
+        return "\noffload: this run computes on the CPU already, so --offload has no effect"
+    return "\noffload: optimizer state (fp32 masters, Adam moments) kept in CPU memory"
 
 
 def _local_batch(samples: D.Samples, indices: list[int], mesh: Mesh):
