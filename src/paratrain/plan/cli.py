@@ -27,9 +27,9 @@ def add_parser(subparsers) -> None:
                     "microbatch and recompute), drop those that do not fit memory, and rank "
                     "the rest by predicted step time.")
     models = ", ".join([*PRESETS, *LOCAL_PRESETS])
-    p.add_argument("--model", required=True,
+    p.add_argument("--model",
                    help=f"preset ({models}), a .toml model config, or a Hugging Face "
-                        "config.json (or its directory)")
+                        "config.json (or its directory); required unless only calibrating")
     cl = p.add_argument_group("cluster")
     cl.add_argument("--cluster", choices=("gpu", "local"), default="gpu",
                     help="gpu presets, or CPU processes on this machine (needs a calibration)")
@@ -41,7 +41,14 @@ def add_parser(subparsers) -> None:
                     help="bus bandwidth per GPU inside a node (nccl-tests busbw)")
     cl.add_argument("--inter-bw", type=float, metavar="GB/s",
                     help="bus bandwidth per GPU across nodes (its NIC)")
-    cl.add_argument("--calibration", metavar="FILE", help="calibration for --cluster local")
+    cl.add_argument("--calibration", metavar="FILE",
+                    help="calibration for --cluster local (default "
+                         "~/.cache/paratrain/calibration.json)")
+    cl.add_argument("--calibrate", action="store_true",
+                    help="first measure this machine (matmul rates, eager-model efficiency, "
+                         "AdamW rate, α and β of gloo's collectives with 2 and 4 processes; "
+                         "under a minute) and write the calibration file --cluster local "
+                         "reads")
     tr = p.add_argument_group("training")
     tr.add_argument("--global-batch", type=int,
                     help="sequences per step (default: ~4M tokens on GPUs, 8K locally)")
@@ -96,7 +103,15 @@ def run(args: argparse.Namespace) -> int:
     from . import export, report
     from .search import search
 
+    log = sys.stderr if args.json else sys.stdout  # keep stdout parseable
+    if args.calibrate:
+        code = _calibrate(args.calibration, log)
+        if code or not args.model:
+            return code
     try:
+        if not args.model:
+            raise ValueError("--model is required (a preset, a .toml or a config.json); "
+                             "only --calibrate runs without one")
         model = load_model(args.model)
         cluster = build_cluster(args)
         training = build_training(args, model, cluster)
@@ -106,7 +121,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     recompute = None if args.recompute == "search" else args.recompute
     result = search(model, training, cluster, micro_batch=micro, recompute=recompute)
-    log = sys.stderr if args.json else sys.stdout  # keep stdout parseable
     if args.json:
         data = report.to_json(result, model, training, cluster, args.top)
         if args.explain:
@@ -132,4 +146,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"paratrain plan: error: {err}", file=sys.stderr)
             return 2
         print(f"wrote {args.plot}", file=log)
+    return 0
+
+
+def _calibrate(path: str | None, log) -> int:
+    """Measure this machine and write the calibration file; 0 on success, 2 on failure."""
+    from ..launch import RankFailed
+    from .calibrate import calibrate, write_calibration
+
+    print("paratrain plan: calibrating this machine (one thread per process)", file=log)
+    try:
+        written = write_calibration(calibrate(log=lambda line: print(line, file=log)), path)
+    except (OSError, RankFailed) as err:
+        print(f"paratrain plan: error: calibration failed: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {written}", file=log)
     return 0

@@ -9,9 +9,12 @@ attention core. For the standard GPT block this is exactly Megatron's
 72·… formula plus 1.5·B·s·h·V (that formula scales the logits term by 3/4 too, although
 the logits are never recomputed). Each matmul runs at ``efficiency`` x peak unless it is
 too small to be compute-bound: its time is max(FLOPs / achievable, bytes / HBM bandwidth).
+CPU processes (the local cluster) also pay a measured fixed cost per block and
+microbatch, ``GpuSpec.layer_overhead``: eager operator dispatch (0 on GPUs).
 
 **Communication** uses the α-β ring costs of ``paratrain.comm.cost`` on the link the
-axis's groups cross (``Cluster.link``, ranks ordered tp, cp, pp, dp from fastest).
+axis's groups cross (``Cluster.link``, ranks ordered tp, cp, pp, dp from fastest), or
+a collective's own measured α and β where the cluster has them (``GpuSpec.collectives``).
 Per microbatch and stage: TP (with SP: all-gather + reduce-scatter, the same cost as
 the all-reduce it replaces) 2 collectives forward and 2 backward per block, 2 more per
 block when full recompute repeats the forward; CP ring attention passes K,V around the
@@ -27,8 +30,9 @@ parameter all-gather behind each microbatch's forward and backward. The updated
 parameters' all-gather of ZeRO-1/2 hides behind the next step's first forward.
 The part longer than the compute it overlaps is exposed, and the hidden part is not
 free either: communication kernels take SMs and memory bandwidth from the compute they
-run beside, charged as ``OVERLAP_COST`` of the hidden time (an assumption, not a fit).
-CP's exchange is charged the same way.
+run beside, charged as ``GpuSpec.overlap_cost`` of the hidden time (0.1 on GPUs, an
+assumption, not a fit; 1 for CPU processes that fill every core, where gloo's threads
+take their time from the compute). CP's exchange is charged the same way.
 
 **Bubble.** With per-microbatch stage time t, a pipeline of p stages, m microbatches and
 v chunks per rank idles (p - 1)/v · t per step: a bubble fraction (p - 1)/(v·m + p - 1).
@@ -41,12 +45,10 @@ from functools import lru_cache
 
 from ..comm import cost as alpha_beta
 from .candidate import Candidate, Training
-from .hardware import Cluster
+from .hardware import Cluster, Link
 from .models import ModelSpec
 
 ORDER = ("tp", "cp", "pp", "dp")  # Layout's default order, fastest first
-OVERLAP_COST = 0.1
-"""Fraction of overlapped communication time that still slows the step."""
 OPTIMIZER_BYTES = {"adam": 28, "sgd": 20}
 """Bytes the update reads and writes per parameter (gradient, master weight, states,
 new weight): Adam 2 + 8 + 8 + 8 + 2, SGD with momentum 2 + 8 + 8 + 2 (same for fp32)."""
@@ -57,9 +59,17 @@ collective_time = lru_cache(maxsize=1 << 16)(alpha_beta.collective_time)
 p2p_time = lru_cache(maxsize=1 << 12)(alpha_beta.p2p_time)
 
 
-def exposed(comm: float, window: float) -> float:
-    """Cost of ``comm`` seconds of communication overlapped with ``window`` of compute."""
-    return max(0.0, comm - window) + OVERLAP_COST * min(comm, window)
+def link_collective_time(cluster: Cluster, link: Link, op: str, nbytes: float, p: int) -> float:
+    """``op`` over ``link``, with the cluster's measured α and β for ``op`` if it has them."""
+    alpha, beta = next(((a, b) for name, a, b in cluster.gpu.collectives if name == op),
+                       (link.alpha, link.bw))
+    return collective_time(op, nbytes, p, alpha, beta)
+
+
+def exposed(comm: float, window: float, overlap_cost: float = 0.1) -> float:
+    """Cost of ``comm`` seconds of communication overlapped with ``window`` of compute,
+    of which ``overlap_cost`` of the hidden part still slows the step."""
+    return max(0.0, comm - window) + overlap_cost * min(comm, window)
 
 
 def megatron_flops(batch: int, s: int, layers: int, h: int, vocab: int,
@@ -143,8 +153,10 @@ class _Micro:
 def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: int, cp: int,
                    pp: int, b: int, recompute: str) -> _Micro:
     gpu, elem = cluster.gpu, training.act_bytes
-    peak = gpu.peak_flops if training.precision == "bf16" else gpu.peak_flops_fp32
-    flops = peak * gpu.efficiency
+    if training.precision == "bf16":
+        flops = gpu.peak_flops * gpu.efficiency
+    else:
+        flops = gpu.peak_flops_fp32 * (gpu.efficiency_fp32 or gpu.efficiency)
     s_q = training.seq_len // cp
     tokens = b * s_q
     matmuls = sum(_matmul_time(m, k, n, flops, gpu.hbm_bw, elem)
@@ -154,8 +166,9 @@ def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: i
     logits = _matmul_time(tokens, model.d_model, model.vocab_size // tp, flops,
                           gpu.hbm_bw, elem)
     rerun = {"none": 0.0, "selective": attention, "full": matmuls + attention}[recompute]
-    fwd = layers * (matmuls + attention) + logits
-    bwd = 2 * fwd + layers * rerun
+    fixed = gpu.layer_overhead / 3  # per block pass; backward has twice forward's operators
+    fwd = layers * (matmuls + attention + fixed) + logits
+    bwd = 2 * fwd + layers * (rerun + (fixed if recompute == "full" else 0.0))
     return _Micro(fwd, bwd, attention)
 
 
@@ -182,7 +195,7 @@ def _tp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     nbytes = cand.micro_batch * training.seq_len // cand.cp * model.d_model * training.act_bytes
     per_layer = 4 + (2 if cand.recompute == "full" else 0)
     count = per_layer * (model.n_layers // cand.pp) + 1  # + the output layer's
-    return count * collective_time("all-reduce", nbytes, cand.tp, link.alpha, link.bw)
+    return count * link_collective_time(cluster, link, "all-reduce", nbytes, cand.tp)
 
 
 def _cp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate,
@@ -193,8 +206,9 @@ def _cp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     kv = 2 * cand.micro_batch * training.seq_len // cand.cp * training.act_bytes * (
         model.kv_heads_per_rank(cand.tp) * model.head_dim)
     step = p2p_time(kv, link.alpha, link.bw)
-    fwd = exposed((cand.cp - 1) * step, micro.attention)
-    bwd = exposed((cand.cp - 1) * 2 * step, 2 * micro.attention)
+    overlap = cluster.gpu.overlap_cost
+    fwd = exposed((cand.cp - 1) * step, micro.attention, overlap)
+    bwd = exposed((cand.cp - 1) * 2 * step, 2 * micro.attention, overlap)
     passes = 2 if cand.recompute == "full" else 1
     return (model.n_layers // cand.pp) * (passes * fwd + bwd)
 
@@ -216,22 +230,25 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     link = cluster.link(cand.sizes(), ORDER, ("cp", "dp"))
     psi = max(model.stage_params(cand.tp, cand.pp, s) for s in {0, cand.pp - 1})
     weight = grad = training.act_bytes
+    if cluster.kind == "local" and cand.zero == 0:
+        grad = 4  # paratrain's bf16 data parallelism is autocast over fp32 weights and grads
+    overlap = cluster.gpu.overlap_cost
 
     def coll(op: str, nbytes: float, calls: int = 1) -> float:  # calls pay α each
-        return calls * collective_time(op, nbytes / calls, n, link.alpha, link.bw)
+        return calls * link_collective_time(cluster, link, op, nbytes / calls, n)
 
     m = cand.microbatches
     if cand.zero == 0:
-        return exposed(coll("all-reduce", psi * grad), micro.bwd)
-    gather = exposed(coll("all-gather", psi * weight), micro.fwd)
+        return exposed(coll("all-reduce", psi * grad), micro.bwd, overlap)
+    gather = exposed(coll("all-gather", psi * weight), micro.fwd, overlap)
     if cand.zero == 1:
-        return exposed(coll("reduce-scatter", psi * grad), micro.bwd) + gather
+        return exposed(coll("reduce-scatter", psi * grad), micro.bwd, overlap) + gather
     if cand.zero == 2:
-        return m * exposed(coll("reduce-scatter", psi * grad), micro.bwd) + gather
+        return m * exposed(coll("reduce-scatter", psi * grad), micro.bwd, overlap) + gather
     units = model.n_layers // cand.pp  # ZeRO-3 gathers and reduces one block at a time
-    fwd = exposed(coll("all-gather", psi * weight, units), micro.fwd)
+    fwd = exposed(coll("all-gather", psi * weight, units), micro.fwd, overlap)
     bwd = exposed(coll("all-gather", psi * weight, units)
-                 + coll("reduce-scatter", psi * grad, units), micro.bwd)
+                  + coll("reduce-scatter", psi * grad, units), micro.bwd, overlap)
     return m * (fwd + bwd)
 
 
@@ -239,4 +256,5 @@ def _optimizer_time(model: ModelSpec, training: Training, cluster: Cluster,
                     cand: Candidate) -> float:
     psi = max(model.stage_params(cand.tp, cand.pp, s) for s in {0, cand.pp - 1})
     local = psi / (cand.shard if cand.zero >= 1 else 1)
-    return local * OPTIMIZER_BYTES[training.optimizer] / cluster.gpu.hbm_bw
+    return local * OPTIMIZER_BYTES[training.optimizer] / (cluster.gpu.optimizer_bw
+                                                          or cluster.gpu.hbm_bw)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -53,6 +53,21 @@ class GpuSpec:
     """Latency of one ring step across nodes, seconds."""
     efficiency: float = 0.5
     """Achievable fraction of peak for large matmuls (the MFU ceiling)."""
+    efficiency_fp32: float = 0.0
+    """Achievable fraction of ``peak_flops_fp32`` (0: ``efficiency``)."""
+    layer_overhead: float = 0.0
+    """Fixed seconds per block and microbatch of forward and backward (an eager CPU
+    framework's operator dispatch; 0 on GPUs, where kernels queue asynchronously)."""
+    optimizer_bw: float = 0.0
+    """Bytes/s the optimizer update streams at (0: ``hbm_bw``)."""
+    collectives: tuple[tuple[str, float, float], ...] = ()
+    """Measured (op, α, β) that replace the link's α and β for that collective: a
+    backend's all-gather and reduce-scatter need not cost half an all-reduce as rings
+    do (gloo's do not)."""
+    overlap_cost: float = 0.1
+    """Fraction of communication hidden behind compute that still slows the step: on a GPU
+    the collectives' kernels take SMs and memory bandwidth from the compute beside them (an
+    assumption, not a fit)."""
 
 
 GPUS: dict[str, GpuSpec] = {
@@ -178,26 +193,62 @@ class CalibrationError(FileNotFoundError):
 
 @dataclass(frozen=True)
 class Calibration:
-    """This machine's measured rates, stored as JSON with exactly these keys."""
+    """This machine's measured rates, stored as JSON with exactly these keys
+    (``paratrain plan --cluster local --calibrate`` writes it, see ``plan/calibrate.py``)."""
 
     matmul_flops: dict[str, float]
-    """FLOP/s one process reaches in a large matmul with one thread, by precision
-    (``fp32``, optionally ``bf16``)."""
+    """FLOP/s one process reaches in the matmuls of a small model with one thread, by
+    precision (``fp32``, optionally ``bf16``)."""
     cores: int
-    """Physical cores the processes share; more processes than cores split them."""
+    """Cores the processes share; more processes than cores split them."""
     alpha: float
-    """gloo all-reduce latency per ring step, seconds (``comm.cost.fit_alpha_beta``)."""
+    """gloo all-reduce latency per ring step, seconds (``comm.cost.fit_alpha_beta``), in a
+    world of ``world_size`` processes."""
     beta: float
-    """gloo all-reduce bus bandwidth, bytes/s."""
+    """gloo all-reduce bus bandwidth, bytes/s, in a world of ``world_size`` processes."""
     memory: int
     """Bytes of RAM all processes together may use."""
     world_size: int = 2
-    """Processes in the world α and β were measured with."""
+    """Processes in the world ``alpha`` and ``beta`` were measured with."""
     torch_version: str = ""
     """torch that measured it (informational)."""
+    comm: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    """Per measured world size (keys are process counts as strings: JSON keys), the
+    [α, β] fit of each collective (``all-reduce``, ``all-gather``, ``reduce-scatter``):
+    gloo's all-gather and reduce-scatter do not cost the half of an all-reduce that
+    rings would, and gloo slows down as more processes share the cores."""
+    optimizer_rate: float = 0.0
+    """Parameters per second one process's AdamW step updates (0: not measured, the
+    update is then taken as free)."""
+    compute_efficiency: dict[str, float] = field(default_factory=dict)
+    """By precision: the FLOP-counted time of a small GPT's forward and backward per
+    sequence at ``matmul_flops`` over its measured time; below 1 because an eager model
+    also runs norms, activations, RoPE and casts that FLOP counts leave out (1 if
+    absent)."""
+    layer_overhead: float = 0.0
+    """Seconds a microbatch's forward and backward cost per block whatever its size:
+    the dispatch of an eager model's operators (fp32, measured with the efficiency)."""
+
+    def __post_init__(self) -> None:
+        if "fp32" not in self.matmul_flops:
+            raise ValueError("matmul_flops has no 'fp32' rate")
+        for n, ops in self.comm.items():
+            if not (n.isdigit() and isinstance(ops, dict)
+                    and all(isinstance(v, list) and len(v) == 2 for v in ops.values())):
+                raise ValueError(f"comm[{n!r}] must map each collective to [alpha, beta]")
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, indent=2)
+
+    def collectives(self, n_procs: int) -> dict[str, tuple[float, float]]:
+        """(α, β) by collective for a world of ``n_procs``: its own fits if measured,
+        else those of the largest measured world not above it (the smallest if all are
+        above); at least the all-reduce of ``alpha`` and ``beta``."""
+        fits = {int(n): {op: (ab[0], ab[1]) for op, ab in ops.items()}
+                for n, ops in self.comm.items()}
+        fits.setdefault(self.world_size, {"all-reduce": (self.alpha, self.beta)})
+        below = [n for n in fits if n <= n_procs]
+        return fits[max(below) if below else min(fits)]
 
 
 def load_calibration(path: str | Path | None = None) -> Calibration:
@@ -214,23 +265,39 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
         raise ValueError(f"{path}: unknown keys {unknown}; expected {sorted(known)}")
     try:
         return Calibration(**data)
-    except TypeError as err:
-        raise ValueError(f"{path}: {err}; expected keys {sorted(known)}") from None
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: {err}; re-run `paratrain plan --cluster local "
+                         f"--calibrate` to measure it again") from None
 
 
 def local_cluster(n_procs: int, calibration: Calibration) -> Cluster:
-    """``n_procs`` CPU processes on one machine, as a one-node cluster."""
-    share = min(1.0, calibration.cores / n_procs)  # processes beyond the cores time-share
-    fp32 = calibration.matmul_flops["fp32"] * share
+    """``n_procs`` CPU processes on one machine, as a one-node cluster.
+
+    A process computes at the measured matmul rate times the measured efficiency of an
+    eager model; processes beyond the cores time-share them, each computing at
+    cores / n_procs of that. With every core computing, gloo's threads take their CPU
+    time from the compute, so communication "hidden" behind backward still costs all of
+    its time (``overlap_cost`` 1); with spare cores it hides as on a GPU.
+    """
+    if n_procs < 1:
+        raise ValueError(f"need at least one process, got {n_procs}")
+    share = min(1.0, calibration.cores / n_procs)
+    rates = calibration.matmul_flops
+    eff = calibration.compute_efficiency
+    fits = calibration.collectives(n_procs)
+    alpha, beta = fits.get("all-reduce", (calibration.alpha, calibration.beta))
     cpu = GpuSpec(
         name="local-cpu",
-        peak_flops=calibration.matmul_flops.get("bf16", calibration.matmul_flops["fp32"]) * share,
-        peak_flops_fp32=fp32,
+        peak_flops=rates.get("bf16", rates["fp32"]) * share,
+        peak_flops_fp32=rates["fp32"] * share,
         memory=calibration.memory // n_procs,
-        hbm_bw=math.inf,  # not measured: the matmul rate is already what a process achieves
-        nvlink_bw=calibration.beta, network_bw=calibration.beta,
-        nvlink_alpha=calibration.alpha, network_alpha=calibration.alpha,
-        efficiency=1.0,  # matmul_flops is measured, not a peak
+        hbm_bw=math.inf,  # not measured: the matmul rates are already what a process achieves
+        nvlink_bw=beta, network_bw=beta, nvlink_alpha=alpha, network_alpha=alpha,
+        efficiency=eff.get("bf16", 1.0), efficiency_fp32=eff.get("fp32", 1.0),
+        layer_overhead=calibration.layer_overhead / share,
+        # Adam reads and writes 28 bytes per parameter (cost.OPTIMIZER_BYTES).
+        optimizer_bw=28 * calibration.optimizer_rate * share,
+        overlap_cost=1.0 if n_procs >= calibration.cores else 0.1,
+        collectives=tuple((op, a, b) for op, (a, b) in sorted(fits.items())),
     )
     return Cluster(cpu, n_procs, gpus_per_node=n_procs, usable_memory=1.0, kind="local")
-

@@ -17,6 +17,13 @@ full recompute keeps only the layer input, 2·s·b·h. ``layer_activation_bytes`
 generalises the same accounting to grouped KV heads, SwiGLU, no dropout and fp32, and
 reduces to those formulas for the standard block. A pipeline stage holds as many
 microbatches of activations as its schedule has in flight (``inflight_microbatches``).
+
+paratrain's own runs (the local cluster) are counted exactly instead, by ``plan.runtime``
+(``paratrain_state_bytes`` is re-exported here): its ZeRO pads every unit to a multiple
+of the shard group, its bf16 data parallelism runs autocast over fp32 weights (4 + 4 + 8
+bytes per parameter), and its eager Llama-style block saves a different set of tensors
+than Megatron's fused GPT block (fp32 norm statistics, separate bf16 casts, flash
+attention without the s² scores).
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from . import runtime
 from .candidate import Candidate, Training
 from .models import ModelSpec
+from .runtime import paratrain_state_bytes  # noqa: F401 - part of this module's API
 
 BUCKET_BYTES = 4 * 2**20
 """Gradient communication bucket; mirrors the default of ``parallel/data.py`` (not
@@ -133,10 +142,13 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, stage: int 
     return units / v
 
 
-def rank_memory(model: ModelSpec, training: Training, cand: Candidate) -> Memory:
-    """The peak of the fuller of the first and last pipeline stages."""
+def rank_memory(model: ModelSpec, training: Training, cand: Candidate,
+                paratrain: bool = False) -> Memory:
+    """The peak of the fuller of the first and last pipeline stages. ``paratrain``: count
+    paratrain's own runtime exactly (``plan.runtime``) instead of the published formulas."""
     stages = (0,) if cand.pp == 1 else (0, cand.pp - 1)
-    return max((stage_memory(model, training, cand, s) for s in stages), key=lambda m: m.total)
+    count = _paratrain_stage_memory if paratrain else stage_memory
+    return max((count(model, training, cand, s) for s in stages), key=lambda m: m.total)
 
 
 def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: int) -> Memory:
@@ -152,6 +164,22 @@ def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: i
     acts = per_layer * (model.n_layers // cand.pp) * inflight
     buffers = _buffers(model, training, cand, stage, zero, inflight)
     return Memory(params, grads, opt, acts, buffers, stage)
+
+
+def _paratrain_stage_memory(model: ModelSpec, training: Training, cand: Candidate,
+                            stage: int) -> Memory:
+    states = runtime.paratrain_state_bytes(model, cand, training.precision, training.optimizer,
+                                           stage)
+    mode = runtime.precision_mode(training.precision, cand.zero)
+    s, b = training.seq_len // cand.cp, cand.micro_batch
+    per_layer = runtime.paratrain_layer_activation_bytes(model, s, b, cand.tp, cand.sp,
+                                                         cand.recompute, mode)
+    inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,
+                                     cand.virtual_stages, stage)
+    acts = per_layer * (model.n_layers // cand.pp) * inflight
+    buffers = runtime.paratrain_buffer_bytes(model, training, cand, stage, inflight)
+    return Memory(states["param_bytes"], states["grad_bytes"], states["optim_bytes"], acts,
+                  buffers, stage)
 
 
 def _buffers(model: ModelSpec, training: Training, cand: Candidate, stage: int, zero: int,

@@ -251,7 +251,9 @@ def from_hf_config(path: str | Path) -> ModelSpec:
 
 def describe(model: ModelSpec) -> str:
     """One line: name, parameters and shape."""
-    return (f"{model.name}: {model.num_params() / 1e9:.2f}B params, {model.n_layers} layers, "
+    n = model.num_params()
+    count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    return (f"{model.name}: {count} params, {model.n_layers} layers, "
             f"h={model.d_model}, heads={model.n_heads}/{model.n_kv_heads} kv, "
             f"ffn={model.ffn_hidden}{' (SwiGLU)' if model.gated_mlp else ''}, "
             f"vocab={model.vocab_size}")

@@ -11,6 +11,13 @@ from .search import Plan, SearchResult
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 TIME_PARTS = ("compute", "bubble", "tp", "cp", "pp", "dp", "optimizer")
+MiB = 2**20
+
+
+def size(nbytes: float, signed: bool = False) -> str:
+    """Bytes in GiB, or MiB below one GiB (local models are small)."""
+    unit, scale = ("GiB", GiB) if abs(nbytes) >= GiB else ("MiB", MiB)
+    return f"{nbytes / scale:{'+' if signed else ''}.1f} {unit}"
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -49,14 +56,15 @@ def summary(result: SearchResult, model: ModelSpec, training: Training, cluster:
     rows = [[str(i), layout_label(p), f"{p.cand.micro_batch}x{p.cand.microbatches}",
              p.cand.recompute, f"{p.time.step:.3g}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}"]
             for i, p in enumerate(plans, 1)]
-    mem = [[str(i), layout_label(p)] + [f"{getattr(p.memory, k) / GiB:.1f}" for k in MEMORY_PARTS]
-           + [f"{p.memory.total / GiB:.1f}"] for i, p in enumerate(plans, 1)]
+    unit, scale = ("GiB", GiB) if max(p.memory.total for p in plans) >= GiB else ("MiB", MiB)
+    mem = [[str(i), layout_label(p)] + [f"{getattr(p.memory, k) / scale:.1f}" for k in MEMORY_PARTS]
+           + [f"{p.memory.total / scale:.1f}"] for i, p in enumerate(plans, 1)]
     times = [[str(i), layout_label(p)] + [f"{getattr(p.time, k):.3g}" for k in TIME_PARTS]
              + [f"{p.time.step:.3g}"] for i, p in enumerate(plans, 1)]
     return "\n\n".join([
         header(model, training, cluster),
         table(["#", "layout", "mb x m", "recompute", "step s", "tokens/s", "MFU"], rows),
-        "memory per rank, GiB (worst pipeline stage)\n" + table(
+        f"memory per rank, {unit} (worst pipeline stage)\n" + table(
             ["#", "layout", "params", "grads", "optim", "activ", "buffers", "total"], mem),
         "time per step, s (comm columns are the exposed part)\n" + table(
             ["#", "layout", "compute", "bubble", "tp", "cp", "pp", "dp", "optim", "step"], times),
@@ -78,8 +86,8 @@ def _deltas(plan: Plan, other: Plan) -> str:
     diffs = [(getattr(other.time, k) - getattr(plan.time, k), k) for k in TIME_PARTS]
     diffs.sort(key=lambda d: -abs(d[0]))
     shown = [f"{k} {d:+.3g} s" for d, k in diffs if abs(d) >= 0.005 * plan.time.step][:3]
-    mem = (other.memory.total - plan.memory.total) / GiB
-    return (", ".join(shown) or "no component differs by 0.5%") + f"; memory {mem:+.1f} GiB"
+    mem = size(other.memory.total - plan.memory.total, signed=True)
+    return (", ".join(shown) or "no component differs by 0.5%") + f"; memory {mem}"
 
 
 def _versus(plan: Plan, other: Plan, what: str) -> str:
@@ -87,8 +95,8 @@ def _versus(plan: Plan, other: Plan, what: str) -> str:
     name = (f"{what}: {layout_label(other)}, mb {other.cand.micro_batch}, recompute "
             f"{other.cand.recompute}: {other.time.step:.3g} s ({slower:+.1%})")
     if slower < 0.005:
-        memory = (other.memory.total - plan.memory.total) / GiB
-        return f"{name}, a tie within the model's precision; memory {memory:+.1f} GiB"
+        memory = size(other.memory.total - plan.memory.total, signed=True)
+        return f"{name}, a tie within the model's precision; memory {memory}"
     return f"{name}: {_deltas(plan, other)}"
 
 
@@ -106,9 +114,9 @@ def explain(result: SearchResult, cluster: Cluster) -> str:
         f"  step {t.step:.3g} s = compute {t.compute:.3g} + bubble {t.bubble:.3g} + exposed "
         f"comm {comm:.3g} (tp {t.tp:.3g}, cp {t.cp:.3g}, pp {t.pp:.3g}, dp {t.dp:.3g}) + "
         f"optimizer {t.optimizer:.3g}",
-        f"  memory {m.total / GiB:.1f} of {cluster.memory_limit / GiB:.1f} GiB usable on "
-        f"stage {m.stage} (states {m.states / GiB:.1f}, activations {m.activations / GiB:.1f}, "
-        f"buffers {m.buffers / GiB:.1f})",
+        f"  memory {size(m.total)} of {size(cluster.memory_limit)} usable on stage {m.stage} "
+        f"(states {size(m.states)}, activations {size(m.activations)}, "
+        f"buffers {size(m.buffers)})",
     ]
     if len(result.plans) > 1:
         lines.append("  " + _versus(best, result.plans[1], "runner-up"))

@@ -114,6 +114,12 @@ class _Problem:
     model_flops: float
     """FLOPs of one step without recompute (for MFU)."""
 
+    @property
+    def paratrain(self) -> bool:
+        """Count memory as paratrain's own runtime holds it (processes on this machine
+        run paratrain), not by the published formulas."""
+        return self.cluster.kind == "local"
+
 
 def search(model: ModelSpec, training: Training, cluster: Cluster,
            micro_batch: int | None = None, recompute: str | None = None,
@@ -198,7 +204,7 @@ def _sweep(problem: _Problem, cand: Candidate, result: SearchResult) -> None:
 def _states_fit(problem: _Problem, cand: Candidate, count: int, result: SearchResult) -> bool:
     """Whether parameters, gradients and optimizer states alone fit (any microbatch)."""
     probe = replace(cand, micro_batch=1, microbatches=1, recompute="full")
-    memory = rank_memory(problem.model, problem.training, probe)
+    memory = rank_memory(problem.model, problem.training, probe, problem.paratrain)
     limit = problem.cluster.memory_limit
     if memory.states <= limit:
         return True
@@ -227,7 +233,7 @@ def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...]
             result.reject("interleaved needs microbatches divisible by pp", trial.describe(),
                           f"{m} microbatches % pp={trial.pp} != 0 (Megatron's rule)")
             continue
-        memory = rank_memory(problem.model, training, trial)
+        memory = rank_memory(problem.model, training, trial, problem.paratrain)
         if memory.total > cluster.memory_limit:
             result.reject("activations exceed memory", trial.describe(),
                           _overflow_text(memory, cluster), count=len(sizes) - i,

@@ -1,0 +1,177 @@
+"""The planner's predicted step time vs paratrain's measured one, for several layouts on
+this machine's CPU processes: is the ranking right, and how far off are the seconds?
+
+    python benchmarks/plan_vs_measured.py [--model small] [--steps 5] [--rounds 2]
+                   [--global-batch 8] [--calibration FILE] [--recalibrate]
+
+Each layout trains ``--steps`` steps through ``paratrain.train.loop.train``, ``--rounds``
+times (the layouts of one world size share one spawned world per round); its time is
+the median over all runs' steps but the first of each (warm-up). The prediction is ``plan.cost.step_time`` on the local cluster
+of the calibration file (measured first if missing). Prints a table, the Spearman rank
+correlation, and as the last line a JSON object: "paratrain" = median absolute relative
+error of the predictions, "ratio" = Spearman, "peer" = null (there is no torch-native
+planner to compare with).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+from paratrain.launch import spawn
+from paratrain.mesh import Mesh
+from paratrain.plan.calibrate import calibrate, write_calibration
+from paratrain.plan.candidate import Candidate, Training
+from paratrain.plan.cost import step_time
+from paratrain.plan.hardware import DEFAULT_CALIBRATION, load_calibration, local_cluster
+from paratrain.plan.models import from_gpt_config
+from paratrain.train.config import Config, load
+from paratrain.train.loop import train
+
+# (label, processes, config overrides): every strategy paratrain runs on CPU today.
+LAYOUTS = [
+    ("dp1", 1, {}),
+    ("dp2", 2, {}),
+    ("dp2 zero1", 2, {"zero": 1}),
+    ("dp2 zero3", 2, {"zero": 3}),
+    ("dp2 recompute full", 2, {"recompute": "full"}),
+    ("dp2 bf16", 2, {"precision": "bf16"}),
+    ("dp2 zero2 bf16", 2, {"zero": 2, "precision": "bf16"}),
+    ("dp4", 4, {}),
+    ("dp4 zero3", 4, {"zero": 3}),
+]
+
+
+def build_config(args: argparse.Namespace, run_dir: str, nproc: int, overrides: dict) -> Config:
+    return load(None, {"preset": args.model, "dp": nproc, "seq_len": args.seq_len,
+                       "global_batch": args.global_batch, "steps": args.steps,
+                       "eval_every": 0, "eval_batches": 1, "progress": False,
+                       "run_dir": run_dir, **overrides}).validate()
+
+
+def run_layouts(configs: list[Config]) -> None:
+    """On every rank: train each config in turn (rank 0 writes each metrics file)."""
+    for cfg in configs:
+        train(cfg, Mesh.build(cfg.layout))
+
+
+def step_times(cfg: Config) -> list[float]:
+    """Step times of a finished run, its first (warm-up) step left out."""
+    records = [json.loads(line) for line in cfg.metrics_path.read_text().splitlines()]
+    times = [r["step_time_s"] for r in records if "step_time_s" in r]
+    return times[1:] or times
+
+
+def measure(args: argparse.Namespace, tmp: str) -> list[float]:
+    """Median step time of every layout over ``args.rounds`` rounds; each round visits
+    every world size (layouts of one size share a world, in alternating order), so drift
+    in the machine's load hits all layouts alike."""
+    samples: list[list[float]] = [[] for _ in LAYOUTS]
+    for round_ in range(args.rounds):
+        for nproc in sorted({n for _, n, _ in LAYOUTS}):
+            mine = [i for i, (_, n, _) in enumerate(LAYOUTS) if n == nproc][::(-1) ** round_]
+            configs = [build_config(args, f"{tmp}/{round_}-{i}", nproc, LAYOUTS[i][2])
+                       for i in mine]
+            spawn(run_layouts, nproc, configs, timeout_s=900)
+            for i, cfg in zip(mine, configs):
+                samples[i] += step_times(cfg)
+    return [statistics.median(s) for s in samples]
+
+
+def predicted_step_time(cfg: Config, calibration) -> float:
+    """The planner's step time for the run ``cfg`` describes."""
+    p, t = cfg.parallel, cfg.train
+    model = from_gpt_config(cfg.model, cfg.model_preset)
+    training = Training(t.global_batch, cfg.data.seq_len, t.precision)
+    cand = Candidate(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero,
+                     micro_batch=cfg.micro_batch, microbatches=cfg.accumulation,
+                     recompute=t.recompute)
+    return step_time(model, training, local_cluster(p.nproc, calibration), cand).step
+
+
+def ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties sharing their average rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks."""
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def get_calibration(path: str | None, recalibrate: bool):
+    target = Path(path) if path else DEFAULT_CALIBRATION
+    if recalibrate or not target.is_file():
+        print(f"calibrating this machine into {target} ...")
+        write_calibration(calibrate(log=lambda line: print("  " + line)), target)
+    return load_calibration(target)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small", help="paratrain model preset")
+    parser.add_argument("--steps", type=int, default=5, help="steps per run (first untimed)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every layout")
+    parser.add_argument("--global-batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--calibration", help="calibration file (default: the planner's)")
+    parser.add_argument("--recalibrate", action="store_true", help="measure even if cached")
+    args = parser.parse_args()
+    calibration = get_calibration(args.calibration, args.recalibrate)
+
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="plan-vs-measured-") as tmp:
+        measured = measure(args, tmp)
+    load = (load_before + os.getloadavg()[0]) / 2
+    configs = [build_config(args, "unused", nproc, overrides) for _, nproc, overrides in LAYOUTS]
+    predicted = [predicted_step_time(cfg, calibration) for cfg in configs]
+
+    report(args, calibration.cores, predicted, measured, load)
+
+
+def report(args: argparse.Namespace, cores: int, predicted: list[float],
+           measured: list[float], load: float) -> None:
+    """The table, the summary line, and the JSON line (last)."""
+    errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
+    rho = spearman(predicted, measured)
+    width = max(len(label) for label, _, _ in LAYOUTS)
+    print(f"\n{args.model}, global batch {args.global_batch} x {args.seq_len} tokens, "
+          f"median of {args.rounds} x {args.steps - 1} steps per layout; calibration "
+          f"{args.calibration or DEFAULT_CALIBRATION}\nload average {load:.1f} on {cores} "
+          f"cores while measuring (other work slows the measured times; the predictions "
+          f"are for an idle machine)\n")
+    print(f"{'layout':<{width}}  predicted ms  measured ms   error")
+    print(f"{'-' * width}  ------------  -----------  ------")
+    for (label, _, _), p, m in zip(LAYOUTS, predicted, measured):
+        print(f"{label:<{width}}  {p * 1e3:>12.1f}  {m * 1e3:>11.1f}  {(p - m) / m:>+6.0%}")
+    median = statistics.median(errors)
+    print(f"\nmedian |error| {median:.1%}, Spearman rank correlation {rho:.3f}")
+    print(json.dumps({
+        "benchmark": "plan_vs_measured", "paratrain": round(median, 4), "peer": None,
+        "ratio": round(rho, 4),
+        "metric": "paratrain: median |relative error| of the predicted step time; "
+                  "ratio: Spearman correlation of predicted and measured",
+        "model": args.model, "load_average": round(load, 2),
+        "layouts": {label: {"predicted_s": round(p, 5), "measured_s": round(m, 5)}
+                    for (label, _, _), p, m in zip(LAYOUTS, predicted, measured)}}))
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""``paratrain plan --cluster local --calibrate``: measure this machine for the planner.
+
+What the local cluster's time model needs, measured the way training ranks run (one
+thread per process, ``torch.set_num_threads(1)``):
+
+* **matmul rate**, fp32 and bf16: FLOP/s over the GEMM shapes a small GPT's forward and
+  backward run (activations times weights, and the weight-gradient products with the
+  tokens as inner dimension); total FLOPs over total time, so each shape weighs what
+  it costs.
+* **eager costs**, per precision: a forward and backward of paratrain's ``small`` GPT
+  at microbatches of 1 and 4 sequences. The time per extra sequence, against its FLOPs
+  counted as the planner counts them (``cost.step_flops``) at the matmul rate, gives the
+  efficiency (an eager block also runs norms, SwiGLU, RoPE, the attention kernel and,
+  under autocast, casts that FLOP counts leave out); what a microbatch costs beyond its
+  sequences is the fixed dispatch cost of its operators, per block.
+* **AdamW rate**: parameters per second of one ``torch.optim.AdamW`` step.
+* **gloo α and β** of all-reduce, all-gather and reduce-scatter, for worlds of 2 and 4
+  processes: the median time of each collective (averaging, as data parallelism runs
+  it) at several sizes, then the least-squares fit of ``comm.cost.fit_alpha_beta``.
+
+Single-process rates are the fastest of a few repeats (other work on the machine only
+adds time); the all-reduce times are medians (a collective waits for its slowest rank).
+
+Everything here imports torch lazily: ``paratrain.plan`` itself stays torch-free.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .hardware import DEFAULT_CALIBRATION, Calibration
+
+MATMUL_TOKENS = (256, 1024)
+"""Rows (tokens per microbatch) of the timed GEMMs."""
+MATMUL_SHAPES = ((192, 192), (192, 512), (512, 192), (192, 256))
+"""(in, out) features of the timed GEMMs: the ``small`` preset's projections and head."""
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
+"""What data parallelism and ZeRO run; gloo's all-gather and reduce-scatter do not cost
+the half of an all-reduce that ring algorithms would, so each gets its own fit."""
+COLLECTIVE_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+"""Bytes of the timed collectives: from latency- to bandwidth-bound."""
+EFFICIENCY_BATCH = 4
+"""Largest microbatch (sequences) the model step is timed at; the other is 1."""
+EFFICIENCY_SEQ = 128
+"""Tokens per sequence of the timed model steps (the ``small`` preset's context)."""
+
+
+def _best_time(call: Callable[[], object], budget_s: float = 0.15, repeats: int = 5) -> float:
+    """Fastest over ``repeats`` of the mean time of ``call`` over about ``budget_s`` /
+    ``repeats`` seconds of calls, after one warm-up call. The fastest, not the median:
+    other work on the machine only ever adds time, and the planner predicts the
+    machine's own speed."""
+    call()
+    times = []
+    for _ in range(repeats):
+        count, start = 0, time.perf_counter()
+        while True:  # time-bounded, so a slow spell cannot stretch the measurement
+            call()
+            count += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= budget_s / repeats:
+                break
+        times.append(elapsed / count)
+    return min(times)
+
+
+def matmul_rate(dtype_name: str) -> float:
+    """FLOP/s of one thread over ``MATMUL_SHAPES`` x ``MATMUL_TOKENS``: forward products
+    (tokens x in) @ (in x out) and weight-gradient products (out x tokens) @ (tokens x in)."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    flops = seconds = 0.0
+    for tokens in MATMUL_TOKENS:
+        for k, n in MATMUL_SHAPES:
+            for m, inner, out in ((tokens, k, n), (n, tokens, k)):
+                a, b = torch.randn(m, inner, dtype=dtype), torch.randn(inner, out, dtype=dtype)
+                seconds += _best_time(functools.partial(torch.mm, a, b))
+                flops += 2 * m * inner * out
+    return flops / seconds
+
+
+def _model_step(precision: str, b: int) -> tuple[Callable[[], None], float]:
+    """A forward and backward of paratrain's ``small`` GPT on ``b`` sequences of
+    ``EFFICIENCY_SEQ`` tokens (bf16: under autocast, as data parallelism runs it), and
+    its FLOPs as the planner counts them."""
+    import torch
+
+    from ..models.gpt import GPT, PRESETS
+    from .candidate import Training
+    from .cost import step_flops
+    from .models import from_gpt_config
+
+    cfg = PRESETS["small"]
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (b, EFFICIENCY_SEQ))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(tokens, tokens)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    flops = step_flops(from_gpt_config(cfg, "small"), Training(b, EFFICIENCY_SEQ, precision))
+    return step, flops
+
+
+def eager_costs(precision: str, matmul_flops: float) -> tuple[float, float]:
+    """(efficiency, fixed seconds per block and microbatch) of the ``small`` GPT's
+    forward and backward: the step time at 1 and ``EFFICIENCY_BATCH`` sequences is a
+    line, its slope the per-sequence cost (efficiency = FLOP-counted time at the matmul
+    rate over it), its intercept the per-microbatch dispatch cost, spread over the
+    blocks."""
+    times, flops = [], 0.0
+    for b in (1, EFFICIENCY_BATCH):
+        step, flops = _model_step(precision, b)
+        times.append(_best_time(step, budget_s=1.0, repeats=3))
+    per_sequence = max((times[1] - times[0]) / (EFFICIENCY_BATCH - 1), 1e-9)
+    efficiency = min(1.0, flops / EFFICIENCY_BATCH / matmul_flops / per_sequence)
+    from ..models.gpt import PRESETS
+
+    return efficiency, max(0.0, times[0] - per_sequence) / PRESETS["small"].n_layers
+
+
+def adamw_rate(numel: int = 1 << 21) -> float:
+    """Parameters per second of one AdamW step (torch's default, foreach) on ``numel``
+    parameters in tensors of a small model's sizes."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(numel // 16)) for _ in range(16)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    return numel // 16 * 16 / _best_time(optimizer.step, budget_s=0.5, repeats=3)
+
+
+def _collective_times(ops: list[str], sizes: list[int], iters: int
+                      ) -> dict[str, list[float]] | None:
+    """On every rank of a spawned world: for each op and size (nccl-tests' size: the
+    full tensor), the median over ``iters`` of the slowest rank's time. Rank 0 returns
+    them, the others None."""
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import collectives as C
+
+    group = dist.group.WORLD
+    p = dist.get_world_size()
+    times: dict[str, list[float]] = {op: [] for op in ops}
+    for op in ops:
+        for nbytes in sizes:
+            full, part = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4 // p)
+            call = {"all-reduce": functools.partial(C.all_reduce, full, group, op="avg"),
+                    "all-gather": functools.partial(C.all_gather, full, part, group),
+                    "reduce-scatter": functools.partial(C.reduce_scatter, part, full, group,
+                                                        op="avg")}[op]
+            call()  # warm-up: connections, buffers
+            samples = torch.zeros(iters, dtype=torch.float64)
+            for i in range(iters):
+                dist.barrier(group)  # start together: no rank times its wait for a peer
+                start = time.perf_counter()
+                call()
+                samples[i] = time.perf_counter() - start
+            dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=group)  # the last rank's
+            times[op].append(statistics.median(samples.tolist()))
+    return times if dist.get_rank() == 0 else None
+
+
+def collective_alpha_beta(n_procs: int, iters: int = 8) -> dict[str, list[float]]:
+    """[α (s), β (bus bytes/s)] of each of ``COLLECTIVES`` for ``n_procs`` local
+    processes."""
+    from ..comm.cost import fit_alpha_beta
+    from ..launch import spawn
+
+    sizes = [n // (4 * n_procs) * 4 * n_procs for n in COLLECTIVE_SIZES]  # even chunks
+    times = spawn(_collective_times, n_procs, list(COLLECTIVES), sizes, iters,
+                  backend="gloo", timeout_s=300)[0]
+    return {op: list(fit_alpha_beta(op, n_procs, sizes, times[op])) for op in COLLECTIVES}
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def total_memory() -> int:
+    """Bytes of physical RAM."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 8 * 2**30  # no sysconf (Windows): assume a modest machine
+
+
+def calibrate(worlds: tuple[int, ...] = (2, 4), log: Callable[[str], None] = print
+              ) -> Calibration:
+    """Measure everything the local cluster needs; ``log`` receives one line per result."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every training rank runs
+    try:
+        rates = {p: matmul_rate(p) for p in ("fp32", "bf16")}
+        log("matmul, 1 thread  " + ", ".join(f"{p} {r / 1e9:.1f} GFLOP/s" for p, r in rates.items()))
+        costs = {p: eager_costs(p, rates[p]) for p in rates}
+        eff = {p: round(e, 4) for p, (e, _) in costs.items()}
+        overhead = costs["fp32"][1]
+        log("model efficiency  " + ", ".join(f"{p} {e:.0%}" for p, e in eff.items())
+            + " of the matmul rate (small GPT, forward + backward), plus "
+            f"{overhead * 1e3:.2f} ms per block and microbatch")
+        adam = adamw_rate()
+        log(f"AdamW step        {adam / 1e6:.1f} M params/s")
+    finally:
+        torch.set_num_threads(threads)
+    comm = {}
+    for n in worlds:
+        comm[str(n)] = collective_alpha_beta(n)
+        for op, (alpha, beta) in comm[str(n)].items():
+            log(f"gloo {op:<15}{n} processes: alpha {alpha * 1e6:.0f} us, beta "
+                f"{beta / 1e9:.2f} GB/s (bus bandwidth)")
+    first = str(worlds[0])
+    cores = usable_cores()
+    log(f"machine           {cores} cores, {total_memory() / 2**30:.1f} GiB RAM")
+    return Calibration(matmul_flops=rates, cores=cores, alpha=comm[first]["all-reduce"][0],
+                       beta=comm[first]["all-reduce"][1], memory=total_memory(), world_size=worlds[0],
+                       torch_version=torch.__version__, comm=comm, optimizer_rate=adam,
+                       compute_efficiency=eff, layer_overhead=overhead)
+
+
+def write_calibration(calibration: Calibration, path: str | Path | None = None) -> Path:
+    """Store ``calibration`` where ``hardware.load_calibration`` looks (default
+    ``~/.cache/paratrain/calibration.json``); returns the path."""
+    path = Path(path) if path else DEFAULT_CALIBRATION
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(calibration.to_json())
+    tmp.replace(path)  # never leave a half-written file for the planner to read
+    return path

@@ -1,0 +1,159 @@
+"""What paratrain's own runtime holds per rank, counted exactly (the local cluster's
+memory model; the published formulas of ``memory`` describe Megatron-style runtimes).
+
+**Model states.** ZeRO (``parallel/zero``) flattens each *unit* (the token embedding,
+each transformer block, the final norm, the output projection: ``default_units``) into
+one buffer padded to a multiple of the shard group N = dp x cp, so per rank with
+P = Σ_units ceil(Ψ_unit / N)·N:
+
+    ZeRO-1: w·P + g·P + k·P/N    ZeRO-2: w·P + g·P/N + k·P/N    ZeRO-3: (w + g + k)·P/N
+
+with (w, g, k) = (4, 4, 8) in fp32 and (2, 2, 12) in bf16 (bf16 weights and gradients;
+fp32 master, momentum, variance). Plain data parallelism does not pad, and its bf16 is
+autocast over fp32 weights: 4 + 4 + 8 bytes per parameter in either precision.
+
+**Activations.** paratrain's block is Llama-style and eager: RMSNorm computed in fp32,
+RoPE, grouped KV heads repeated for ``scaled_dot_product_attention`` (on CPU its flash
+kernel: it saves q, k, v, the output and one fp32 log-sum-exp per row, never the s x s
+scores), an unfused SwiGLU, no dropout. ``paratrain_layer_activation_bytes`` lists the
+tensors it saves for backward; the list matches what ``saved_tensors_hooks`` sees
+(tests/test_plan_vs_runs.py). Three precision modes: ``fp32``; ``autocast`` (bf16 under
+plain data parallelism: fp32 residual stream and norms, and every linear layer saves
+its own bf16 copy of its input); ``bf16`` (bf16 weights under ZeRO: bf16 residual
+stream, norms still computed in fp32).
+"""
+
+from __future__ import annotations
+
+from .candidate import Candidate, Training
+from .models import ModelSpec
+
+MODES = ("fp32", "autocast", "bf16")
+
+
+def precision_mode(precision: str, zero: int) -> str:
+    """How paratrain runs ``precision``: bf16 is autocast under plain data parallelism
+    and bf16 weights (with fp32 masters) under ZeRO."""
+    if precision == "fp32":
+        return "fp32"
+    return "bf16" if zero else "autocast"
+
+
+def state_bytes_per_param(precision: str, zero: int, optimizer: str = "adam"
+                          ) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter as paratrain stores them."""
+    states = 2 if optimizer == "adam" else 1  # AdamW's two moments; SGD's momentum
+    if precision_mode(precision, zero) == "bf16":
+        return 2, 2, 4 + 4 * states  # fp32 master copy + fp32 moments
+    return 4, 4, 4 * states
+
+
+def block_params(model: ModelSpec, tp: int = 1) -> int:
+    """Parameters of one paratrain block on one TP rank: two RMSNorm weights, wq, wk, wv,
+    wo and SwiGLU's w1, w3, w2 (whatever biases or norm ``model`` names: paratrain builds
+    its Llama-style block for every shape)."""
+    h, f = model.d_model, model.ffn_hidden
+    kv = model.kv_heads_per_rank(tp) * model.head_dim
+    return 2 * h + 2 * h * h // tp + 2 * h * kv + 3 * h * f // tp
+
+
+def unit_params(model: ModelSpec, tp: int = 1, pp: int = 1, stage: int = 0) -> list[int]:
+    """Parameters of each ZeRO unit on one rank of pipeline ``stage``, in model order:
+    token embedding (first stage), the stage's blocks, final norm and output projection
+    (last stage; a tied projection is the embedding itself unless stages separate them)."""
+    h, vocab = model.d_model, model.vocab_size // tp
+    units = []
+    if stage == 0:
+        units.append(vocab * h)
+    units += [block_params(model, tp)] * (model.n_layers // pp)
+    if stage == pp - 1:
+        units.append(h)
+        if not model.tie_embeddings or pp > 1:
+            units.append(vocab * h)
+    return units
+
+
+def paratrain_state_bytes(model: ModelSpec, layout, precision: str, optimizer: str = "adam",
+                          stage: int = 0) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state one rank of pipeline ``stage``
+    holds in a paratrain run: ``param_bytes``, ``grad_bytes``, ``optim_bytes`` as
+    ``train.loop.train`` measures them. ``layout`` is a ``Layout`` or ``Candidate`` (its
+    dp, tp, pp, cp and zero are read)."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision {precision!r}: paratrain trains in fp32 or bf16")
+    zero, n = layout.zero, layout.dp * layout.cp
+    units = unit_params(model, layout.tp, layout.pp, stage)
+    padded = sum(-(-u // n) * n for u in units) if zero else sum(units)
+    w, g, k = state_bytes_per_param(precision, zero, optimizer)
+    return {"param_bytes": w * padded // (n if zero >= 3 else 1),
+            "grad_bytes": g * padded // (n if zero >= 2 else 1),
+            "optim_bytes": k * padded // (n if zero >= 1 else 1)}
+
+
+def paratrain_layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int = 1,
+                                     sp: bool = False, recompute: str = "none",
+                                     mode: str = "fp32") -> float:
+    """Bytes one paratrain block saves for backward per microbatch (``s`` tokens per
+    sequence on this rank, ``b`` sequences), exact for t = 1. Per token, with c the
+    compute dtype's bytes and r the residual stream's (fp32 4, 4; autocast 2, 4; bf16 2, 2):
+
+    * each RMSNorm: its input in fp32 (4h: the input itself, or its fp32 copy), the
+      normalised x (r·h, saved by the weight multiply), one fp32 rsqrt, and the input of
+      the linear layers it feeds (c·h, once per layer under autocast, which casts
+      separately for wq, wk, wv and for w1, w3);
+    * attention: q, k, v (KV heads repeated to all heads) and the output of the flash
+      kernel (4·c·h), its log-sum-exp (4 bytes per head), wo's input (c·h); selective
+      recompute keeps only the kernel's inputs q, k, v before the repeat (c·(h + 2kv));
+    * SwiGLU: gate, silu(gate), up and their product (4·c·f);
+    * full recompute: only the block input (r·h).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    h, f, a = model.d_model, model.ffn_hidden, model.n_heads
+    kv = model.kv_heads_per_rank(t) * model.head_dim
+    c = 4 if mode == "fp32" else 2
+    r = 2 if mode == "bf16" else 4
+    tokens = s * b
+    if recompute == "full":
+        return r * h * tokens / (t if sp else 1)
+
+    def norm(consumers: int) -> float:
+        inputs = consumers if mode == "autocast" else 1
+        return 4 * h + r * h + 4 + inputs * c * h
+
+    outside = norm(3) + norm(2)  # attention norm feeds wq, wk, wv; MLP norm w1, w3
+    if recompute == "selective":
+        attention = c * (h // t + 2 * kv) + c * h // t
+    else:
+        attention = 5 * c * h // t + 4 * a // t
+    inside = attention + 4 * c * f // t
+    return tokens * (outside / (t if sp else 1) + inside)
+
+
+def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate, stage: int,
+                           inflight: float) -> float:
+    """Temporaries at a paratrain rank's peak: ZeRO's gathered units and full unit
+    gradients, autocast's bf16 copies of the weights (the graph keeps them until backward
+    reaches their layer), the logits and their fp32 log-softmax, and the block being
+    recomputed."""
+    mode = precision_mode(training.precision, cand.zero)
+    units = unit_params(model, cand.tp, cand.pp, stage)
+    weight = 2 if mode == "bf16" else 4
+    total = 0.0
+    if cand.zero == 3:  # the unit in use and the prefetched one, two units' full gradients
+        total += 4 * max(units) * weight
+    elif cand.zero == 2:  # the gradient being reduced and the one being assembled
+        total += 2 * max(units) * weight
+    if mode == "autocast":
+        norms = model.d_model * (2 * (model.n_layers // cand.pp) + (stage == cand.pp - 1))
+        matrices = sum(units) - norms - (units[0] if stage == 0 else 0)  # no embedding cast
+        total += 2 * matrices
+    s, b = training.seq_len // cand.cp, cand.micro_batch
+    if stage == cand.pp - 1:
+        c = 4 if mode == "fp32" else 2
+        total += s * b * model.vocab_size / cand.tp * (c + 4 + (4 if c == 2 else 0)) * inflight
+    if cand.recompute != "none":  # the block being recomputed, briefly in full
+        full, kept = (paratrain_layer_activation_bytes(model, s, b, cand.tp, cand.sp, policy, mode)
+                      for policy in ("none", cand.recompute))
+        total += full - kept
+    return total

@@ -1,0 +1,186 @@
+"""The planner against paratrain's own runs: per-rank state bytes exactly, and the bytes
+paratrain's block saves for backward within 10% (measured with saved-tensor hooks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distributed import run_world
+from paratrain.mesh import Mesh
+from paratrain.models.gpt import GPT, PRESETS
+from paratrain.parallel.recompute import apply_recompute
+from paratrain.plan.candidate import Candidate, Training
+from paratrain.plan.cost import step_flops, step_time
+from paratrain.plan.hardware import Calibration, load_calibration, local_cluster
+from paratrain.plan.memory import paratrain_state_bytes, rank_memory
+from paratrain.plan.models import from_gpt_config, load_model
+from paratrain.plan.runtime import paratrain_layer_activation_bytes, precision_mode
+from paratrain.train.config import load
+from paratrain.train.loop import train
+
+# (preset, zero, precision) per world size: every ZeRO stage in fp32, bf16 both ways
+# (autocast under plain DP, bf16 weights under ZeRO), padding that differs per stage.
+LAYOUTS = {
+    1: [("tiny", 0, "fp32"), ("small", 0, "bf16"), ("tiny", 2, "bf16")],
+    2: [("tiny", 0, "fp32"), ("tiny", 1, "fp32"), ("tiny", 2, "fp32"), ("tiny", 3, "fp32"),
+        ("tiny", 2, "bf16"), ("tiny", 0, "bf16"), ("small", 1, "fp32"), ("small", 3, "bf16")],
+    4: [("tiny", 3, "fp32"), ("tiny", 1, "bf16"), ("tiny", 2, "fp32"), ("small", 0, "fp32")],
+}
+
+
+def run_config(tmp_dir: str, nproc: int, preset: str, zero: int, precision: str):
+    return load(None, {"preset": preset, "dp": nproc, "zero": zero, "precision": precision,
+                       "seq_len": 32, "global_batch": 4, "steps": 1, "eval_every": 0,
+                       "eval_batches": 1, "progress": False, "run_dir": tmp_dir}).validate()
+
+
+def measured_state_bytes(configs) -> list[list[dict[str, int]]]:
+    """Train each config one step; every rank's parameter, gradient and optimizer bytes."""
+    return [train(cfg, Mesh.build(cfg.layout)).state_bytes for cfg in configs]
+
+
+@pytest.mark.parametrize("nproc", sorted(LAYOUTS))
+def test_state_bytes_equal_the_planners(nproc, tmp_path):
+    configs = [run_config(str(tmp_path), nproc, *layout) for layout in LAYOUTS[nproc]]
+    measured = run_world(measured_state_bytes, nproc, configs)[0]
+    for cfg, (preset, zero, precision), per_rank in zip(configs, LAYOUTS[nproc], measured):
+        spec = from_gpt_config(cfg.model, preset)
+        predicted = paratrain_state_bytes(spec, cfg.layout, precision)
+        assert len(per_rank) == nproc
+        for rank, got in enumerate(per_rank):
+            assert got == predicted, (preset, f"dp{nproc} zero{zero} {precision} rank {rank}")
+        # The planner's memory model for the local cluster uses the same numbers.
+        cand = Candidate(nproc, 1, 1, 1, zero, micro_batch=4 // nproc, microbatches=1)
+        mem = rank_memory(spec, Training(4, 32, precision), cand, paratrain=True)
+        assert (mem.params, mem.grads, mem.optimizer) == tuple(predicted.values())
+
+
+# ---- activations saved for backward by one block ----------------------------------------
+
+def saved_bytes(preset: str, mode: str, recompute: str, b: int, s: int) -> tuple[int, int]:
+    """(activation bytes, bf16 weight-copy bytes) one block of ``preset`` saves for
+    backward, deduplicated by storage. Parameters and the RoPE tables (shared by all
+    blocks) are not the block's; autocast's bf16 copies of the weights are counted apart."""
+    torch.manual_seed(0)
+    cfg = PRESETS[preset]
+    model = GPT(cfg)
+    apply_recompute(model.layers, recompute)
+    block = model.layers[0]
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    for p in block.parameters():  # ZeRO's bf16 weights; the RoPE tables stay fp32
+        p.data = p.data.to(dtype)
+    cos, sin = model.rope(torch.arange(s))
+    x = torch.randn(b, s, cfg.d_model, dtype=dtype, requires_grad=True)
+    not_activations = {t.untyped_storage().data_ptr() for t in (*block.parameters(), cos, sin)}
+    weight_shapes = {tuple(p.shape) for p in block.parameters() if p.ndim == 2}
+    weight_shapes |= {shape[::-1] for shape in weight_shapes}
+    activations, weight_copies = {}, {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in not_activations:
+            copy = t.dim() == 2 and tuple(t.shape) in weight_shapes
+            (weight_copies if copy else activations)[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+          torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast")):
+        block(x, cos, sin).float().sum().backward()
+    return sum(activations.values()), sum(weight_copies.values())
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+@pytest.mark.parametrize("mode", ["fp32", "autocast", "bf16"])
+def test_block_activation_bytes_within_10_percent(preset, mode):
+    b, s = 3, 40  # b*s matches no weight dimension, so weight copies are told apart
+    spec = from_gpt_config(PRESETS[preset], preset)
+    for recompute in ("none", "selective", "full"):
+        measured, copies = saved_bytes(preset, mode, recompute, b, s)
+        predicted = paratrain_layer_activation_bytes(spec, s, b, recompute=recompute, mode=mode)
+        assert abs(predicted - measured) <= 0.1 * measured, (recompute, predicted, measured)
+        if mode == "autocast" and recompute != "full":  # bf16 copies of all 7 matrices
+            h, kv, f = spec.d_model, spec.n_kv_heads * spec.head_dim, spec.ffn_hidden
+            assert copies == 2 * (2 * h * h + 2 * h * kv + 3 * h * f)
+
+
+def test_precision_modes_follow_the_engines():
+    assert precision_mode("fp32", 3) == "fp32"
+    assert precision_mode("bf16", 0) == "autocast"  # DDP: autocast over fp32 weights
+    assert precision_mode("bf16", 1) == "bf16"  # ZeRO: bf16 weights, fp32 masters
+
+
+# ---- calibration and the local cluster --------------------------------------------------
+
+def test_calibration_pieces_measure_something():
+    from paratrain.plan import calibrate
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as calibrate() measures, like a training rank
+    try:
+        rate = calibrate.matmul_rate("fp32")
+        efficiency, overhead = calibrate.eager_costs("fp32", rate)
+        assert rate > 1e8 and 0 < efficiency <= 1 and overhead >= 0
+        assert calibrate.adamw_rate(numel=1 << 16) > 1e5
+    finally:
+        torch.set_num_threads(threads)
+    fits = calibrate.collective_alpha_beta(2, iters=2)
+    assert set(fits) == {"all-reduce", "all-gather", "reduce-scatter"}
+    assert all(alpha >= 0 and beta > 0 for alpha, beta in fits.values())
+
+
+FAKE = Calibration(
+    matmul_flops={"fp32": 40e9, "bf16": 100e9}, cores=2, alpha=100e-6, beta=1e9,
+    memory=8 * 2**30, comm={"2": {"all-reduce": [100e-6, 1e9], "all-gather": [50e-6, 0.5e9],
+                                  "reduce-scatter": [50e-6, 0.25e9]},
+                            "4": {"all-reduce": [1e-3, 0.5e9]}},
+    optimizer_rate=300e6, compute_efficiency={"fp32": 0.5, "bf16": 0.25}, layer_overhead=1e-3)
+
+
+def test_calibrate_flag_writes_what_local_plans_read(tmp_path, monkeypatch, capsys):
+    from test_plan_cli import plan
+
+    from paratrain.plan import calibrate
+
+    monkeypatch.setattr(calibrate, "calibrate", lambda log: FAKE)
+    path = tmp_path / "cal.json"
+    assert plan("--cluster", "local", "--calibrate", "--calibration", str(path)) == 0
+    assert load_calibration(path) == FAKE and str(path) in capsys.readouterr().out
+    assert plan("--cluster", "local", "--model", "small", "--gpus", "2", "--calibration",
+                str(path), "--micro-batch", "4", "--recompute", "none", "--json") == 0
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    zero = best["layout"]["zero"]
+    states = paratrain_state_bytes(load_model("small"), Candidate(2, 1, 1, 1, zero, 4, 1),
+                                   "fp32")
+    assert [best["memory_bytes"][k] for k in ("params", "grads", "optimizer")] == \
+        list(states.values())
+    assert plan("--cluster", "local") == 2  # a plan needs a model
+    assert "--model is required" in capsys.readouterr().err
+    old_format = json.loads(FAKE.to_json()) | {"comm": {"2": [1e-4, 1e9]}}
+    path.write_text(json.dumps(old_format))
+    assert plan("--cluster", "local", "--model", "small", "--calibration", str(path)) == 2
+    assert "re-run `paratrain plan --cluster local --calibrate`" in capsys.readouterr().err
+
+
+def test_local_cluster_uses_the_measured_rates():
+    two, four = local_cluster(2, FAKE), local_cluster(4, FAKE)
+    assert two.gpu.peak_flops_fp32 == 40e9 and four.gpu.peak_flops_fp32 == 20e9  # 2 cores
+    assert two.gpu.efficiency_fp32 == 0.5 and two.gpu.efficiency == 0.25
+    assert {op: (a, b) for op, a, b in two.gpu.collectives}["reduce-scatter"] == \
+        (50e-6, 0.25e9)
+    assert four.gpu.nvlink_alpha == 1e-3 and two.gpu.overlap_cost == 1.0  # every core busy
+    model, training = load_model("small"), Training(8, 128, "fp32")
+    ddp, zero1 = (step_time(model, training, two, Candidate(2, 1, 1, 1, z, 4, 1))
+                  for z in (0, 1))
+    psi = model.num_params() * 4
+    assert ddp.dp == pytest.approx(1e-4 * 2 + psi / 1e9)  # ring all-reduce at p = 2
+    assert zero1.dp == pytest.approx(50e-6 * 2 + psi / 2 / 0.25e9 + psi / 2 / 0.5e9)
+    assert ddp.optimizer == pytest.approx(model.num_params() / 300e6)
+    flops = step_flops(model, Training(4, 128, "fp32"))  # one microbatch of one rank
+    assert ddp.compute == pytest.approx(flops / 20e9 + 6 * 1e-3)  # 6 blocks' dispatch
+    assert four.gpu.layer_overhead == 2e-3  # processes time-share the 2 cores
+    # bf16 data parallelism is autocast: its gradients, and all-reduce, stay fp32.
+    bf16 = Training(8, 128, "bf16")
+    assert step_time(model, bf16, two, Candidate(2, 1, 1, 1, 0, 4, 1)).dp == ddp.dp
