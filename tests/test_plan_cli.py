@@ -116,3 +116,25 @@ def test_plan_does_not_import_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_every_ranked_plan_writes_a_config_train_accepts(tmp_path):
+    """The planner and the trainer agree on what is valid: each plan of a search over all
+    layouts (tp, pp, cp, zero, interleaving, recompute) validates as a training config."""
+    from paratrain.plan.candidate import Training
+    from paratrain.plan.export import config_tables, to_toml
+    from paratrain.plan.hardware import Cluster, gpu_preset
+    from paratrain.plan.search import search
+    from paratrain.train.config import load
+
+    model = load_model("tiny")
+    training = Training(global_batch=16, seq_len=64)
+    result = search(model, training, Cluster(gpu_preset("h100-80g"), n_gpus=8))
+    assert len(result.plans) > 10
+    seen = set()
+    for i, plan in enumerate(result.plans):
+        path = tmp_path / f"plan{i}.toml"
+        path.write_text(to_toml(config_tables(plan, model, training)))
+        cfg = load(str(path)).validate()  # raises ConfigError naming the problem
+        seen.add((cfg.parallel.tp > 1, cfg.parallel.pp > 1, cfg.parallel.cp > 1))
+    assert len(seen) > 2  # the search really offered different strategies

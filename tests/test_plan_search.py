@@ -35,7 +35,7 @@ def test_405b_on_16384_gpus_under_5_seconds():
     assert result.plans
     _assert_valid(result, model, training, cluster)
     steps = [p.time.step for p in result.plans]
-    assert steps[0] == min(steps)
+    assert float(f"{steps[0]:.3g}") == float(f"{min(steps):.3g}")  # ties: less memory first
     assert 0.2 < result.plans[0].mfu < 0.5
     reasons = " | ".join(result.rejected)
     assert "model states exceed memory" in reasons and "activations exceed memory" in reasons

@@ -134,7 +134,9 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
     for shape in _shapes(problem, result):
         for cand in _schedules(problem, shape, result):
             for stage in zero if cand.shard > 1 else (0,):
-                _sweep(problem, replace(cand, zero=stage), result)
+                staged = replace(cand, zero=stage)
+                if _valid_stage(staged, result):
+                    _sweep(problem, staged, result)
     # The model is not finer than 3 significant figures: within that, less memory wins.
     result.plans.sort(key=lambda p: (float(f"{p.time.step:.3g}"), p.memory.total))
     result.seconds = time.perf_counter() - start
@@ -170,6 +172,16 @@ def _valid(problem: _Problem, cand: Candidate, v: int, label: str,
                                   virtual_stages=v)
     except LayoutError as err:
         result.reject(str(err).split(";")[0], label, str(err))
+        return False
+    return True
+
+
+def _valid_stage(cand: Candidate, result: SearchResult) -> bool:
+    """The ZeRO stage is allowed with this layout (``Layout``'s rule, shared with train)."""
+    try:
+        cand.layout()
+    except LayoutError as err:
+        result.reject(str(err).split(";")[0], f"dp{cand.dp} pp{cand.pp} zero{cand.zero}", str(err))
         return False
     return True
 

@@ -220,10 +220,6 @@ class Config:
         from ..parallel.pipeline import ScheduleError, check
 
         p = self.parallel
-        if p.zero >= 2:
-            raise ConfigError(f"--zero {p.zero} reduce-scatters gradients after every microbatch, "
-                              f"which a pipeline runs many of per step; use --zero 1 with --pp "
-                              f"(DeepSpeed draws the same line)")
         if self.model.tie_embeddings:
             raise ConfigError("tied embeddings would live on the first and the last pipeline "
                               "stage at once; set tie_embeddings = false to use --pp")
