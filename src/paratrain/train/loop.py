@@ -222,7 +222,7 @@ def _save_timeline(run: Run) -> None:
 
 def describe(run: Run) -> str:
     cfg, s = run.cfg, run.sampler
-    remainder = (f"pad: the last batch of each epoch is padded and masked" if cfg.data.remainder == "pad"
+    remainder = ("pad: the last batch of each epoch is padded and masked" if cfg.data.remainder == "pad"
                  else f"drop: {s.dropped_per_epoch} samples per epoch that do not fill a global batch are skipped")
     return (f"paratrain: {cfg.layout.describe()}, model {cfg.model_preset} "
             f"({cfg.model.num_params() / 1e6:.2f}M params), {cfg.train.global_batch} x "
