@@ -227,7 +227,8 @@ def describe(run: Run) -> str:
     return (f"paratrain: {cfg.layout.describe()}, model {cfg.model_preset} "
             f"({cfg.model.num_params() / 1e6:.2f}M params), {cfg.train.global_batch} x "
             f"{cfg.data.seq_len} tokens per step, micro-batch {cfg.micro_batch} x "
-            f"{cfg.accumulation} accumulation, {cfg.train.precision}\n"
+            f"{cfg.accumulation} {'pipeline microbatches' if cfg.parallel.pp > 1 else 'accumulation'}, "
+            f"{cfg.train.precision}\n"
             f"data: {len(run.train_data)} train samples, {s.steps_per_epoch} steps per epoch; "
             f"remainder {remainder}" + _offload_note(run))
 
