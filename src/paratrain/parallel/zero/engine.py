@@ -23,11 +23,13 @@ import contextlib
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from ...accounting import storage_bytes
 from ...comm import collectives as C
+from ...comm.ring import ring_all_gather
 from ..engine import merge_stages
 from ..tensor import TensorParallel
 from .flat import build_unit, group_units
@@ -63,6 +65,9 @@ class ZeroDataParallel(nn.Module):
                 unit.shard = unit.flat.own_slice(unit.flat.flat).clone()
                 unit.flat.free()
         self.optimizer = ShardedAdamW(self.units, optim_cfg, offload=offload)
+        # gloo's native reduce-scatter and all-gather are slower than its all-reduce and
+        # than a ring on send/recv (see `paratrain bench comm`); NCCL's are not.
+        self._gloo = dist.get_backend(group) == "gloo"
         self._sync = True
         self._in_flight: list[Unit] = []
         self.track_peak = track_peak  # measuring live bytes at every hook costs time
@@ -125,7 +130,7 @@ class ZeroDataParallel(nn.Module):
         # most two units' full gradients (that one and the one being produced) exist at once.
         if self.stage >= 2 and self._in_flight:
             self._finish_reduce(self._in_flight.pop(0))
-        unit.start_reduce(self.group)
+        unit.start_reduce(self.group, by_all_reduce=self._gloo)
         self._in_flight.append(unit)
         if self.stage == 3:
             unit.flat.free()
@@ -183,10 +188,14 @@ class ZeroDataParallel(nn.Module):
     def step(self, lr: float) -> None:
         """Update this rank's shards; stages 1/2 then all-gather the full parameters."""
         self.optimizer.step(lr)
-        if self.stage < 3:
-            works = [C.all_gather(u.flat.flat, u.flat.own_slice(u.flat.flat), self.group, async_op=True)
-                     for u in self.units]
-            C.wait_all(works)
+        if self.stage == 3:
+            return
+        if self._gloo:
+            for u in self.units:
+                ring_all_gather(u.flat.own_slice(u.flat.flat), self.group, out=u.flat.flat)
+        else:
+            C.wait_all([C.all_gather(u.flat.flat, u.flat.own_slice(u.flat.flat), self.group,
+                                     async_op=True) for u in self.units])
 
     # ---- inspection ------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:

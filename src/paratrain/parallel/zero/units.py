@@ -79,12 +79,17 @@ class Unit:
         self.flat_grad[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
         param.grad = None
 
-    def start_reduce(self, group: ProcessGroup) -> None:
-        """Average the unit's gradient over the group; this rank's slice lands in place."""
+    def start_reduce(self, group: ProcessGroup, by_all_reduce: bool = False) -> None:
+        """Average the unit's gradient over the group; this rank's slice lands in place.
+        ``by_all_reduce`` reduces the whole buffer instead of reduce-scattering it: the
+        same slice results, and gloo's all-reduce is faster than its reduce-scatter."""
         if self.flat_grad is None:  # no parameter of the unit got a gradient
             self.flat_grad = self.grad_shard.new_zeros(self.flat.padded)
-        self.reduce_work = C.reduce_scatter(self.flat.own_slice(self.flat_grad), self.flat_grad,
-                                            group, op="avg", async_op=True)
+        if by_all_reduce:
+            self.reduce_work = C.all_reduce(self.flat_grad, group, op="avg", async_op=True)
+        else:
+            self.reduce_work = C.reduce_scatter(self.flat.own_slice(self.flat_grad), self.flat_grad,
+                                                group, op="avg", async_op=True)
         self.launched = True
 
     def finish_reduce(self) -> None:
