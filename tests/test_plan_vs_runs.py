@@ -58,6 +58,26 @@ def test_state_bytes_equal_the_planners(nproc, tmp_path):
         assert (mem.params, mem.grads, mem.optimizer) == tuple(predicted.values())
 
 
+# Model-parallel layouts on 4 ranks: tp shards (a vocabulary of 250 padded to 252, KV heads
+# replicated at tp=4), pipeline stages holding different units, cp replicating weights.
+MODEL_PARALLEL = [dict(dp=2, tp=2, zero=1), dict(tp=4, vocab_size=250),
+                  dict(dp=2, pp=2, zero=1, n_layers=4), dict(tp=2, pp=2, n_layers=4, vocab_size=250),
+                  dict(dp=2, cp=2, zero=3), dict(tp=2, cp=2, zero=2, precision="bf16")]
+
+
+def test_model_parallel_state_bytes_equal_the_planners(tmp_path):
+    base = {"preset": "tiny", "nproc": 4, "seq_len": 32, "global_batch": 4, "steps": 1,
+            "eval_every": 0, "eval_batches": 1, "progress": False, "run_dir": str(tmp_path)}
+    configs = [load(None, {**base, **layout}).validate() for layout in MODEL_PARALLEL]
+    measured = run_world(measured_state_bytes, 4, configs)[0]
+    for cfg, layout, per_rank in zip(configs, MODEL_PARALLEL, measured):
+        spec = from_gpt_config(cfg.model, "tiny")
+        for rank, got in enumerate(per_rank):
+            stage = cfg.layout.coords(rank)["pp"]
+            predicted = paratrain_state_bytes(spec, cfg.layout, cfg.train.precision, stage=stage)
+            assert got == predicted, (layout, f"rank {rank}")
+
+
 # ---- activations saved for backward by one block ----------------------------------------
 
 def saved_bytes(preset: str, mode: str, recompute: str, b: int, s: int) -> tuple[int, int]:
@@ -184,3 +204,37 @@ def test_local_cluster_uses_the_measured_rates():
     # bf16 data parallelism is autocast: its gradients, and all-reduce, stay fp32.
     bf16 = Training(8, 128, "bf16")
     assert step_time(model, bf16, two, Candidate(2, 1, 1, 1, 0, 4, 1)).dp == ddp.dp
+
+
+def tp_block_saved_bytes(sp: bool, b: int, s: int) -> int:
+    """Bytes block 0 of a tp=2 tiny GPT saves for backward on this rank (fp32)."""
+    from paratrain.layout import Layout
+    from paratrain.parallel.tensor import apply_tensor_parallel
+
+    torch.manual_seed(0)
+    model = GPT(PRESETS["tiny"])
+    mesh = Mesh.build(Layout(tp=2))
+    apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=sp)
+    block = model.layers[0]
+    cos, sin = model.rope(torch.arange(s))
+    x = torch.randn(b, s // 2 if sp else s, model.cfg.d_model, requires_grad=True)
+    skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), cos, sin)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, cos, sin).sum().backward()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_block_activations_within_10_percent(sp):
+    b, s = 2, 64
+    measured = run_world(tp_block_saved_bytes, 2, sp, b, s)[0]
+    predicted = paratrain_layer_activation_bytes(from_gpt_config(PRESETS["tiny"], "tiny"), s, b, t=2,
+                                                 sp=sp, mode="fp32")
+    assert abs(predicted - measured) <= 0.1 * measured, (predicted, measured)

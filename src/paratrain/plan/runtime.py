@@ -61,7 +61,7 @@ def unit_params(model: ModelSpec, tp: int = 1, pp: int = 1, stage: int = 0) -> l
     """Parameters of each ZeRO unit on one rank of pipeline ``stage``, in model order:
     token embedding (first stage), the stage's blocks, final norm and output projection
     (last stage; a tied projection is the embedding itself unless stages separate them)."""
-    h, vocab = model.d_model, model.vocab_size // tp
+    h, vocab = model.d_model, -(-model.vocab_size // tp)  # paratrain pads it to a multiple of tp
     units = []
     if stage == 0:
         units.append(vocab * h)
@@ -94,7 +94,8 @@ def paratrain_layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int = 
                                      sp: bool = False, recompute: str = "none",
                                      mode: str = "fp32") -> float:
     """Bytes one paratrain block saves for backward per microbatch (``s`` tokens per
-    sequence on this rank, ``b`` sequences), exact for t = 1. Per token, with c the
+    sequence on this rank, ``b`` sequences): exact for t = 1, within 10% at t = 2 with and
+    without sequence parallelism (tests/test_plan_vs_runs.py). Per token, with c the
     compute dtype's bytes and r the residual stream's (fp32 4, 4; autocast 2, 4; bf16 2, 2):
 
     * each RMSNorm: its input in fp32 (4h: the input itself, or its fp32 copy), the
