@@ -1,4 +1,4 @@
-"""The ``paratrain`` command: train, plan, bench, trace."""
+"""paratrain: train a model under any parallel layout, plan the layout before launch, measure collectives, trace pipeline schedules."""
 
 from __future__ import annotations
 
