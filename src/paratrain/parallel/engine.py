@@ -80,13 +80,43 @@ class ReplicatedEngine(nn.Module):
         return merge_stages(local, self.pp_group)
 
 
+    MOMENTS = ("exp_avg", "exp_avg_sq")
+
+    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Adam's moments of every parameter, unsharded, under the plain model's names
+        (collective). Parameters without state yet get zeros."""
+        out = {}
+        for key in self.MOMENTS:
+            local = {n: self.optimizer.state.get(p, {}).get(key, torch.zeros_like(p))
+                     for n, p in self.module.named_parameters()}
+            if self.tp is not None:
+                local = self.tp.full_state_dict(self.module, local=local)
+            out[key] = merge_stages(local, self.pp_group)
+        return out
+
+    def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        """Install this rank's share of full moments (from any layout) after ``step`` steps."""
+        for name, p in self.module.named_parameters():
+            state = {"step": torch.tensor(float(step))}
+            for key in self.MOMENTS:
+                full = moments[key][plain_name(name)].to(p.device)
+                state[key] = self.tp.local_shard(p, full) if self.tp is not None else full.clone()
+            self.optimizer.state[p] = state
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name in the plain model: a pipeline rank's chunks are a module list,
+    so their names start with the chunk's index ('0.layers.3...'), which is dropped."""
+    return re.sub(r"^\d+\.", "", name)
+
+
 def merge_stages(local: dict[str, torch.Tensor], pp_group: ProcessGroup | None) -> dict[str, torch.Tensor]:
     """Every pipeline stage's parameters under the plain model's names (collective over
     ``pp_group``). A rank's chunks are a module list, so their names start with the chunk's
     index ('0.layers.3...'), which is dropped."""
     if pp_group is None:
         return local
-    mine = {re.sub(r"^\d+\.", "", k): v.cpu() for k, v in local.items()}
+    mine = {plain_name(k): v.cpu() for k, v in local.items()}
     stages: list = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(stages, mine, group=pp_group)
     return {k: v for stage in stages for k, v in stage.items()}

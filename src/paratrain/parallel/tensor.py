@@ -243,6 +243,21 @@ class TensorParallel:
         return out
 
 
+    def local_shard(self, param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``full``, a tensor shaped like the unsharded ``param`` (the
+        inverse of ``full_state_dict`` for one tensor, e.g. an optimizer moment)."""
+        spec = self.specs.get(id(param))
+        if spec is None:
+            return full.clone()
+        distinct = C.size(self.group) // spec.copies
+        front = full.transpose(0, spec.dim)
+        padded = param.shape[spec.dim] * distinct  # vocabulary padding, if any
+        if padded > front.shape[0]:
+            front = torch.cat([front, front.new_zeros(padded - front.shape[0], *front.shape[1:])])
+        piece = front.chunk(distinct)[C.rank(self.group) // spec.copies]
+        return piece.transpose(0, spec.dim).contiguous().clone()
+
+
 def _check_model(model: GPT, t: int) -> None:
     cfg = model.cfg
     if isinstance(model.tok_embeddings, VocabParallelEmbedding):

@@ -129,6 +129,11 @@ class TrainConfig:
     """JSON-lines metrics file ('' : RUN_DIR/metrics.jsonl)."""
     progress: bool = True
     """Show a progress bar (rank 0)."""
+    save_every: int = 0
+    """Save a layout-independent checkpoint to RUN_DIR/checkpoints/step-N every this many
+    steps and after the last (0: never)."""
+    resume: str = ""
+    """Checkpoint directory to resume from, written under any layout (same model shape)."""
     timeline: bool = False
     """Pipeline runs: record what each rank did when into RUN_DIR/timeline.json, for
     `paratrain trace --run`, and print the measured bubble."""
@@ -249,6 +254,17 @@ class Config:
             raise ConfigError(f"steps={t.steps}: train for at least one step")
         if self.data.corpus and not Path(self.data.corpus).is_file():
             raise ConfigError(f"corpus file {self.data.corpus!r} does not exist")
+        if t.resume:
+            from .checkpoint import CheckpointError, check_model, read_meta
+
+            try:
+                meta = read_meta(t.resume)
+                check_model(meta, self.model, t.resume)
+            except CheckpointError as exc:
+                raise ConfigError(str(exc)) from None
+            if meta["step"] >= t.steps:
+                raise ConfigError(f"the checkpoint is at step {meta['step']}, and steps={t.steps}: "
+                                  f"raise --steps to train further")
 
 
 def _resolve_world(p: ParallelConfig) -> None:

@@ -25,6 +25,7 @@ from ..optim import lr_at
 from ..parallel.context import shard_batch
 from ..parallel.pipeline import Recorder, forward_schedule, gather_timeline, run_schedule, schedule
 from ..parallelize import parallelize
+from . import checkpoint
 from . import data as D
 from .config import Config
 from .metrics import MetricsWriter, state_bytes, summary
@@ -57,6 +58,8 @@ class Run:
     sampler: D.DistributedSampler
     recorder: Recorder | None = None
     """Collects this rank's pipeline timeline when ``train.timeline`` is set."""
+    start_step: int = 0
+    """Steps already taken (a resumed run starts there)."""
 
     @property
     def is_logger(self) -> bool:
@@ -67,7 +70,12 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     """Model, parallel wrapper, optimizer and data for this rank."""
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
     model = GPT(cfg.model).to(mesh.device)
+    start_step, state = checkpoint.load(cfg.train.resume, cfg.model) if cfg.train.resume else (0, None)
+    if state is not None:  # the plain model takes the full tensors; parallelize cuts them
+        model.load_state_dict(state["param"])
     engine = parallelize(model, mesh, cfg)
+    if state is not None:
+        engine.load_optimizer_state(state, start_step)
     train_tokens, val_tokens = D.split(D.load_corpus(cfg.data.corpus), cfg.data.val_fraction)
     train_data = D.Samples(train_tokens, cfg.data.seq_len)
     sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch,
@@ -75,7 +83,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
                                    seed=cfg.train.seed, remainder=cfg.data.remainder)
     recorder = Recorder(rank=mesh.coord("pp")) if cfg.train.timeline and cfg.parallel.pp > 1 else None
     return Run(cfg, mesh, engine, train_data, D.Samples(val_tokens, cfg.data.seq_len), sampler,
-               recorder)
+               recorder, start_step)
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
@@ -178,12 +186,13 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
                unit="step", dynamic_ncols=True)
     records = []
     start = time.perf_counter()
-    for step in range(cfg.train.steps):
+    bar.update(run.start_step)
+    for step in range(run.start_step, cfg.train.steps):
         t0 = time.perf_counter()
         record = train_step(run, step)
         _sync(mesh)
         elapsed = time.perf_counter() - t0
-        if step == 0:
+        if not result.state_bytes:  # after the first step run: optimizer state exists
             result.state_bytes = _gather(state_bytes(run.engine.state_tensors()))
         record.update(step=step + 1, step_time_s=elapsed, tokens_per_s=record["tokens"] / elapsed,
                       **result.state_bytes[0])
@@ -194,6 +203,8 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
             result.val_losses.append((step + 1, record["val_loss"]))
         writer.write(record)
         records.append(record)
+        if cfg.train.save_every and (last or (step + 1) % cfg.train.save_every == 0):
+            _save(run, step + 1)
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
     bar.close()
@@ -206,6 +217,12 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     if keep_params:
         result.params = {k: v.cpu() for k, v in run.engine.full_state_dict().items()}
     return result
+
+
+def _save(run: Run, step: int) -> None:
+    directory = Path(run.cfg.train.run_dir) / "checkpoints" / f"step-{step}"
+    checkpoint.save(directory, step, run.engine, run.cfg.model, run.cfg.layout.describe(),
+                    is_writer=run.is_logger)
 
 
 def _save_timeline(run: Run) -> None:

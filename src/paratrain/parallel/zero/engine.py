@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 from ...accounting import storage_bytes
 from ...comm import collectives as C
 from ...comm.ring import ring_all_gather
-from ..engine import merge_stages
+from ..engine import merge_stages, plain_name
 from ..tensor import TensorParallel
 from .flat import build_unit, group_units
 from .optim import ShardedAdamW
@@ -226,6 +226,45 @@ class ZeroDataParallel(nn.Module):
         if self.tp is not None:
             out = self.tp.full_state_dict(self.module, local=out)
         return merge_stages(out, self.pp_group)
+
+
+    # ---- checkpoints: Adam's moments in the plain model's terms -------------------------------
+    MOMENTS = ("exp_avg", "exp_avg_sq")
+
+    @torch.no_grad()
+    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Adam's moments of every parameter, unsharded, under the plain model's names
+        (collective). Parameters without state yet get zeros."""
+        state, out = self.optimizer.optimizer.state, {}
+        for key in self.MOMENTS:
+            local = {}
+            for unit, views in zip(self.units, self.optimizer.unit_views):
+                shard = torch.cat([state.get(v, {}).get(key, torch.zeros_like(v)) for v in views])
+                full = shard.new_empty(unit.flat.padded, device=unit.flat.flat.device)
+                C.all_gather(full, shard.to(full.device), self.group)
+                for name, view in zip(unit.flat.names, unit.flat.copy_out(full)):
+                    local[name] = view.clone()
+            if self.tp is not None:
+                local = self.tp.full_state_dict(self.module, local=local)
+            out[key] = merge_stages(local, self.pp_group)
+        return out
+
+    @torch.no_grad()
+    def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        """Install this rank's slices of full moments (from any layout) after ``step`` steps."""
+        state = self.optimizer.optimizer.state
+        for unit, views in zip(self.units, self.optimizer.unit_views):
+            slices = {}
+            for key in self.MOMENTS:
+                flat = torch.zeros(unit.flat.padded)
+                for name, p, offset in zip(unit.flat.names, unit.flat.params, unit.flat.offsets):
+                    full = moments[key][plain_name(name)]
+                    local = self.tp.local_shard(p, full) if self.tp is not None else full
+                    flat[offset:offset + p.numel()] = local.reshape(-1)
+                slices[key] = unit.flat.own_slice(flat).split([v.numel() for v in views])
+            for i, view in enumerate(views):
+                state[view] = {"step": torch.tensor(float(step)),
+                               **{k: slices[k][i].to(view.device).clone() for k in self.MOMENTS}}
 
 
 def _tensors(output) -> list[torch.Tensor]:

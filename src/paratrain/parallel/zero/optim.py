@@ -26,9 +26,12 @@ class ShardedAdamW:
         # (optimizer tensor, gradient) pairs, split at the weight-decay boundary. The view
         # objects are made once: the optimizer keys its state on them and reads their .grad.
         self.pairs: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        self.unit_views: list[list[torch.Tensor]] = []  # each unit's optimizer tensors, in order
         for unit, master in zip(units, self.masters):
             views = zip(unit.flat.decay_split(master), unit.flat.decay_split(unit.grad_shard), (True, False))
-            self.pairs += [(m, g, decay) for m, g, decay in views if m.numel()]
+            pairs = [(m, g, decay) for m, g, decay in views if m.numel()]
+            self.pairs += pairs
+            self.unit_views.append([m for m, _, _ in pairs])
         self.optimizer = torch.optim.AdamW(
             [{"params": [m for m, _, d in self.pairs if d], "weight_decay": cfg.weight_decay},
              {"params": [m for m, _, d in self.pairs if not d], "weight_decay": 0.0}],

@@ -1,0 +1,64 @@
+"""Checkpoints are layout-independent: save under one layout, resume under another, and the
+run continues exactly as if it had never stopped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from distributed import run_world
+from paratrain.train import checkpoint
+from paratrain.train.config import ConfigError
+from test_ddp import assert_same_run, tiny_config, train_runs
+
+STEPS = 6
+
+
+def resume_config(tmp: str, nproc: int, resume: str = "", **overrides):
+    return tiny_config(tmp, nproc=nproc, lr=1e-3, steps=STEPS, resume=resume, **overrides)
+
+
+def tail(run, since: int = 3):
+    """The part of a run after ``since`` steps: its later losses and final parameters."""
+    losses, val, params = run
+    return losses[since:], [v for v in val if v[0] > since], params
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A dp2 x ZeRO-1 run that saves every 3 steps, and the uninterrupted reference."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    run_world(train_runs, 2, [resume_config(str(tmp / "a"), 2, zero=1, save_every=3)])
+    reference = run_world(train_runs, 1, [resume_config(str(tmp / "ref"), 1)])[0][0]
+    return tmp / "a" / "checkpoints" / "step-3", reference
+
+
+def test_resume_under_other_layouts_continues_the_run(saved, tmp_path):
+    ckpt, reference = saved
+    assert checkpoint.read_meta(ckpt)["step"] == 3
+    want = tail(reference)
+    layouts = [dict(nproc=1), dict(nproc=2, zero=3), dict(nproc=4, dp=1, tp=2, pp=2, microbatches=2)]
+    for layout in layouts:
+        nproc = layout.pop("nproc")
+        got = run_world(train_runs, nproc, [resume_config(str(tmp_path), nproc, str(ckpt), **layout)])
+        assert len(got[0][0][0]) == STEPS - 3
+        assert_same_run((got[0][0][0], got[0][0][1], got[0][0][2]), want)
+
+
+def test_bad_checkpoints_are_reported_before_launch(saved, tmp_path):
+    ckpt, _ = saved
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        resume_config(str(tmp_path), 1, str(tmp_path / "nothing"))
+    with pytest.raises(ConfigError, match="another model"):
+        resume_config(str(tmp_path), 1, str(ckpt), d_model=32)
+    with pytest.raises(ConfigError, match="raise --steps"):
+        tiny_config(str(tmp_path), nproc=1, steps=3, resume=str(ckpt))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "meta.json").write_text((Path(ckpt) / "meta.json").read_text())
+    (broken / "state.safetensors").write_bytes((Path(ckpt) / "state.safetensors").read_bytes()[:100])
+    from paratrain.models.gpt import PRESETS
+
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt"):
+        checkpoint.load(broken, PRESETS["tiny"])
