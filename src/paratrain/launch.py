@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -95,6 +96,7 @@ def _worker(local_rank: int, fn: Callable, args: tuple, init_method: str, world:
         init_world(spec)
         result = fn(*args)
         torch.save(result, os.path.join(result_dir, f"rank{local_rank}.pt"))
+        dist.barrier()  # tear down together: no rank closes connections a peer still uses
     except BaseException:
         # Record when this rank failed: the first failure is the cause, the ranks that
         # fail after it usually just lost their peer.
@@ -106,6 +108,12 @@ def _worker(local_rank: int, fn: Callable, args: tuple, init_method: str, world:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # The result is on disk. Skip the interpreter's teardown, where a backend thread still
+    # winding down can abort the process ("terminate called without an active exception")
+    # and turn a finished rank into a failed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "auto",

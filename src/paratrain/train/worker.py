@@ -17,6 +17,7 @@ def run_worker(cfg: Config, world: WorldSpec | None) -> None:
         init_world(world)
     try:
         train(cfg, Mesh.build(cfg.layout))
+        dist.barrier()  # tear down together: no rank closes connections a peer still uses
     finally:
         if world is not None:
             dist.destroy_process_group()
