@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
-import sys
 import tempfile
 import time
 import traceback
@@ -108,12 +107,6 @@ def _worker(local_rank: int, fn: Callable, args: tuple, init_method: str, world:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # The result is on disk. Skip the interpreter's teardown, where a backend thread still
-    # winding down can abort the process ("terminate called without an active exception")
-    # and turn a finished rank into a failed one.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "auto",
