@@ -57,10 +57,18 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float,
         sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
     else:
         sq = torch.zeros(())
+    return clip_by_squared_norm_(sq, max_norm, groups, scale)
+
+
+@torch.no_grad()
+def clip_by_squared_norm_(sq: torch.Tensor, max_norm: float, groups: tuple[ProcessGroup, ...],
+                          tensors: list[torch.Tensor]) -> float:
+    """Sum this rank's squared norm ``sq`` over ``groups`` and scale ``tensors`` so the
+    global norm is at most ``max_norm`` (0: only measure). Returns the global norm."""
     for group in groups:
         C.all_reduce(sq, group)
     norm = sq.sqrt()
-    if max_norm > 0 and scale:
+    if max_norm > 0 and tensors:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(scale, coef.to(scale[0].dtype))
+        torch._foreach_mul_(tensors, coef.to(tensors[0].dtype))
     return float(norm)

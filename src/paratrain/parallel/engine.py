@@ -27,6 +27,9 @@ from .data import DataParallel
 from .tensor import TensorParallel
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's per-parameter state, as checkpoints store it
+
+
 class ReplicatedEngine(nn.Module):
     """DDP: every rank holds the model and a full AdamW; gradients are averaged."""
 
@@ -80,13 +83,11 @@ class ReplicatedEngine(nn.Module):
         return merge_stages(local, self.pp_group)
 
 
-    MOMENTS = ("exp_avg", "exp_avg_sq")
-
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Adam's moments of every parameter, unsharded, under the plain model's names
         (collective). Parameters without state yet get zeros."""
         out = {}
-        for key in self.MOMENTS:
+        for key in MOMENTS:
             local = {n: self.optimizer.state.get(p, {}).get(key, torch.zeros_like(p))
                      for n, p in self.module.named_parameters()}
             if self.tp is not None:
@@ -98,7 +99,7 @@ class ReplicatedEngine(nn.Module):
         """Install this rank's share of full moments (from any layout) after ``step`` steps."""
         for name, p in self.module.named_parameters():
             state = {"step": torch.tensor(float(step))}
-            for key in self.MOMENTS:
+            for key in MOMENTS:
                 full = moments[key][plain_name(name)].to(p.device)
                 state[key] = self.tp.local_shard(p, full) if self.tp is not None else full.clone()
             self.optimizer.state[p] = state

@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from ..parallel.engine import MOMENTS
+
 FORMAT = 1
-KINDS = ("param", "exp_avg", "exp_avg_sq")
+KINDS = ("param", *MOMENTS)
 
 
 class CheckpointError(ValueError):

@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 from ...accounting import storage_bytes
 from ...comm import collectives as C
 from ...comm.ring import ring_all_gather
-from ..engine import merge_stages, plain_name
+from ..engine import MOMENTS, merge_stages, plain_name
 from ..tensor import TensorParallel
 from .flat import build_unit, group_units
 from .optim import ShardedAdamW
@@ -129,14 +129,11 @@ class ZeroDataParallel(nn.Module):
         # One reduction in flight at a time: it overlaps the next unit's backward, and at
         # most two units' full gradients (that one and the one being produced) exist at once.
         if self.stage >= 2 and self._in_flight:
-            self._finish_reduce(self._in_flight.pop(0))
+            self._in_flight.pop(0).finish_reduce()
         unit.start_reduce(self.group, by_all_reduce=self._gloo)
         self._in_flight.append(unit)
         if self.stage == 3:
             unit.flat.free()
-
-    def _finish_reduce(self, unit: Unit) -> None:
-        unit.finish_reduce()
 
     def start_grad_sync(self) -> None:
         """Launch the reduction of every unit not launched in this backward pass (e.g. one
@@ -149,7 +146,7 @@ class ZeroDataParallel(nn.Module):
         """Wait for every gradient reduction; after it each rank holds its averaged shard."""
         self.start_grad_sync()
         while self._in_flight:
-            self._finish_reduce(self._in_flight.pop(0))
+            self._in_flight.pop(0).finish_reduce()
         for unit in self.units:
             unit.launched = False
             unit.ready.clear()
@@ -229,14 +226,12 @@ class ZeroDataParallel(nn.Module):
 
 
     # ---- checkpoints: Adam's moments in the plain model's terms -------------------------------
-    MOMENTS = ("exp_avg", "exp_avg_sq")
-
     @torch.no_grad()
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Adam's moments of every parameter, unsharded, under the plain model's names
         (collective). Parameters without state yet get zeros."""
         state, out = self.optimizer.optimizer.state, {}
-        for key in self.MOMENTS:
+        for key in MOMENTS:
             local = {}
             for unit, views in zip(self.units, self.optimizer.unit_views):
                 shard = torch.cat([state.get(v, {}).get(key, torch.zeros_like(v)) for v in views])
@@ -255,7 +250,7 @@ class ZeroDataParallel(nn.Module):
         state = self.optimizer.optimizer.state
         for unit, views in zip(self.units, self.optimizer.unit_views):
             slices = {}
-            for key in self.MOMENTS:
+            for key in MOMENTS:
                 flat = torch.zeros(unit.flat.padded)
                 for name, p, offset in zip(unit.flat.names, unit.flat.params, unit.flat.offsets):
                     full = moments[key][plain_name(name)]
@@ -264,7 +259,7 @@ class ZeroDataParallel(nn.Module):
                 slices[key] = unit.flat.own_slice(flat).split([v.numel() for v in views])
             for i, view in enumerate(views):
                 state[view] = {"step": torch.tensor(float(step)),
-                               **{k: slices[k][i].to(view.device).clone() for k in self.MOMENTS}}
+                               **{k: slices[k][i].to(view.device).clone() for k in MOMENTS}}
 
 
 def _tensors(output) -> list[torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...comm import collectives as C
+from ...optim import clip_by_squared_norm_
 from .units import Unit
 
 
@@ -67,13 +67,7 @@ class ShardedAdamW:
                 lo, hi = max(offset, start), min(offset + p.numel(), end)
                 if id(p) in not_owned and lo < hi:
                     sq -= unit.grad_shard[lo - start:hi - start].float().pow(2).sum()
-        for group in groups:
-            C.all_reduce(sq, group)
-        norm = sq.sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-        return float(norm)
+        return clip_by_squared_norm_(sq, max_norm, groups, grads)
 
     def state_tensors(self) -> list[torch.Tensor]:
         state = [v for s in self.optimizer.state.values() for v in s.values()

@@ -51,6 +51,9 @@ class Unit:
     """This rank's averaged gradient slice (stage 1: a view into flat_grad)."""
     ready: set[int] = field(default_factory=set)
     """ids of parameters whose gradient this backward produced."""
+    keeps_full_grad: bool = False
+    """Stage 1: the full gradient persists and the shard is a view of it; stages 2/3
+    assemble it temporarily and add their slice to a separate shard."""
     launched: bool = False
     """Its reduction was launched in this backward pass."""
     reduce_work: object | None = None
@@ -63,6 +66,7 @@ class Unit:
 
     def setup_grads(self, stage: int) -> None:
         flat = self.flat
+        self.keeps_full_grad = stage == 1
         if stage == 1:
             self.flat_grad = torch.zeros_like(flat.flat)
             for p, view in zip(flat.params, flat.copy_out(self.flat_grad)):
@@ -95,15 +99,12 @@ class Unit:
     def finish_reduce(self) -> None:
         self.reduce_work.wait()
         self.reduce_work = None
-        if self.grad_shard.data_ptr() != self.flat.own_slice(self.flat_grad).data_ptr():
-            self.grad_shard += self.flat.own_slice(self.flat_grad)  # stages 2/3: accumulate
+        if not self.keeps_full_grad:
+            self.grad_shard += self.flat.own_slice(self.flat_grad)  # accumulate microbatches
             self.flat_grad = None  # the full gradient is never kept
 
     def zero_grads(self) -> None:
-        if self.flat_grad is not None and self.grad_shard.data_ptr() == self.flat.own_slice(self.flat_grad).data_ptr():
-            self.flat_grad.zero_()  # stage 1
-        else:
-            self.grad_shard.zero_()
+        (self.flat_grad if self.keeps_full_grad else self.grad_shard).zero_()
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.flat_grad, self.grad_shard) if t is not None]
