@@ -58,12 +58,6 @@ class Layout:
                 raise LayoutError(f"{axis}={size!r}: every axis size must be a positive integer")
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"zero={self.zero!r}: the ZeRO stage must be 0, 1, 2 or 3")
-        if self.pp > 1 and self.zero >= 2:
-            raise LayoutError(
-                f"zero={self.zero} reduce-scatters gradients after every microbatch, which a "
-                f"pipeline runs many of per step; use zero 1 with pp > 1 (DeepSpeed draws "
-                f"the same line)"
-            )
         if sorted(_as_axes(self.order)) != sorted(AXES):
             raise LayoutError(
                 f"order={self.order!r} must name each of {', '.join(AXES)} exactly once, "

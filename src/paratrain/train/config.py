@@ -44,6 +44,12 @@ class ParallelConfig:
     """Context-parallel ranks."""
     zero: int = 0
     """ZeRO stage on the data-parallel axis: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters)."""
+    reshard_after_forward: str = "auto"
+    """ZeRO-3: free a unit's gathered parameters after each forward and gather them again
+    for backward ("yes": least memory, two gathers per microbatch), or keep them from the
+    first forward of a step to the unit's last backward ("no": one gather per step). "auto":
+    "no" under a pipeline, which runs many microbatches on a stage holding 1/pp of the model
+    (torchtitan's choice), "yes" otherwise."""
     offload: bool = False
     """ZeRO: keep optimizer state (fp32 masters, Adam moments) in CPU memory (GPU runs only)."""
     sp: bool = False
@@ -140,7 +146,7 @@ class TrainConfig:
 
 
 SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
-CHOICES = {"cp_method": ("ring", "ulysses"), "schedule": ("gpipe", "1f1b", "interleaved"),
+CHOICES = {"cp_method": ("ring", "ulysses"), "reshard_after_forward": ("auto", "yes", "no"), "schedule": ("gpipe", "1f1b", "interleaved"),
            "backend": ("auto", "gloo", "nccl"), "remainder": ("drop", "pad"),
            "precision": ("fp32", "bf16"), "recompute": ("none", "selective", "full")}
 # Strategies whose code has not landed: rejected up front, never silently ignored.
@@ -164,6 +170,12 @@ class Config:
     def layout(self) -> Layout:
         p = self.parallel
         return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero, order=p.order)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """ZeRO-3's choice (``parallel.reshard_after_forward``) resolved for this layout."""
+        choice = self.parallel.reshard_after_forward
+        return self.parallel.pp == 1 if choice == "auto" else choice == "yes"
 
     @property
     def micro_batch(self) -> int:

@@ -15,6 +15,16 @@ What moves, per step:
   to accumulate into; ``no_sync`` has no effect), and add it to the rank's shard.
 - stage 3 all-gathers a unit's parameters just before its forward and again before its
   backward, frees them after, and prefetches the next unit's while the current one computes.
+  With ``reshard_after_forward=False`` it keeps them from the first forward of a step to the
+  unit's last backward instead: one gather per step, at the price of holding them gathered.
+
+Under pipeline parallelism (stages 2 and 3) ``no_sync`` accumulates the unit's *full*
+gradient locally, and the chunk's final backward reduce-scatters it once, overlapping the
+rest of backward, exactly as DDP's no_sync does. A pipeline runs many microbatches per step
+(m >= pp) on a stage that holds only 1/pp of the model, so holding the stage's full gradient
+through the step costs little and saves m - 1 reduce-scatters per unit; without a pipeline
+the same choice would hold the whole model's gradient, which is what ZeRO-2 exists to avoid,
+so there ``no_sync`` keeps reducing every microbatch.
 """
 
 from __future__ import annotations
@@ -43,12 +53,14 @@ class ZeroDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group: ProcessGroup, stage: int, optim_cfg,
                  param_dtype: torch.dtype | None = None, offload: bool = False,
                  track_peak: bool = False, tp: TensorParallel | None = None,
-                 pp_group: ProcessGroup | None = None):
+                 pp_group: ProcessGroup | None = None, reshard_after_forward: bool = True):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
         self.module, self.group, self.stage, self.tp = module, group, stage, tp
         self.pp_group = pp_group  # pipeline stages own disjoint parameters
+        self.reshard_after_forward = reshard_after_forward
+        self.accumulate_full = pp_group is not None  # see the module docstring
         if tp is not None:  # replicated TP gradients are summed as backward makes them
             tp.register_grad_sync_hooks()
         with torch.no_grad():  # replicas must start identical
@@ -104,8 +116,9 @@ class ZeroDataParallel(nn.Module):
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad, i=index: self._pre_backward(i))
-        last = index == len(self.units) - 1
-        if not (last and torch.is_grad_enabled()):  # the last unit's backward comes next
+        last = index == len(self.units) - 1  # its backward comes next
+        keep = torch.is_grad_enabled() and (last or not self.reshard_after_forward)
+        if not keep:
             self.units[index].flat.free()
 
     def _pre_backward(self, index: int) -> None:
@@ -121,8 +134,14 @@ class ZeroDataParallel(nn.Module):
         elif not self._sync:
             return
         unit.ready.add(id(param))
-        if len(unit.ready) == len(unit.flat.params):
+        if len(unit.ready) < len(unit.flat.params):
+            return
+        if self._sync or not self.accumulate_full:
             self._start_reduce(unit)
+            return
+        unit.ready.clear()  # this microbatch's gradient is in; the step's last one reduces
+        if self.stage == 3 and self.reshard_after_forward:
+            unit.flat.free()
 
     def _start_reduce(self, unit: Unit) -> None:
         """Reduce-scatter (average) a unit's gradient; stage 3 also frees its parameters."""
@@ -132,8 +151,8 @@ class ZeroDataParallel(nn.Module):
             self._in_flight.pop(0).finish_reduce()
         unit.start_reduce(self.group, by_all_reduce=self._gloo)
         self._in_flight.append(unit)
-        if self.stage == 3:
-            unit.flat.free()
+        if self.stage == 3 and (self._sync or self.reshard_after_forward):
+            unit.flat.free()  # kept otherwise: the next microbatch of the step needs it
 
     def start_grad_sync(self) -> None:
         """Launch the reduction of every unit not launched in this backward pass (e.g. one
@@ -145,26 +164,32 @@ class ZeroDataParallel(nn.Module):
     def finish_grad_sync(self) -> None:
         """Wait for every gradient reduction; after it each rank holds its averaged shard."""
         self.start_grad_sync()
-        while self._in_flight:
-            self._in_flight.pop(0).finish_reduce()
-        for unit in self.units:
-            unit.launched = False
-            unit.ready.clear()
+        self._drain()
         if self.stage == 3:
             for unit in self.units:
                 unit.flat.free()
         self._record_peak()
 
+    def _drain(self) -> None:
+        """Wait for the reductions in flight; the next backward starts a new round."""
+        while self._in_flight:
+            self._in_flight.pop(0).finish_reduce()
+        for unit in self.units:
+            unit.launched = False
+            unit.ready.clear()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Stage 1: accumulate full gradients locally. Stages 2/3 reduce every microbatch."""
+        """Accumulate full gradients locally (stage 1; stages 2/3 under a pipeline); without
+        a pipeline stages 2/3 reduce every microbatch (module docstring)."""
         previous, self._sync = self._sync, False
         try:
             yield
         finally:
             self._sync = previous
-            if self.stage >= 2:
-                self.finish_grad_sync()
+            if self.stage >= 2 and not self.accumulate_full:
+                self.start_grad_sync()
+                self._drain()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         for unit in self.units:

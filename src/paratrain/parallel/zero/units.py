@@ -76,11 +76,12 @@ class Unit:
             self.grad_shard = torch.zeros(flat.shard_size, dtype=flat.flat.dtype, device=flat.flat.device)
 
     def stash_grad(self, param: nn.Parameter) -> None:
-        """Stages 2/3: copy ``param.grad`` into the unit's temporary flat gradient and drop it."""
+        """Stages 2/3: add ``param.grad`` into the unit's temporary flat gradient and drop it
+        (added, so that backwards under ``no_sync`` accumulate there)."""
         if self.flat_grad is None:
             self.flat_grad = self.grad_shard.new_zeros(self.flat.padded)
         offset = self._offset_of[id(param)]
-        self.flat_grad[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        self.flat_grad[offset:offset + param.numel()].add_(param.grad.reshape(-1))
         param.grad = None
 
     def start_reduce(self, group: ProcessGroup, by_all_reduce: bool = False) -> None:
