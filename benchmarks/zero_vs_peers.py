@@ -75,11 +75,42 @@ def _plain_step(model, opt):
     return step
 
 
+PEER_SETTINGS = [
+    "torch ZeroRedundancyOptimizer: overlap_with_ddp=True where torch allows it (its step runs "
+    "bucket by bucket inside DDP's communication hook), DDP with gradient_as_bucket_view=True, "
+    "broadcast_buffers=False",
+    "torch FSDP2: fully_shard per block, embedding, final norm and head (paratrain's units), "
+    "then the root; reshard_after_forward=True (paratrain ZeRO-3's default without a pipeline); "
+    "explicit forward/backward prefetch of the next unit",
+    "DeepSpeed: overlap_comm=True, contiguous_gradients=True (when installed)",
+]
+
+
 def torch_zero_redundancy(base) -> Peer:
+    """With overlap_with_ddp where torch allows it (it refuses gloo: 'Gloo backend using
+    Overlapping DDP with ZeRO may meet hangs'); then the plain step after DDP's backward."""
+    from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    def build(overlap: bool):
+        model = torch.nn.parallel.DistributedDataParallel(
+            copy.deepcopy(base), gradient_as_bucket_view=True, broadcast_buffers=False)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                      lr=LR, overlap_with_ddp=overlap)
+        if overlap:
+            model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, opt))
+            warm = torch.zeros(1, 8, dtype=torch.long)
+            for _ in range(2):  # DDP's buckets are final after two passes; no update in them
+                model(warm, warm).backward()
+        return model, opt
+
+    try:
+        model, opt = build(overlap=True)
+    except RuntimeError as exc:
+        if dist.get_rank() == 0:
+            print(f"peer settings: ZeroRedundancyOptimizer overlap_with_ddp not used: {exc}")
+        model, opt = build(overlap=False)
     return Peer("torch ZeroRedundancyOptimizer", model, _plain_step(model, opt),
                 _torch_tensors(model, opt, lambda t: t))
 
@@ -88,9 +119,13 @@ def torch_fsdp2(base) -> Peer:
     from torch.distributed.fsdp import fully_shard
 
     model = copy.deepcopy(base)
-    for block in model.layers:
-        fully_shard(block)
+    units = [model.tok_embeddings, *model.layers, model.norm, model.output]
+    for unit in units:
+        fully_shard(unit)
     fully_shard(model)
+    for unit, nxt in zip(units, units[1:]):  # prefetch the next unit, as paratrain does
+        unit.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([unit])
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     return Peer("torch FSDP2 fully_shard", model, _plain_step(model, opt), _torch_tensors(model, opt, local))
@@ -125,7 +160,8 @@ def deepspeed_zero(base, stage: int) -> Peer:
 
     config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
-              "zero_optimization": {"stage": stage}}
+              "zero_optimization": {"stage": stage, "overlap_comm": True,
+                                    "contiguous_gradients": True}}
     engine, *_ = deepspeed.initialize(model=copy.deepcopy(base), config=config,
                                       model_parameters=None)
 
@@ -159,6 +195,8 @@ def main() -> None:
     print(f"ZeRO, model {args.model} ({preset(args.model).num_params() / 1e6:.2f}M params), "
           f"{args.nproc} ranks x {args.batch} x {args.seq} tokens, median of "
           f"{args.rounds * args.steps} steps; bytes on rank 0")
+    for line in PEER_SETTINGS:
+        print("peer settings: " + line)
     print(f"{'implementation':<32}{'ms/step':>9}{'params MB':>11}{'grads MB':>10}{'optim MB':>10}")
     mb = lambda b: f"{b / 1e6:.2f}" if b is not None else "n/a"  # noqa: E731
     for name, r in rank0.items():
