@@ -104,7 +104,26 @@ def measure_saved(ddp: DataParallel, local) -> tuple[int, int]:
     return sum(counter.total.values()), sum(counter.attention.values())
 
 
+def torch_context_parallel_status(nproc: int) -> str:
+    """Whether torch's own context-parallel attention (``context_parallel``: ring attention
+    over DTensor SDPA) runs here; on CPU torch 2.13 has no sharding rule for the CPU flash
+    kernel, so it is reported instead of timed."""
+    try:
+        import torch.nn.functional as F
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = init_device_mesh("cpu", (nproc,))
+        q, k, v = (torch.randn(1, 2, 8 * nproc, 8) for _ in range(3))
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    except Exception as exc:  # noqa: BLE001 - any failure is the answer we report
+        return f"not run: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return "runs on this machine, not yet timed here"
+
+
 def worker(args) -> dict:
+    status = torch_context_parallel_status(args.nproc)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)  # same everywhere
     runs = {}
@@ -121,9 +140,10 @@ def worker(args) -> dict:
                      for _ in range(args.steps)]
             if r > 0:
                 run["times"] += times
-    return {mode: {"step_s": statistics.median(run["times"]), "saved": run["saved"],
-                   "attention": run["attention"], "tokens": run["local"][0].numel()}
-            for mode, run in runs.items()}
+    out = {mode: {"step_s": statistics.median(run["times"]), "saved": run["saved"],
+                  "attention": run["attention"], "tokens": run["local"][0].numel()}
+           for mode, run in runs.items()}
+    return {**out, "torch_cp": status}
 
 
 def main() -> None:
@@ -149,10 +169,12 @@ def main() -> None:
         step_s = results[0][mode]["step_s"]
         print(f"{label:<18}{step_s * 1e3:>10.1f}{worst['tokens']:>13,}"
               f"{worst['saved'] / 2**20:>15.1f}{worst['attention'] / 2**20:>14.1f}")
+    print(f"peer: torch context_parallel (torch.distributed.tensor.experimental): {results[0]['torch_cp']}")
     ring, ulysses, none, _ = (results[0][m]["step_s"] for m in MODES)
     print(json.dumps({"benchmark": "cp_methods", "metric": "step_time_s", "nproc": args.nproc,
                       "seq": args.seq, "paratrain": round(ring, 5), "peer": round(ulysses, 5),
                       "ratio": round(ring / ulysses, 3), "none_s": round(none, 5),
+                      "torch_context_parallel": results[0]["torch_cp"],
                       "saved_bytes_per_rank": {m: max(r[m]["saved"] for r in results) for m in MODES}}))
 
 

@@ -191,7 +191,7 @@ def main() -> None:
         result = spawn(world, pp, args, pp, backend="gloo")[0]
         for kind in SCHEDULES:
             pairs[(pp, kind)] = _pair(result, kind, theoretical_bubble(pp, args.microbatches))
-    _print_table(pairs)
+    _print_table(pairs, args.microbatches)
     head = pairs.get((2, "1f1b")) or next(iter(pairs.values()))
     print(json.dumps({"benchmark": "pp_vs_torch", "metric": "step time (ms), 1F1B pp=2",
                       "paratrain": head["paratrain_ms"], "peer": head["peer_ms"],
@@ -212,7 +212,10 @@ def _pair(result: dict, kind: str, theory: float) -> dict:
             "same_first_loss": abs(first[(kind, "paratrain")] / first[(kind, "torch")] - 1) < 1e-5}
 
 
-def _print_table(pairs: dict) -> None:
+def _print_table(pairs: dict, microbatches: int) -> None:
+    print(f"peer settings: torch.distributed.pipelining ScheduleGPipe / Schedule1F1B over the same "
+          f"stage split and the same {microbatches} microbatches, scale_grads=False "
+          f"(both scale the loss by the token count themselves)")
     print(f"{'':>12} {'step time, median ms':^28} {'CPU ms, all ranks':^24} "
           f"{'paratrain bubble':^35}")
     print(f"{'pp':>3} {'schedule':>8} {'paratrain':>10} {'torch':>9} {'ratio':>7} "
