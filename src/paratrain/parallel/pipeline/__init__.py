@@ -17,8 +17,8 @@ Typical use on each rank of a pipeline group::
 
 import importlib
 
-from .schedules import (Action, ScheduleError, check, forward_schedule, notes, peak_inflight,
-                        schedule)
+from .schedules import (Action, ScheduleError, check, dump_tables, forward_schedule, load_tables,
+                        notes, peak_inflight, schedule)
 from .simulator import Simulation, simulate
 from .timeline import Interval, Recorder, Timeline, theoretical_bubble
 
@@ -28,7 +28,7 @@ _LAZY = {"run_schedule": ".executor", "gather_timeline": ".executor",
          "PipelineChunk": ".partition", "split_layers": ".partition", "split_model": ".partition"}
 
 __all__ = ["Action", "Interval", "PipelineChunk", "Recorder", "ScheduleError", "Simulation",
-           "Timeline", "check", "forward_schedule", "gather_timeline", "notes",
+           "Timeline", "check", "dump_tables", "forward_schedule", "load_tables", "gather_timeline", "notes",
            "peak_inflight", "run_schedule", "schedule", "simulate", "split_layers",
            "split_model", "theoretical_bubble"]
 

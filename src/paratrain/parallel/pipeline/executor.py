@@ -39,16 +39,31 @@ from .timeline import Recorder, Timeline
 Microbatch = tuple[torch.Tensor, ...]
 
 
-class _Batch:
-    """Posted transfers, waited for once, by whoever needs them first."""
+class PipelineStepError(RuntimeError):
+    """An action of a rank's table raised; the message shows the table, the action marked,
+    and the original error is the cause."""
 
-    def __init__(self, works: list, tensors: list[torch.Tensor]):
-        self.works, self.tensors, self.done = works, tensors, False
+
+class _Batch:
+    """Posted transfers, waited for once, by whoever needs them first. ``sent`` are the
+    outputs it sends: once the send is done only their autograd graph is still needed."""
+
+    def __init__(self, works: list, tensors: list[torch.Tensor], sent: list[torch.Tensor]):
+        self.works, self.tensors, self.sent, self.done = works, tensors, sent, False
 
     def wait(self) -> None:
         if not self.done:
             C.wait_all(self.works)
             self.done, self.tensors = True, []
+            for out in self.sent:  # Megatron's deallocate_output_tensor: keep the graph only
+                out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+            self.sent = []
+
+    def poll(self) -> bool:
+        """Finish the batch if its transfers completed already (never blocks)."""
+        if not self.done and all(w.is_completed() for w in self.works):
+            self.wait()
+        return self.done
 
 
 class _Executor:
@@ -98,12 +113,14 @@ class _Executor:
     def _post(self, actions: list[Action]) -> None:
         if self.group is None:
             raise ScheduleError("the schedule has transfers but no pipeline group was given")
-        ops, received = [], []
+        ops, received, sent = [], [], []
         for a in actions:
             key = (a.microbatch, a.stage)
             if a.kind == "SEND_F":
                 out = self.outputs[key] if self.training else self.outputs.pop(key)
                 ops.append(C.P2P("send", out.detach().contiguous(), a.peer))
+                if self.training and out.is_contiguous():  # else the send holds a copy
+                    sent.append(out)
             elif a.kind == "SEND_B":
                 ops.append(C.P2P("send", self.input_grads.pop(key).contiguous(), a.peer))
             else:
@@ -113,7 +130,7 @@ class _Executor:
         # Receives first: on gloo a posted receive lets the peer's payload flow at once.
         # A stable sort keeps each channel's order, which is what matching relies on.
         ops.sort(key=lambda op: op.kind != "recv")
-        batch = _Batch(C.send_recv(ops, self.group), [op.tensor for op in ops])
+        batch = _Batch(C.send_recv(ops, self.group), [op.tensor for op in ops], sent)
         for a, buf in received:
             if a.kind == "RECV_F":
                 self.inputs[(a.microbatch, a.stage)] = buf
@@ -123,6 +140,10 @@ class _Executor:
                 self.arriving[("g", a.microbatch, a.stage)] = batch
         if any(a.kind.startswith("SEND") for a in actions):
             self.sends.append(batch)
+
+    def poll_sends(self) -> None:
+        """Release the outputs of sends that have completed (called between computations)."""
+        self.sends = [batch for batch in self.sends if not batch.poll()]
 
     def finish(self) -> None:
         """Wait for every send: their buffers may be reused once the step returns."""
@@ -167,7 +188,7 @@ class _Executor:
             else:
                 grad = self.grads.pop((mb, s))
             with context:
-                torch.autograd.backward(out, grad)
+                _backward(out, grad)
             if s > 0:
                 input_grad = self.inputs.pop((mb, s)).grad
                 if owner(s - 1, self.p) == self.rank:
@@ -176,6 +197,14 @@ class _Executor:
                     self.input_grads[(mb, s)] = input_grad
 
         self._timed("B", mb, s, run)
+
+
+def _backward(out: torch.Tensor, grad: torch.Tensor) -> None:
+    """``torch.autograd.backward(out, grad)`` for an output whose data may have been
+    released after its send (``_Batch.wait``): the engine checks ``grad`` against the shape
+    recorded in the graph, the Python wrapper would check it against the emptied tensor."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        (out,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
 def run_schedule(actions: list[Action], chunks: Sequence[nn.Module],
@@ -216,17 +245,33 @@ def _run(actions: list[Action], run: _Executor, no_sync: Callable[[], ContextMan
     final = _last_backwards(actions)
     if recorder is not None:
         recorder.begin_step()
-    for item in batches(actions):
-        if isinstance(item, list):
-            run.post(item)
-        elif item.kind == "F":
-            run.forward(item)
-        else:
-            last = final[item.stage] is item
-            run.backward(item, contextlib.nullcontext() if last or no_sync is None else no_sync())
+    for index, item in enumerate(batches(actions)):
+        try:
+            if isinstance(item, list):
+                run.post(item)
+                continue
+            run.poll_sends()
+            if item.kind == "F":
+                run.forward(item)
+            else:
+                last = final[item.stage] is item
+                run.backward(item, contextlib.nullcontext() if last or no_sync is None else no_sync())
+        except Exception as exc:
+            raise PipelineStepError(f"pipeline rank {run.rank} failed at {_show(item)}:\n"
+                                f"{_marked_table(actions, item)}\n{type(exc).__name__}: {exc}") from exc
     run.finish()
     if recorder is not None:
         recorder.end_step()
+
+
+def _show(item: Action | list[Action]) -> str:
+    return " ".join(map(str, item)) if isinstance(item, list) else str(item)
+
+
+def _marked_table(actions: list[Action], failed: Action | list[Action]) -> str:
+    """This rank's table as text, the failing step in brackets."""
+    marked = failed if isinstance(failed, list) else [failed]  # actions in a table are unique
+    return "  " + " ".join(f"[{a}]" if a in marked else str(a) for a in actions)
 
 
 def _last_backwards(actions: list[Action]) -> dict[int, Action]:

@@ -26,6 +26,7 @@ torch.
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from .timeline import theoretical_bubble
 KINDS = ("gpipe", "1f1b", "interleaved")
 COMPUTE = ("F", "B")
 TRANSFERS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+_ACTION_TEXT = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)(?:([<>])(\d+))?")
 
 
 class ScheduleError(LayoutError):
@@ -62,10 +64,37 @@ class Action:
         return self.kind in TRANSFERS
 
     def __str__(self) -> str:
+        """Text form, ``{stage}{kind}{microbatch}`` as torch's pipelining writes it (``1F3``:
+        stage 1's forward of microbatch 3), a transfer with its peer (``0SEND_F3>1``,
+        ``1RECV_F3<0``). ``Action.parse`` reads it back."""
         peer = ""
         if self.is_transfer:
-            peer = f"->{self.peer}" if self.kind.startswith("SEND") else f"<-{self.peer}"
-        return f"{self.kind}(mb={self.microbatch}, stage={self.stage}{peer})"
+            peer = f">{self.peer}" if self.kind.startswith("SEND") else f"<{self.peer}"
+        return f"{self.stage}{self.kind}{self.microbatch}{peer}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """The action whose text form (``str``) is ``text``."""
+        match = _ACTION_TEXT.fullmatch(text.strip())
+        if match is None:
+            raise ScheduleError(f"{text!r} is not an action: write STAGE KIND MICROBATCH, e.g. "
+                                f"'1F3', '0B2', '0SEND_F3>1' or '1RECV_F3<0'")
+        stage, kind, mb, arrow, peer = match.groups()
+        if (arrow is None) == (kind in TRANSFERS) or (arrow and arrow != ("<" if "RECV" in kind else ">")):
+            raise ScheduleError(f"{text!r}: a transfer names its peer (SEND_F3>1, RECV_F3<0), "
+                                f"a computation does not")
+        return cls(kind, int(mb), int(stage), int(peer) if peer else -1)
+
+
+def dump_tables(tables: list[list[Action]]) -> str:
+    """Tables as CSV text: one line per rank, one action per cell."""
+    return "".join(",".join(str(a) for a in actions) + "\n" for actions in tables)
+
+
+def load_tables(text: str) -> list[list[Action]]:
+    """Tables from ``dump_tables``'s CSV text (blank lines and spaces ignored)."""
+    return [[Action.parse(cell) for cell in line.split(",") if cell.strip()]
+            for line in text.strip().splitlines() if line.strip()]
 
 
 def owner(stage: int, stages: int) -> int:
