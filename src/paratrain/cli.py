@@ -111,6 +111,12 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
     trace_cli.add_parser(sub)
 
 
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    from . import report
+
+    report.add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description=__doc__)
     parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
@@ -119,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_bench(sub)
     _add_trace(sub)
+    _add_report(sub)
     return parser
 
 

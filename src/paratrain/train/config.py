@@ -134,7 +134,15 @@ class TrainConfig:
     metrics: str = ""
     """JSON-lines metrics file ('' : RUN_DIR/metrics.jsonl)."""
     progress: bool = True
-    """Show a progress bar (rank 0)."""
+    """Show progress (rank 0): a bar on a terminal, else a plain line every log_every steps."""
+    log_every: int = 10
+    """Steps between plain progress lines (output not a terminal) and per-rank peak-memory
+    records in the metrics."""
+    log: str = ""
+    """Extra metric sinks besides metrics.jsonl, comma-separated: csv, tensorboard, wandb."""
+    profile: str = ""
+    """START:END: record steps START to END (1-based) with torch.profiler into
+    RUN_DIR/profile-rank{N}.json (Chrome trace format)."""
     save_every: int = 0
     """Save a layout-independent checkpoint to RUN_DIR/checkpoints/step-N every this many
     steps and after the last (0: never)."""
@@ -214,7 +222,20 @@ class Config:
             raise ConfigError(str(exc)) from None
         self._check_strategies()
         self._check_batch()
+        self._check_logs()
         return self
+
+    def _check_logs(self) -> None:
+        from . import logs
+
+        t = self.train
+        if t.log_every < 1:
+            raise ConfigError(f"log_every={t.log_every}: log at least every step (--log-every 1)")
+        try:
+            logs.parse_sinks(t.log)
+            logs.ProfileWindow.parse(t.profile, t.steps)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def _check_strategies(self) -> None:
         p = self.parallel

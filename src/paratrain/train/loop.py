@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from ..comm import collectives as C
 from ..mesh import Mesh
@@ -25,7 +24,7 @@ from ..optim import lr_at
 from ..parallel.context import shard_batch
 from ..parallel.pipeline import Recorder, forward_schedule, gather_timeline, run_schedule, schedule
 from ..parallelize import parallelize
-from . import checkpoint
+from . import checkpoint, logs
 from . import data as D
 from .config import Config
 from .metrics import MetricsWriter, state_bytes, summary
@@ -180,14 +179,19 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     run = build(cfg, mesh)
     result = RunResult()
     writer = MetricsWriter(cfg.metrics_path if run.is_logger else None)
+    sinks = _sinks(cfg) if run.is_logger else []
     if run.is_logger:
         print(describe(run), flush=True)
-    bar = tqdm(total=cfg.train.steps, disable=not (run.is_logger and cfg.train.progress),
-               unit="step", dynamic_ncols=True)
+    progress = logs.Progress(cfg.train.steps, run.start_step, run.is_logger and cfg.train.progress,
+                             cfg.train.log_every)
+    profiler = logs.Profiler(logs.ProfileWindow.parse(cfg.train.profile, cfg.train.steps),
+                             Path(cfg.train.run_dir), mesh.rank, mesh.device)
+    flops = _flops_per_token(cfg)
+    peak = logs.peak_flops(mesh.device, cfg.train.precision, mesh.layout.world_size)
     records = []
     start = time.perf_counter()
-    bar.update(run.start_step)
     for step in range(run.start_step, cfg.train.steps):
+        profiler.before(step + 1)
         t0 = time.perf_counter()
         record = train_step(run, step)
         _sync(mesh)
@@ -195,20 +199,27 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         if not result.state_bytes:  # after the first step run: optimizer state exists
             result.state_bytes = _gather(state_bytes(run.engine.state_tensors()))
         record.update(step=step + 1, step_time_s=elapsed, tokens_per_s=record["tokens"] / elapsed,
+                      mfu=flops * record["tokens"] / elapsed / peak if peak else None,
                       **result.state_bytes[0])
         result.losses.append(record["loss"])
         last = step + 1 == cfg.train.steps
         if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
             record["val_loss"] = evaluate(run)
             result.val_losses.append((step + 1, record["val_loss"]))
-        writer.write(record)
+        if last or (step + 1) % cfg.train.log_every == 0:  # same steps on every rank: collective
+            record["peak_mem_bytes"] = _gather_peak_memory(mesh)
+        for sink in [writer, *sinks]:
+            sink.write(record)
         records.append(record)
         if cfg.train.save_every and (last or (step + 1) % cfg.train.save_every == 0):
             _save(run, step + 1)
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-    bar.close()
-    writer.close()
+        trace = profiler.after(step + 1)
+        if trace is not None and run.is_logger:
+            print(f"profile       {trace} (and one file per rank)", flush=True)
+        progress.update(record)
+    progress.close()
+    for sink in [writer, *sinks]:
+        sink.close()
     if run.recorder is not None:
         _save_timeline(run)
     if run.is_logger:
@@ -217,6 +228,26 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     if keep_params:
         result.params = {k: v.cpu() for k, v in run.engine.full_state_dict().items()}
     return result
+
+
+def _sinks(cfg: Config) -> list:
+    names = logs.parse_sinks(cfg.train.log)
+    config = {"layout": cfg.layout.describe(), "model": cfg.model_preset, "seed": cfg.train.seed}
+    return logs.make_sinks(names, Path(cfg.train.run_dir), config)
+
+
+def _flops_per_token(cfg: Config) -> float:
+    m = cfg.model
+    untied = 0 if m.tie_embeddings else 1
+    matmul = m.num_params() - 2 * m.d_model * m.n_layers - m.d_model - untied * m.vocab_size * m.d_model
+    return logs.flops_per_token(m.n_layers, m.d_model, cfg.data.seq_len, matmul)
+
+
+def _gather_peak_memory(mesh: Mesh) -> list[int]:
+    mine = torch.tensor([logs.peak_memory_bytes(mesh.device)], dtype=torch.int64, device=mesh.device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [int(t.item()) for t in everyone]
 
 
 def _save(run: Run, step: int) -> None:

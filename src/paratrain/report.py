@@ -1,0 +1,72 @@
+"""``paratrain report RUN_DIR``: a run's metrics as one picture (loss and validation loss,
+tokens/s, peak memory per rank, learning rate), drawn from ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics at {path}: pass the directory of a run "
+                                f"(e.g. runs/latest), or the --metrics file's directory")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not records:
+        raise FileNotFoundError(f"{path} is empty: the run wrote no step yet")
+    return records
+
+
+def draw(records: list[dict[str, Any]], out: Path, title: str) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
+    ax = axes[0][0]
+    ax.plot(steps, [r["loss"] for r in records], label="train")
+    evals = [r for r in records if r.get("val_loss") is not None]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation")
+    ax.set(title="loss", xlabel="step")
+    ax.legend()
+    ax = axes[0][1]
+    ax.plot(steps, [r["tokens_per_s"] for r in records])
+    ax.set(title="tokens / s", xlabel="step")
+    ax = axes[1][0]
+    mem = [r for r in records if r.get("peak_mem_bytes")]
+    for rank in range(len(mem[0]["peak_mem_bytes"]) if mem else 0):
+        ax.plot([r["step"] for r in mem], [r["peak_mem_bytes"][rank] / 2**20 for r in mem],
+                label=f"rank {rank}")
+    if mem:
+        ax.legend(fontsize="small")
+    ax.set(title="peak memory per rank (MiB)", xlabel="step")
+    ax = axes[1][1]
+    ax.plot(steps, [r["lr"] for r in records])
+    ax.set(title="learning rate", xlabel="step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="draw a run's metrics as a PNG",
+                       description="Draw loss, validation loss, tokens/s, peak memory per rank "
+                                   "and learning rate of a run into one PNG.")
+    p.add_argument("run_dir", nargs="?", default="runs/latest", help="the run's directory (default: runs/latest)")
+    p.add_argument("--out", default="", help="where to write the PNG (default: RUN_DIR/report.png)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    records = read_metrics(run_dir)
+    out = draw(records, Path(args.out) if args.out else run_dir / "report.png", str(run_dir))
+    print(f"report        {out} ({len(records)} steps)")
+    return 0

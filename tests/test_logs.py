@@ -1,0 +1,70 @@
+"""Logs people read: CSV and TensorBoard sinks next to metrics.jsonl, plain progress lines
+when output is not a terminal, per-rank peak memory, MFU, a profiler window, and
+``paratrain report``'s picture."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from paratrain.train.logs import ProfileWindow, flops_per_token, parse_sinks
+
+
+def test_a_logged_run_writes_every_sink_and_the_report(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "paratrain", "train", "--model", "tiny", "--seq-len", "32",
+           "--steps", "4", "--global-batch", "8", "--eval-every", "2", "--eval-batches", "1",
+           "--log", "csv,tensorboard", "--log-every", "2", "--profile", "2:3",
+           "--run-dir", str(run)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # Not a terminal: plain lines every 2 steps instead of a progress bar.
+    lines = [x for x in out.stdout.splitlines() if " step " in f" {x}" and "/4" in x]
+    assert [x.split("step ")[1].split()[0] for x in lines] == ["2/4", "4/4"], out.stdout
+    assert "\r" not in out.stdout + out.stderr
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [len(r.get("peak_mem_bytes", [])) for r in records] == [0, 2, 0, 2]
+    assert all(b > 0 for b in records[-1]["peak_mem_bytes"])
+
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    assert [float(r["loss"]) for r in rows] == pytest.approx([r["loss"] for r in records], rel=1e-12)
+    assert rows[1]["val_loss"] and not rows[0]["val_loss"]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    tb_loss = [e.value for e in events.Scalars("train/loss")]
+    assert tb_loss == pytest.approx([r["loss"] for r in records], rel=1e-6)
+    assert [e.step for e in events.Scalars("val/loss")] == [2, 4]
+    assert "memory/peak_bytes_rank1" in events.Tags()["scalars"]
+
+    for rank in (0, 1):
+        trace = json.loads((run / f"profile-rank{rank}.json").read_text())
+        assert trace["traceEvents"], "an empty profiler trace"
+
+    report = subprocess.run([sys.executable, "-m", "paratrain", "report", str(run)],
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert (run / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sink_and_profile_values_are_checked():
+    assert parse_sinks(" csv, tensorboard ") == ("csv", "tensorboard")
+    with pytest.raises(ValueError, match="unknown log sink"):
+        parse_sinks("csv,mlflow")
+    assert ProfileWindow.parse("", 10) is None
+    assert ProfileWindow.parse("3:5", 10) == ProfileWindow(3, 5)
+    for bad in ("5", "a:b", "0:2", "4:3", "9:11"):
+        with pytest.raises(ValueError, match="profile="):
+            ProfileWindow.parse(bad, 10)
+
+
+def test_flops_per_token_follows_the_palm_count():
+    # 6 per matmul weight plus 12 * layers * d_model * seq for attention.
+    assert flops_per_token(n_layers=2, d_model=64, seq_len=32, matmul_params=1000) == 6 * 1000 + 12 * 2 * 64 * 32
