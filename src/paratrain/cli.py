@@ -13,6 +13,7 @@ from functools import lru_cache
 from . import __version__
 from .layout import LayoutError
 from .models.gpt import PRESETS, GPTConfig
+from .data.prepare import DataError
 from .train.config import SECTIONS, ConfigError
 
 
@@ -117,6 +118,12 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     report.add_parser(sub)
 
 
+def _add_data(sub: argparse._SubParsersAction) -> None:
+    from .data import cli as data_cli
+
+    data_cli.add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description=__doc__)
     parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
@@ -126,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_trace(sub)
     _add_report(sub)
+    _add_data(sub)
     return parser
 
 
@@ -133,6 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, LayoutError, FileNotFoundError) as exc:
+    except (ConfigError, LayoutError, FileNotFoundError, DataError) as exc:
         print(f"paratrain {args.command}: error: {exc}", file=sys.stderr)
         return 2

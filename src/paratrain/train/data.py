@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from ..data.dataset import TokenStream, load_split
 from ..models.gpt import IGNORE_INDEX
 
 PAD = -1  # sample index of a padding row: its targets are all masked
@@ -29,6 +31,15 @@ def load_corpus(path: str = "") -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
+def load_tokens(data) -> tuple[torch.Tensor | TokenStream, torch.Tensor | TokenStream]:
+    """Training and validation tokens of a run (``DataConfig``): a prepared dataset's
+    splits (``data.data``), else the corpus bytes split at ``val_fraction``."""
+    if data.data:
+        train, val, _ = load_split(data.data)
+        return train, val
+    return split(load_corpus(data.corpus), data.val_fraction)
+
+
 def split(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Train on the start of the corpus, validate on its last ``val_fraction``."""
     cut = int(len(tokens) * (1 - val_fraction))
@@ -39,8 +50,9 @@ def split(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torc
 class Samples:
     """Non-overlapping windows of ``seq_len + 1`` tokens (inputs and shifted targets)."""
 
-    tokens: torch.Tensor
-    """The token stream (uint8 bytes)."""
+    tokens: torch.Tensor | TokenStream
+    """The token stream: bytes of a corpus (uint8), or a prepared dataset's memory-mapped
+    shards (``data/dataset.py``)."""
     seq_len: int
     """Tokens per sample."""
 
@@ -54,7 +66,8 @@ class Samples:
             if i == PAD:
                 rows.append(torch.zeros(self.seq_len + 1, dtype=torch.long))
             else:
-                rows.append(self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1].long())
+                rows.append(torch.as_tensor(np.asarray(
+                    self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1], dtype=np.int64)))
         window = torch.stack(rows)
         targets = window[:, 1:].clone()
         targets[torch.tensor(indices) == PAD] = IGNORE_INDEX
@@ -65,9 +78,12 @@ class Samples:
 class DistributedSampler:
     """Which samples each data-parallel rank reads at each step.
 
-    Epoch e visits ``randperm(num_samples, seed + e)`` in global batches. A remainder
-    smaller than a global batch is dropped (``remainder="drop"``) or filled with PAD rows
-    whose targets are masked (``"pad"``), so every sample is read exactly once per epoch.
+    Epoch e visits the samples in a pseudo-random order (``shuffled``: a bijection keyed
+    by seed and epoch, computed per index, so a step costs the same at 10 thousand samples
+    or 10 billion) in global batches. A remainder smaller than a global batch is dropped
+    (``remainder="drop"``) or filled with PAD rows whose targets are masked (``"pad"``),
+    so every sample is read exactly once per epoch. The step alone fixes the batch: it is
+    the data position a checkpoint needs.
     """
 
     num_samples: int
@@ -103,14 +119,41 @@ class DistributedSampler:
     def global_indices(self, step: int) -> list[int]:
         """The sample indices of the whole global batch at ``step`` (PAD for padding)."""
         epoch, k = divmod(step, self.steps_per_epoch)
-        order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
-        chosen = order[k * self.global_batch:(k + 1) * self.global_batch].tolist()
+        end = min((k + 1) * self.global_batch, self.num_samples)
+        chosen = shuffled(range(k * self.global_batch, end), self.num_samples, self.seed, epoch)
         return chosen + [PAD] * (self.global_batch - len(chosen))
 
     def local_indices(self, step: int) -> list[int]:
         """This rank's contiguous share of the global batch at ``step``."""
         share = self.global_batch // self.dp_size
         return self.global_indices(step)[self.dp_rank * share:(self.dp_rank + 1) * share]
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic): well-spread hashes."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def shuffled(positions: range | list[int], n: int, seed: int, epoch: int) -> list[int]:
+    """The samples at ``positions`` of epoch ``epoch``'s order of ``n`` samples: a 4-round
+    Feistel network over the smallest even power of two >= n, keyed by (seed, epoch), with
+    cycle-walking back into [0, n). A bijection of [0, n), O(1) work per position."""
+    half = np.uint64(max(1, ((max(n - 1, 1)).bit_length() + 1) // 2))
+    mask = (np.uint64(1) << half) - np.uint64(1)
+    key = _mix(_mix(np.array([seed], dtype=np.uint64)) ^ np.uint64(epoch))[0]
+    x = np.asarray(positions, dtype=np.uint64)
+    todo = np.ones(len(x), dtype=bool)
+    while todo.any():  # cycle-walk: values outside [0, n) go round again (< 2 rounds expected)
+        left, right = x[todo] >> half, x[todo] & mask
+        for r in range(4):
+            left, right = right, left ^ (_mix(right ^ key ^ np.uint64(r << 56)) & mask)
+        x[todo] = (left << half) | right
+        todo = x >= np.uint64(n)
+    return x.astype(np.int64).tolist()
 
 
 def valid_tokens(indices: list[int], seq_len: int) -> int:

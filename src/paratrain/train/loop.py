@@ -75,7 +75,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     engine = parallelize(model, mesh, cfg)
     if state is not None:
         engine.load_optimizer_state(state, start_step)
-    train_tokens, val_tokens = D.split(D.load_corpus(cfg.data.corpus), cfg.data.val_fraction)
+    train_tokens, val_tokens = D.load_tokens(cfg.data)
     train_data = D.Samples(train_tokens, cfg.data.seq_len)
     sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch,
                                    dp_rank=mesh.coord("dp"), dp_size=mesh.size("dp"),

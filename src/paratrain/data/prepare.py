@@ -1,0 +1,233 @@
+"""``paratrain data prepare``: text in, token shards out.
+
+Reads ``.txt`` (one document per file), ``.jsonl`` (one document per line, its ``field``)
+and ``.parquet`` (one document per row of a column) files, tokenizes the documents with a
+Hugging Face ``tokenizers`` tokenizer (a ``tokenizer.json``, a model directory holding
+one, or ``bytes`` for byte-level tokens) in parallel worker processes, appends an
+end-of-document token to each, and writes memory-mappable shards (uint16 when the
+vocabulary fits, else uint32) with a ``meta.json`` that records the tokenizer, the
+vocabulary, token counts and a SHA-256 per shard. The last ``val_fraction`` of the token
+stream becomes the validation split, as for the bundled corpus.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+META = "meta.json"
+FORMAT = 1
+SHARD_TOKENS = 1 << 26  # 128 MiB of uint16 per shard
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
+BYTES_EOS = 0  # NUL never occurs in text, so byte-level data separates documents with it
+
+
+class DataError(ValueError):
+    """Input that cannot be prepared or a dataset that cannot be read; says what to fix."""
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Where the tokens come from: ``bytes`` or the path of a ``tokenizer.json``."""
+
+    source: str
+    eos: str | None = None
+
+    def load(self):
+        """The tokenizer object (None for bytes), its vocabulary size and its EOS id."""
+        if self.source == "bytes":
+            return None, 256, BYTES_EOS
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(self.source)
+        eos = self.eos or next((t for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+        if eos is None or tok.token_to_id(eos) is None:
+            raise DataError(f"{self.source}: no end-of-document token found (tried "
+                            f"{', '.join(EOS_CANDIDATES)}); name one with --eos TOKEN")
+        return tok, tok.get_vocab_size(with_added_tokens=True), tok.token_to_id(eos)
+
+
+def resolve_tokenizer(name: str, eos: str | None = None) -> TokenizerSpec:
+    """``bytes``, a ``tokenizer.json`` file, or a directory holding one (a local Hugging
+    Face model directory); anything else is refused, nothing is downloaded."""
+    if name == "bytes":
+        return TokenizerSpec("bytes", eos)
+    path = Path(name)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"--tokenizer {name!r}: not 'bytes', a tokenizer.json file, or a local "
+                        f"model directory containing tokenizer.json (nothing is downloaded)")
+    return TokenizerSpec(str(path.resolve()), eos)
+
+
+def read_documents(path: Path, field: str) -> Iterator[str]:
+    """The documents of one input file, by its extension."""
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        yield path.read_text(encoding="utf-8", errors="replace")
+    elif suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)[field]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise DataError(f"{path}:{n}: not a JSON object with a {field!r} field "
+                                    f"(--field names the text field)") from None
+    elif suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+        table = pq.read_table(path, columns=[field]) if field in pq.read_schema(path).names else None
+        if table is None:
+            raise DataError(f"{path}: no column {field!r} (--field names the text column)")
+        yield from (doc for doc in table.column(field).to_pylist() if doc is not None)
+    else:
+        raise DataError(f"{path}: unsupported input {suffix or 'without extension'}; "
+                        f"give .txt, .jsonl or .parquet files")
+
+
+def _encode(args: tuple[TokenizerSpec, list[str]]) -> tuple[np.ndarray, int]:
+    """Worker: the token ids of a batch of documents, each followed by EOS, and how many
+    documents there were."""
+    spec, docs = args
+    tok, _, eos = _loaded(spec)
+    if tok is None:
+        parts = [np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for d in docs]
+    else:
+        parts = [np.asarray(e.ids, dtype=np.uint32) for e in tok.encode_batch(docs)]
+    out = []
+    for p in parts:
+        out += [p, np.array([eos], dtype=np.uint32)]
+    return (np.concatenate(out) if out else np.zeros(0, dtype=np.uint32)), len(docs)
+
+
+@functools.lru_cache(maxsize=2)
+def _loaded(spec: TokenizerSpec):
+    """Each worker process loads the tokenizer once (a pure memo of ``spec.load``)."""
+    return spec.load()
+
+
+def _ordered_map(pool: ProcessPoolExecutor, fn, items: Iterator, ahead: int) -> Iterator:
+    """``pool.map`` that reads ``items`` only ``ahead`` tasks in advance (bounded memory)."""
+    pending: collections.deque = collections.deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def _batches(files: list[Path], field: str, size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for path in files:
+        for doc in read_documents(path, field):
+            batch.append(doc)
+            if len(batch) == size:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+class _ShardWriter:
+    """Appends token ids to fixed-size shard files, hashing each as it goes."""
+
+    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int):
+        self.out, self.dtype, self.shard_tokens = out, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self._file = None
+        self._hash = None
+        self._count = 0
+        self.total = 0
+
+    def write(self, ids: np.ndarray) -> None:
+        ids = ids.astype(self.dtype, copy=False)
+        while len(ids):
+            if self._file is None:
+                name = f"tokens-{len(self.shards):05d}.bin"
+                self._file, self._hash, self._count = open(self.out / name, "wb"), hashlib.sha256(), 0
+                self.shards.append({"file": name})
+            take = ids[:self.shard_tokens - self._count]
+            data = take.tobytes()
+            self._file.write(data)
+            self._hash.update(data)
+            self._count += len(take)
+            self.total += len(take)
+            ids = ids[len(take):]
+            if self._count == self.shard_tokens:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self.shards[-1].update(tokens=self._count, sha256=self._hash.hexdigest())
+        self._file = None
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._close_shard()
+
+
+def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text",
+            val_fraction: float = 0.05, workers: int = 0, eos: str | None = None,
+            shard_tokens: int = SHARD_TOKENS, progress: bool = True) -> dict:
+    """Tokenize ``inputs`` into a dataset directory ``out``; returns its metadata."""
+    files = [Path(p) for p in inputs]
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
+        raise DataError(f"input file(s) not found: {', '.join(missing)}")
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"--val-fraction {val_fraction}: give a share in [0, 1)")
+    target = Path(out)
+    if target.exists() and any(target.iterdir()):
+        raise DataError(f"--out {out}: the directory exists and is not empty; choose a new one")
+    spec = resolve_tokenizer(tokenizer, eos)
+    _, vocab, eos_id = spec.load()  # fails here, before any work, on a bad tokenizer
+    dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+    tmp = target.with_name(target.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    writer = _ShardWriter(tmp, dtype, shard_tokens)
+    documents = _tokenize_into(writer, spec, files, field, workers or os.cpu_count() or 1, progress)
+    writer.close()
+    meta = {"format": FORMAT, "tokenizer": spec.source, "vocab_size": vocab, "eos_id": eos_id,
+            "dtype": dtype.name, "documents": documents, "tokens": writer.total,
+            "train_tokens": int(writer.total * (1 - val_fraction)), "shards": writer.shards,
+            "inputs": [str(p) for p in files]}
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    if target.exists():
+        target.rmdir()
+    tmp.rename(target)  # the dataset appears whole, or not at all
+    return meta
+
+
+def _tokenize_into(writer: _ShardWriter, spec: TokenizerSpec, files: list[Path], field: str,
+                   workers: int, progress: bool) -> int:
+    from tqdm import tqdm
+
+    bar = tqdm(unit="doc", desc="tokenizing", disable=not progress)
+    documents = 0
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        batches = ((spec, b) for b in _batches(files, field, 256))
+        for ids, n in _ordered_map(pool, _encode, batches, ahead=2 * workers):
+            writer.write(ids)
+            documents += n
+            bar.update(n)
+            bar.set_postfix(tokens=f"{writer.total:,}")
+    bar.close()
+    return documents
+

@@ -1,0 +1,141 @@
+"""Tokenized datasets: `paratrain data prepare` from text, JSON lines and parquet with a
+tokenizer trained here (and with bytes), training on them at dp2 with exact resume, and a
+sampler whose per-step cost does not grow with the dataset."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from distributed import run_world
+from paratrain.data.dataset import load_split, read_meta, verify
+from paratrain.data.prepare import DataError, prepare
+from paratrain.train.data import DistributedSampler
+
+DOCS = [f"Document {i}: the quick brown fox jumps over the lazy dog {i % 7} times. " * (1 + i % 5)
+        for i in range(120)]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    (root / "a.txt").write_text(DOCS[0])
+    with open(root / "b.jsonl", "w") as f:
+        for doc in DOCS[1:60]:
+            f.write(json.dumps({"body": doc}) + "\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": DOCS[60:]}), root / "c.parquet")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(DOCS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(root / "tokenizer.json"))
+    return root, [str(root / n) for n in ("a.txt", "b.jsonl", "c.parquet")]
+
+
+def expected_stream(tokenizer, eos: int) -> list[int]:
+    out = []
+    for doc in DOCS:
+        out += (list(doc.encode()) if tokenizer is None else tokenizer.encode(doc).ids) + [eos]
+    return out
+
+
+def test_prepare_with_a_trained_tokenizer_and_with_bytes(inputs, tmp_path):
+    from tokenizers import Tokenizer
+
+    root, files = inputs
+    tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    meta = prepare(files, str(root), str(tmp_path / "bpe"), field="body", val_fraction=0.1,
+                   workers=2, shard_tokens=1000, progress=False)  # the directory holds tokenizer.json
+    want = expected_stream(tok, eos)
+    train, val, m = load_split(tmp_path / "bpe")
+    assert meta["documents"] == len(DOCS) and meta["tokens"] == len(want) and meta["dtype"] == "uint16"
+    assert len(meta["shards"]) == -(-len(want) // 1000)  # shards cut at 1000 tokens
+    assert np.asarray(train[:]).tolist() + np.asarray(val[:]).tolist() == want
+    assert len(train) == int(len(want) * 0.9) == m.train_tokens
+    verify(tmp_path / "bpe")
+
+    meta = prepare(files, "bytes", str(tmp_path / "bytes"), field="body", workers=1, progress=False)
+    train, val, m = load_split(tmp_path / "bytes")
+    assert m.vocab_size == 256 and np.asarray(train[:]).tolist() + np.asarray(val[:]).tolist() \
+        == expected_stream(None, 0)
+
+
+def test_corrupt_and_bad_inputs_are_named(inputs, tmp_path):
+    root, files = inputs
+    prepare(files[:1], "bytes", str(tmp_path / "ds"), progress=False, workers=1)
+    shard = next((tmp_path / "ds").glob("tokens-*.bin"))
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="checksum mismatch"):
+        verify(tmp_path / "ds")
+    shard.write_bytes(bytes(data[:-2]))
+    with pytest.raises(DataError, match="expected .* bytes"):
+        read_meta(tmp_path / "ds")
+    for args, match in [((files[1:2], "bytes", str(tmp_path / "x")), "'text' field"),
+                        (([str(root / "tokenizer.json")], "bytes", str(tmp_path / "y")), "unsupported input"),
+                        ((files[:1], str(tmp_path / "nope.json"), str(tmp_path / "z")), "nothing is downloaded"),
+                        ((files[:1], "bytes", str(tmp_path / "ds")), "not empty")]:
+        with pytest.raises(DataError, match=match):
+            prepare(*args, progress=False, workers=1)
+
+
+def train_and_resume(configs):
+    """An uninterrupted run that checkpoints at step 3, then a run resumed from there."""
+    from paratrain.mesh import Mesh
+    from paratrain.train.loop import train
+
+    full, resumed = configs
+    whole = train(full, Mesh.build(full.layout))
+    resumed = resumed.validate()  # the checkpoint exists only now
+    rest = train(resumed, Mesh.build(resumed.layout))
+    return whole.losses, rest.losses
+
+
+def test_train_on_a_dataset_at_dp2_and_resume_exactly(inputs, tmp_path):
+    from paratrain.train.config import load
+
+    root, files = inputs
+    prepare(files, str(root), str(tmp_path / "ds"), field="body", workers=2, progress=False)
+    base = dict(preset="tiny", vocab_size=300, data=str(tmp_path / "ds"), seq_len=32, global_batch=8,
+                steps=6, warmup_steps=1, eval_every=0, eval_batches=1, progress=False, nproc=2)
+    full = load(None, {**base, "run_dir": str(tmp_path / "a"), "save_every": 3}).validate()
+    resumed = load(None, {**base, "run_dir": str(tmp_path / "b"),
+                          "resume": str(tmp_path / "a" / "checkpoints" / "step-3")})
+    whole, rest = run_world(train_and_resume, 2, (full, resumed))[0]
+    assert whole[-1] < whole[0]
+    assert rest == pytest.approx(whole[3:], rel=1e-6)
+
+
+def test_sampler_cost_per_step_does_not_grow_with_the_dataset():
+    def per_step(n: int) -> float:
+        sampler = DistributedSampler(n, global_batch=256, dp_rank=0, dp_size=2, seed=3)
+        times = []
+        for step in range(0, 400, 7):
+            t0 = time.perf_counter()
+            sampler.local_indices(step)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    small, large = per_step(10_000), per_step(10_000_000)
+    assert large <= 2 * small + 1e-4, (small, large)
+
+
+def test_every_sample_once_per_epoch_across_ranks():
+    n, batch = 1003, 40
+    ranks = [DistributedSampler(n, batch, dp_rank=r, dp_size=4, seed=1, remainder="pad") for r in range(4)]
+    for epoch in range(2):
+        seen = [i for step in range(epoch * ranks[0].steps_per_epoch, (epoch + 1) * ranks[0].steps_per_epoch)
+                for s in ranks for i in s.local_indices(step) if i >= 0]
+        assert sorted(seen) == list(range(n))
