@@ -77,7 +77,7 @@ class GPTConfig:
 PRESETS: dict[str, GPTConfig] = {
     # For tests: runs a step in milliseconds.
     "tiny": GPTConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64),
-    # The demo default: ~2.7M parameters, learns visibly in a minute on two CPU processes.
+    # The demo default: ~2.46M parameters, learns visibly in a minute on two CPU processes.
     "small": GPTConfig(d_model=192, n_layers=6, n_heads=6, n_kv_heads=2, ffn_hidden=512, max_seq_len=128),
 }
 
