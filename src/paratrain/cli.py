@@ -14,6 +14,7 @@ from . import __version__
 from .layout import LayoutError
 from .models.gpt import PRESETS, GPTConfig
 from .data.prepare import DataError
+from .models.hf import HFModelError
 from .train.config import SECTIONS, ConfigError
 
 
@@ -59,8 +60,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                                    "small GPT on the bundled corpus, 2 CPU processes (dp=2).")
     p.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file "
                    "(flags override it)")
-    p.add_argument("--model", dest="preset", default=argparse.SUPPRESS, choices=sorted(PRESETS),
-                   help="model preset (default: small)")
+    p.add_argument("--model", dest="preset", default=argparse.SUPPRESS, metavar="PRESET|DIR",
+                   help=f"model preset ({', '.join(sorted(PRESETS))}; default: small) or a local "
+                        f"Hugging Face Llama/Mistral/Qwen2 directory, whose weights are loaded")
     fields = add_dataclass_flags(p, GPTConfig, "model (override the preset)")
     for title, cls in SECTIONS.items():
         fields += add_dataclass_flags(p, cls, title)
@@ -124,6 +126,12 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     data_cli.add_parser(sub)
 
 
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    from . import export
+
+    export.add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description=__doc__)
     parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
@@ -134,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace(sub)
     _add_report(sub)
     _add_data(sub)
+    _add_export(sub)
     return parser
 
 
@@ -141,6 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, LayoutError, FileNotFoundError, DataError) as exc:
+    except (ConfigError, LayoutError, FileNotFoundError, DataError, HFModelError) as exc:
         print(f"paratrain {args.command}: error: {exc}", file=sys.stderr)
         return 2

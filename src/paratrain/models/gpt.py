@@ -43,6 +43,14 @@ class GPTConfig:
     """Epsilon of RMSNorm."""
     tie_embeddings: bool = False
     """Share the token embedding matrix with the output projection."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    rope_scaling: str = ""
+    """Rotary frequency scaling: '' (none) or 'llama3:FACTOR:LOW:HIGH:ORIGINAL_MAX_LEN'
+    (Llama 3.1's long-context scaling)."""
+    sliding_window: int = 0
+    """Mistral's attention window (0: none). paratrain computes full attention, so sequences
+    longer than the window are refused rather than silently attended in full."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation."""
 
@@ -70,6 +78,7 @@ class GPTConfig:
         """Parameter count (tied embeddings counted once)."""
         d, kv = self.d_model, self.kv_heads * self.head_dim
         per_layer = 2 * d + d * d + 2 * d * kv + d * d + 3 * d * self.ffn_dim
+        per_layer += (d + 2 * kv) if self.qkv_bias else 0
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + embed + d
 
@@ -83,9 +92,19 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 def preset(name: str, **overrides) -> GPTConfig:
-    """A named configuration, optionally with some fields replaced."""
+    """A named configuration, or a Hugging Face model directory's (``models/hf.py``),
+    optionally with some fields replaced."""
+    from . import hf
+
+    if hf.is_model_dir(name):
+        fixed = sorted(set(overrides) - {"max_seq_len", "init_std"})
+        if fixed:
+            raise ValueError(f"{', '.join(fixed)}: fixed by the weights of the Hugging Face model "
+                             f"at {name}; drop the override (only max_seq_len may change)")
+        return replace(hf.read_config(name), **overrides)
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}, or a "
+                         f"local Hugging Face model directory (config.json + safetensors)")
     return replace(PRESETS[name], **overrides)
 
 
@@ -103,10 +122,28 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, shape (max_seq_len, head_dim / 2)."""
-    freqs = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), freqs)
-    return angles.cos().float(), angles.sin().float()
+    """cos and sin of the rotary angles, shape (max_seq_len, head_dim / 2), computed in
+    fp32 the way transformers does, so imported Llama-family models match it."""
+    freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+    if cfg.rope_scaling:
+        freqs = _llama3_scaling(freqs, cfg.rope_scaling)
+    angles = torch.outer(torch.arange(cfg.max_seq_len).float(), freqs)
+    return angles.cos(), angles.sin()
+
+
+def _llama3_scaling(freqs: torch.Tensor, spec: str) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slowed by ``factor``, short ones kept, a smooth blend
+    between (Meta's reference; transformers' ``rope_type="llama3"``)."""
+    kind, factor, low, high, original = spec.split(":")
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling={spec!r}: only 'llama3:FACTOR:LOW:HIGH:ORIGINAL_MAX_LEN'")
+    factor, low, high, original = float(factor), float(low), float(high), float(original)
+    wavelen = 2 * math.pi / freqs
+    scaled = torch.where(wavelen > original / low, freqs / factor, freqs)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, blended, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -130,9 +167,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.core = CausalAttention()
 
@@ -207,6 +244,8 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
             elif name.endswith(("wo.weight", "w2.weight")):
                 p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))
             else:

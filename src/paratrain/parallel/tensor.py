@@ -301,10 +301,14 @@ def _split_block(block: nn.Module, tp: TensorParallel, regions: Regions,
     mlp.w1 = ColumnParallelLinear(mlp.w1, group)
     mlp.w3 = ColumnParallelLinear(mlp.w3, group)
     mlp.w2 = RowParallelLinear(mlp.w2, group)
-    for linear in (attn.wq, mlp.w1, mlp.w3):
-        tp.shard(linear.weight, ShardSpec(0, linear.full_out_features))
-    for linear in (attn.wk, attn.wv):
-        tp.shard(linear.weight, ShardSpec(0, linear.full_out_features, copies))
+    for linear, spec in ((attn.wq, ShardSpec(0, attn.wq.full_out_features)),
+                         (mlp.w1, ShardSpec(0, mlp.w1.full_out_features)),
+                         (mlp.w3, ShardSpec(0, mlp.w3.full_out_features)),
+                         (attn.wk, ShardSpec(0, attn.wk.full_out_features, copies)),
+                         (attn.wv, ShardSpec(0, attn.wv.full_out_features, copies))):
+        for param in (linear.weight, linear.bias):  # a bias is cut like its weight's rows
+            if param is not None:
+                tp.shard(param, spec)
     for linear in (attn.wo, mlp.w2):
         tp.shard(linear.weight, ShardSpec(1, linear.full_in_features))
     for region, columns in ((attn, [attn.wq, attn.wk, attn.wv]), (mlp, [mlp.w1, mlp.w3])):

@@ -283,6 +283,10 @@ class Config:
         if m and m != self.accumulation:
             raise ConfigError(f"microbatches={m} but global_batch / (dp x micro_batch) = "
                               f"{self.accumulation}; leave microbatches at 0 or make them agree")
+        if self.model.sliding_window and self.data.seq_len > self.model.sliding_window:
+            raise ConfigError(f"seq_len={self.data.seq_len} exceeds the model's sliding_window="
+                              f"{self.model.sliding_window}; paratrain attends in full, so use "
+                              f"--seq-len {self.model.sliding_window} or less")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"seq_len={self.data.seq_len} exceeds the model's max_seq_len="
                               f"{self.model.max_seq_len}; raise --max-seq-len or lower --seq-len")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..comm import collectives as C
 from ..mesh import Mesh
+from ..models import hf
 from ..models.gpt import GPT
 from ..optim import lr_at
 from ..parallel.context import shard_batch
@@ -72,6 +73,8 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     start_step, state = checkpoint.load(cfg.train.resume, cfg.model) if cfg.train.resume else (0, None)
     if state is not None:  # the plain model takes the full tensors; parallelize cuts them
         model.load_state_dict(state["param"])
+    elif hf.is_model_dir(cfg.model_preset):  # a Hugging Face directory: start from its weights
+        model.load_state_dict(hf.load_weights(cfg.model_preset, cfg.model))
     engine = parallelize(model, mesh, cfg)
     if state is not None:
         engine.load_optimizer_state(state, start_step)

@@ -1,0 +1,199 @@
+"""Hugging Face Llama-family models in and out of paratrain's GPT.
+
+A local model directory (``config.json`` + ``model.safetensors`` or a sharded
+``model.safetensors.index.json``) of ``LlamaForCausalLM``, ``MistralForCausalLM`` (full
+attention) or ``Qwen2ForCausalLM`` (q/k/v biases) becomes a ``GPTConfig`` and a state dict
+under paratrain's names; ``export`` writes the reverse, which transformers' ``from_pretrained``
+loads. Nothing is downloaded, and transformers itself is not needed here (tests compare
+with it).
+
+RoPE convention: transformers rotates the two halves of each head (``rotate_half``: dim i
+pairs with i + d/2), paratrain rotates adjacent pairs (2i with 2i + 1). The two are the same
+attention once the rows of W_q and W_k (and their biases) are permuted within each head, so
+import permutes them and export permutes them back: a round trip is bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .gpt import GPTConfig
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class HFModelError(ValueError):
+    """A model directory paratrain cannot train; the message says why and what is supported."""
+
+
+def is_model_dir(name: str) -> bool:
+    return Path(name).is_dir() and (Path(name) / "config.json").is_file()
+
+
+def architecture(raw: dict) -> str:
+    archs = raw.get("architectures") or [_MODEL_TYPES.get(raw.get("model_type", ""), raw.get("model_type", "?"))]
+    return archs[0]
+
+
+def read_config(directory: str | Path) -> GPTConfig:
+    """The GPTConfig of a Hugging Face model directory; HFModelError for anything else."""
+    path = Path(directory) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise HFModelError(f"{path}: unreadable ({exc})") from None
+    arch = architecture(raw)
+    if arch not in SUPPORTED:
+        raise HFModelError(f"{directory}: architecture {arch} is not supported; paratrain trains "
+                           f"{', '.join(SUPPORTED)} (dense decoders). Mixture-of-experts, "
+                           f"encoder-decoder and other families are refused")
+    for flag in ("mlp_bias",):
+        if raw.get(flag):
+            raise HFModelError(f"{directory}: {flag}=true is not supported (no MLP biases)")
+    if arch == "LlamaForCausalLM" and raw.get("attention_bias"):
+        raise HFModelError(f"{directory}: attention_bias=true puts a bias on the output "
+                           f"projection, which paratrain's row-parallel layer does not carry")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise HFModelError(f"{directory}: hidden_act={raw['hidden_act']!r}; only silu (SwiGLU)")
+    rope = raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10000.0),
+                                          **(raw.get("rope_scaling") or {})}
+    d, heads = raw["hidden_size"], raw["num_attention_heads"]
+    if raw.get("head_dim") not in (None, d // heads):
+        raise HFModelError(f"{directory}: head_dim={raw['head_dim']} differs from hidden_size / "
+                           f"num_attention_heads = {d // heads}, which paratrain assumes")
+    return GPTConfig(
+        vocab_size=raw["vocab_size"], d_model=d, n_layers=raw["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=raw.get("num_key_value_heads") or heads, ffn_hidden=raw["intermediate_size"],
+        max_seq_len=raw.get("max_position_embeddings", 2048), rope_theta=float(rope.get("rope_theta", 10000.0)),
+        norm_eps=raw.get("rms_norm_eps", 1e-6), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM", rope_scaling=_rope_scaling(rope, directory),
+        sliding_window=_sliding_window(raw, arch))
+
+
+def _rope_scaling(rope: dict, directory) -> str:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return ""
+    if kind != "llama3":
+        raise HFModelError(f"{directory}: rope_type {kind!r} is not supported (default or llama3)")
+    return (f"llama3:{rope['factor']}:{rope['low_freq_factor']}:{rope['high_freq_factor']}:"
+            f"{rope['original_max_position_embeddings']}")
+
+
+def _sliding_window(raw: dict, arch: str) -> int:
+    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window"):
+        return 0
+    return int(raw.get("sliding_window") or 0)
+
+
+# ---- weights ------------------------------------------------------------------------------
+
+_BLOCK = {  # paratrain name in a block -> transformers name in a decoder layer
+    "attn_norm.weight": "input_layernorm.weight", "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight", "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.w1.weight": "mlp.gate_proj.weight", "mlp.w3.weight": "mlp.up_proj.weight",
+    "mlp.w2.weight": "mlp.down_proj.weight", "attn.wq.bias": "self_attn.q_proj.bias",
+    "attn.wk.bias": "self_attn.k_proj.bias", "attn.wv.bias": "self_attn.v_proj.bias",
+}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+
+
+def names(cfg: GPTConfig) -> dict[str, str]:
+    """paratrain name -> transformers name for every tensor of a model of this shape."""
+    out = {k: v for k, v in _TOP.items() if not (cfg.tie_embeddings and k == "output.weight")}
+    for i in range(cfg.n_layers):
+        for ours, theirs in _BLOCK.items():
+            if ours.endswith(".bias") and not cfg.qkv_bias:
+                continue
+            out[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    return out
+
+
+def _rope_rows(head_dim: int, heads: int, to_interleaved: bool) -> torch.Tensor:
+    """Row order turning rotate-half rows into adjacent-pair rows (or back)."""
+    half = head_dim // 2
+    within = torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).flatten()
+    if not to_interleaved:
+        within = torch.argsort(within)
+    return (torch.arange(heads)[:, None] * head_dim + within[None, :]).flatten()
+
+
+def _permute_rope(name: str, t: torch.Tensor, cfg: GPTConfig, to_interleaved: bool) -> torch.Tensor:
+    if ".wq." in name:
+        return t[_rope_rows(cfg.head_dim, cfg.n_heads, to_interleaved)]
+    if ".wk." in name:
+        return t[_rope_rows(cfg.head_dim, cfg.kv_heads, to_interleaved)]
+    return t
+
+
+def load_weights(directory: str | Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """The model's tensors under paratrain's names (q/k rows in paratrain's RoPE order)."""
+    from safetensors import safe_open
+
+    root = Path(directory)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (root / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise HFModelError(f"{directory}: no model.safetensors or model.safetensors.index.json "
+                           f"(pytorch_model.bin is not read: it is a pickle)")
+    wanted = {theirs: ours for ours, theirs in names(cfg).items()}
+    state = {}
+    for file in files:
+        with safe_open(str(root / file), framework="pt") as f:
+            for key in f.keys():
+                if key in wanted:
+                    state[wanted[key]] = _permute_rope(wanted[key], f.get_tensor(key), cfg, True)
+    if cfg.tie_embeddings:  # one tensor under both names, as the built model has it
+        state["output.weight"] = state["tok_embeddings.weight"]
+    missing = sorted(set(wanted.values()) - set(state))
+    if missing:
+        raise HFModelError(f"{directory}: tensors missing from the safetensors files: {missing[:5]}")
+    return state
+
+
+def export(params: dict[str, torch.Tensor], cfg: GPTConfig, out: str | Path,
+           dtype: torch.dtype | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` that transformers loads."""
+    from safetensors.torch import save_file
+
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    tensors = {theirs: _permute_rope(ours, params[ours], cfg, False).to(dtype or params[ours].dtype).contiguous()
+               for ours, theirs in names(cfg).items()}
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
+    return target
+
+
+def hf_config(cfg: GPTConfig) -> dict:
+    arch = "Qwen2ForCausalLM" if cfg.qkv_bias else ("MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM")
+    rope: dict = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if cfg.rope_scaling:
+        _, factor, low, high, original = cfg.rope_scaling.split(":")
+        rope = {"rope_theta": cfg.rope_theta, "rope_type": "llama3", "factor": float(factor),
+                "low_freq_factor": float(low), "high_freq_factor": float(high),
+                "original_max_position_embeddings": int(original)}
+    raw = {"architectures": [arch], "model_type": {v: k for k, v in _MODEL_TYPES.items()}[arch],
+           "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+           "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+           "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
+           "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
+           "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+           "hidden_act": "silu", "rope_parameters": rope, "rope_theta": cfg.rope_theta,
+           "torch_dtype": "float32"}
+    if cfg.rope_scaling:
+        raw["rope_scaling"] = rope
+    if arch == "MistralForCausalLM":
+        raw["sliding_window"] = cfg.sliding_window
+    if arch == "Qwen2ForCausalLM":
+        raw["use_sliding_window"] = False
+    return raw
