@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import sys
 import textwrap
+import time
 from functools import lru_cache
 
 from . import __version__
@@ -86,12 +87,14 @@ def _run_train(args: argparse.Namespace) -> int:
         run_worker(cfg, world)
         return 0
     cfg.validate()
+    start = time.perf_counter()
     try:
         spawn(run_worker, cfg.parallel.nproc, cfg, None, backend=cfg.parallel.backend,
               timeout_s=None, collective_timeout_s=cfg.parallel.timeout_s)
     except RankFailed as exc:
         print(f"paratrain train: {exc}", file=sys.stderr)
         return 1
+    print(f"wall time     {time.perf_counter() - start:.1f} s with process start-up and teardown")
     return 0
 
 

@@ -58,7 +58,7 @@ def summary(records: list[dict[str, Any]], per_rank: list[dict[str, int]], wall_
     ]
     if evals:
         lines.append(f"val loss      {evals[-1]['val_loss']:.4f} (step {evals[-1]['step']})")
-    lines += [f"throughput    {tok_s:,.0f} tokens/s", f"wall time     {wall_s:.1f} s",
+    lines += [f"throughput    {tok_s:,.0f} tokens/s", f"train time    {wall_s:.1f} s (the steps, evaluations and checkpoints)",
               "memory/rank   params / grads / optimizer state"]
     for rank, b in enumerate(per_rank):
         lines.append(f"  rank {rank:<4}   {human_bytes(b['param_bytes'])} / "
