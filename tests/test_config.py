@@ -48,7 +48,7 @@ def test_every_field_is_a_flag():
     ({"global_batch": 10, "dp": 4}, "not divisible by dp=4"),
     ({"micro_batch": 3}, "not a multiple of micro_batch=3"),
     ({"seq_len": 1024}, "exceeds the model's max_seq_len"),
-    ({"precision": "fp8"}, "not one of fp32, bf16"),
+    ({"precision": "fp8"}, "train.precision: must be one of 'fp32', 'bf16'"),
     ({"corpus": "/nonexistent.txt"}, "does not exist"),
 ])
 def test_bad_configs_are_rejected_before_launch(overrides, words):

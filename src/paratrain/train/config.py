@@ -10,13 +10,15 @@ whole thing before any process is started.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..layout import Layout, LayoutError
 from ..models.gpt import PRESETS, GPTConfig, preset
+from . import schema
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,15 +44,15 @@ class ParallelConfig:
     """Pipeline stages."""
     cp: int = 1
     """Context-parallel ranks."""
-    zero: int = 0
+    zero: Literal[0, 1, 2, 3] = 0
     """ZeRO stage on the data-parallel axis: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters)."""
     offload: bool = False
     """ZeRO: keep optimizer state (fp32 masters, Adam moments) in CPU memory (GPU runs only)."""
     sp: bool = False
     """Megatron sequence parallelism on the tensor-parallel axis."""
-    cp_method: str = "ring"
+    cp_method: Literal["ring", "ulysses"] = "ring"
     """Context-parallel attention: ring or ulysses."""
-    schedule: str = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     """Pipeline schedule: gpipe, 1f1b or interleaved."""
     microbatches: int = 0
     """Microbatches per step and data-parallel rank: pipeline microbatches when pp > 1,
@@ -61,7 +63,7 @@ class ParallelConfig:
     """Axes from fastest- to slowest-varying rank: tp first keeps its peers on one node."""
     bucket_mb: float = 4.0
     """Size of a gradient bucket, in MiB, for overlapped gradient reduction."""
-    backend: str = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: auto (nccl with GPUs, else gloo), gloo or nccl."""
     timeout_s: float = 300.0
     """Seconds a collective may wait for a peer before the job fails instead of hanging."""
@@ -76,8 +78,9 @@ class DataConfig:
     seq_len: int = 128
     """Tokens per training sequence."""
     val_fraction: float = 0.05
-    """Share of the corpus (its end) held out for validation."""
-    remainder: str = "drop"
+    """Share of the corpus (its end) held out for validation (0: no validation set, and no
+    validation loss)."""
+    remainder: Literal["drop", "pad"] = "drop"
     """Samples that do not fill the last global batch of an epoch: drop, or pad (pad and mask)."""
 
 
@@ -115,9 +118,9 @@ class TrainConfig:
     """Sequences per forward/backward on one rank (0: global_batch / dp, no accumulation)."""
     seed: int = 0
     """Seed for initialisation and data order."""
-    precision: str = "fp32"
+    precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 (bf16 compute; fp32 master weights and optimizer state)."""
-    recompute: str = "none"
+    recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: none, selective (attention core), full (whole blocks)."""
     eval_every: int = 50
     """Validation every this many steps (0: never; always at the end)."""
@@ -140,11 +143,6 @@ class TrainConfig:
 
 
 SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
-CHOICES = {"cp_method": ("ring", "ulysses"), "schedule": ("gpipe", "1f1b", "interleaved"),
-           "backend": ("auto", "gloo", "nccl"), "remainder": ("drop", "pad"),
-           "precision": ("fp32", "bf16"), "recompute": ("none", "selective", "full")}
-# Strategies whose code has not landed: rejected up front, never silently ignored.
-
 
 @dataclass
 class Config:
@@ -185,14 +183,16 @@ class Config:
         return Path(self.train.metrics or Path(self.train.run_dir) / "metrics.jsonl")
 
     # ---- checks ----------------------------------------------------------------------------
-    def validate(self) -> "Config":
-        """Fill in derived sizes and raise ConfigError naming any problem and its fix."""
-        _resolve_world(self.parallel)
-        for name, value in CHOICES.items():
-            for section in (self.parallel, self.data, self.train):
-                got = getattr(section, name, None)
-                if got is not None and got not in value:
-                    raise ConfigError(f"{name}={got!r} is not one of {', '.join(value)}")
+    def validate(self, launcher: Literal["local", "torchrun"] = "local") -> "Config":
+        """A copy with the derived sizes (dp, nproc) filled in; raises ConfigError naming
+        any problem and its fix. ``self`` is left as it was. Under ``torchrun``, nproc is
+        the world torchrun started, and the fix for a mismatch names torchrun's flags."""
+        _check_fields(self)
+        cfg = dataclasses.replace(self, parallel=_resolve_world(self.parallel, launcher))
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
         try:
             self.layout.check_model(n_heads=self.model.n_heads, n_kv_heads=self.model.kv_heads,
                                     n_layers=self.model.n_layers, seq_len=self.data.seq_len,
@@ -202,7 +202,6 @@ class Config:
             raise ConfigError(str(exc)) from None
         self._check_strategies()
         self._check_batch()
-        return self
 
     def _check_strategies(self) -> None:
         p = self.parallel
@@ -267,61 +266,138 @@ class Config:
                                   f"raise --steps to train further")
 
 
-def _resolve_world(p: ParallelConfig) -> None:
+def _resolve_world(p: ParallelConfig, launcher: str = "local") -> ParallelConfig:
+    """``p`` with dp and nproc filled in (a copy). Under torchrun nproc is its world size."""
     others = p.tp * p.pp * p.cp
-    if p.dp == 0:
+    started = (f"parallel.nproc: torchrun started {p.nproc} processes" if launcher == "torchrun"
+               else f"parallel.nproc: nproc={p.nproc or 2 * others}")
+    dp = p.dp
+    if dp == 0:
         nproc = p.nproc or 2 * others
         if nproc % others:
-            raise ConfigError(f"nproc={nproc} is not divisible by tp*pp*cp={others}")
-        p.dp = nproc // others
-    p.nproc = p.nproc or p.dp * others
-    if p.nproc != p.dp * others:
-        raise ConfigError(f"nproc={p.nproc} but dp*tp*pp*cp = {p.dp * others}; set --nproc "
-                          f"{p.dp * others} or change the axis sizes")
+            fix = ("start torchrun with --nnodes x --nproc-per-node" if launcher == "torchrun"
+                   else "set --nproc to")
+            raise ConfigError(f"{started}, which is not divisible by tp*pp*cp={others}; "
+                              f"{fix} a multiple of {others}")
+        dp = nproc // others
+    nproc = p.nproc or dp * others
+    if nproc != dp * others:
+        fix = (f"start torchrun with --nnodes x --nproc-per-node = {dp * others} processes"
+               if launcher == "torchrun" else f"set --nproc {dp * others}")
+        raise ConfigError(f"{started} but dp*tp*pp*cp = {dp * others}; {fix} "
+                          f"or change the axis sizes")
+    return dataclasses.replace(p, dp=dp, nproc=nproc)
+
+
+def _check_fields(cfg: Config) -> None:
+    """Types and ranges of every field (see ``schema``), and ranges across fields."""
+    problems = []
+    for section, cls in {"model": GPTConfig, **SECTIONS}.items():
+        obj = getattr(cfg, section)
+        problems += schema.check(cls, {f.name: getattr(obj, f.name)
+                                       for f in dataclasses.fields(cls)}, section)[1]
+    if not problems and cfg.optim.min_lr > cfg.optim.lr:
+        problems.append(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}, so "
+                        f"the decay would raise the learning rate; set --min-lr at most --lr")
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat field -> value)."""
-    data: dict[str, Any] = {}
-    if path:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"config file {path!r} does not exist")
-        try:
-            data = tomllib.loads(file.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
-    unknown = set(data) - {"model", *SECTIONS}
-    if unknown:
-        raise ConfigError(f"unknown section(s) {sorted(unknown)} in {path}; "
-                          f"sections are model, {', '.join(SECTIONS)}")
-    flat = {f"{s}.{k}": v for s, table in data.items() for k, v in table.items()}
+    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat field -> value).
+    Every value is checked (``schema``) before a dataclass is built from it."""
+    flat = _flatten(_read_toml(path), path) if path else {}
     for key, value in (overrides or {}).items():
         flat[_qualify(key)] = value
     return _build(flat)
 
 
+def _read_toml(path: str) -> dict[str, Any]:
+    file = Path(path)
+    if file.is_dir():
+        raise ConfigError(f"config file {path!r} is a directory; give the path of a .toml file")
+    if not file.is_file():
+        raise ConfigError(f"config file {path!r} does not exist")
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {exc.start}); "
+                          f"save it as UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
+
+
+def _fields_of(section: str) -> set[str]:
+    names = {f.name for f in dataclasses.fields(GPTConfig if section == "model" else SECTIONS[section])}
+    return names | {"preset"} if section == "model" else names
+
+
+def _home(name: str) -> str | None:
+    """The section a field belongs to, if any."""
+    return next((s for s in ("model", *SECTIONS) if name in _fields_of(s)), None)
+
+
+def _flatten(data: dict[str, Any], path: str) -> dict[str, Any]:
+    """TOML tables -> {"section.field": value}, refusing unknown and misplaced names."""
+    flat, problems = {}, []
+    for section, table in data.items():
+        if section not in ("model", *SECTIONS):
+            home = _home(section)
+            problems.append(f"{section} = ... at the top level of {path}: put it under [{home}]"
+                            if home else f"unknown section(s) [{section}] in {path}; sections "
+                            f"are model, {', '.join(SECTIONS)}")
+            continue
+        if not isinstance(table, dict):
+            problems.append(f"{section} = ... in {path} must be a table: [{section}]")
+            continue
+        for key, value in table.items():
+            home = _home(key)
+            if key in _fields_of(section):
+                flat[f"{section}.{key}"] = value
+            elif home:
+                problems.append(f"[{section}] {key}: {key} belongs in [{home}], not [{section}]; "
+                                f"move it there")
+            else:
+                close = difflib.get_close_matches(key, sorted(_fields_of(section)), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                problems.append(f"[{section}] {key}: unknown field{hint}; known fields: "
+                                f"{', '.join(sorted(_fields_of(section)))}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return flat
+
+
 def _qualify(name: str) -> str:
     """'lr' -> 'optim.lr': every field name is unique across sections."""
-    for section, cls in {"model": GPTConfig, **SECTIONS}.items():
-        if name in {f.name for f in dataclasses.fields(cls)} or (section, name) == ("model", "preset"):
-            return f"{section}.{name}"
-    raise ConfigError(f"unknown setting {name!r}")
+    home = _home(name)
+    if home is None:
+        raise ConfigError(f"unknown setting {name!r}")
+    return f"{home}.{name}"
 
 
 def _build(flat: dict[str, Any]) -> Config:
-    model_fields = {k[6:]: v for k, v in flat.items() if k.startswith("model.")}
-    name = model_fields.pop("preset", "small")
+    """Check every value against its field, then build the dataclasses."""
+    tables: dict[str, dict[str, Any]] = {s: {} for s in ("model", *SECTIONS)}
+    for key, value in flat.items():
+        section, name = key.split(".", 1)
+        tables[section][name] = value
+    name = tables["model"].pop("preset", "small")
+    problems = []
+    if name not in PRESETS:
+        problems.append(f"model.preset: unknown preset {name!r}; known: "
+                        f"{', '.join(PRESETS)} {schema.where('model', 'preset')}")
+    for section, cls in {"model": GPTConfig, **SECTIONS}.items():
+        tables[section], found = schema.check(cls, tables[section], section)
+        problems += found
+    if problems:
+        raise ConfigError("\n".join(problems))
     try:
-        model = preset(name, **model_fields)
+        model = preset(name, **tables.pop("model"))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"[model]: {exc}") from None
-    sections = {}
-    for section, cls in SECTIONS.items():
-        values = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith(section + ".")}
-        try:
-            sections[section] = cls(**values)
-        except TypeError as exc:
-            known = ", ".join(f.name for f in dataclasses.fields(cls))
-            raise ConfigError(f"[{section}]: {exc}; known fields: {known}") from None
+    sections = {s: cls(**tables[s]) for s, cls in SECTIONS.items()}
     return Config(model=model, model_preset=name, **sections)
