@@ -103,7 +103,8 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and not (math.isfinite(value) and value > 0):
             flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} must be a positive number, got {value}; leave {flag} "
+            kind = "integer" if isinstance(value, int) else "number"
+            raise ValueError(f"{flag} must be a positive {kind}, got {value}; leave {flag} "
                              f"out for the default")
 
 

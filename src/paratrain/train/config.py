@@ -3,15 +3,15 @@
 A TOML file has one table per section (``[model]``, ``[parallel]``, ``[data]``,
 ``[optim]``, ``[train]``); ``[model]`` takes ``preset`` plus any ``GPTConfig`` field to
 override. Every field is also a command-line flag (``--d-model``, ``--dp``, ``--lr``...);
-flags override the file, which overrides the defaults. ``Config.validate()`` checks the
-whole thing before any process is started.
+flags override the file, which overrides the defaults. Every value is checked against
+its field's type and range as it is read (``schema``: types and choices come from the
+annotations, ranges from ``schema.LIMITS``); ``Config.validate()`` then checks the
+combination and returns a resolved copy, before any process is started.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,14 +20,7 @@ from ..layout import Layout, LayoutError
 from ..models.gpt import PRESETS, GPTConfig, preset
 from . import schema
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says what to change."""
+ConfigError = schema.ConfigError  # defined with the checks that raise it; imported from here
 
 
 @dataclass
@@ -143,6 +136,7 @@ class TrainConfig:
 
 
 SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+_SCHEMA = {"model": GPTConfig, **SECTIONS}  # every TOML table and the dataclass it fills
 
 @dataclass
 class Config:
@@ -252,7 +246,8 @@ class Config:
         if t.steps < 1:
             raise ConfigError(f"steps={t.steps}: train for at least one step")
         if self.data.corpus and not Path(self.data.corpus).is_file():
-            raise ConfigError(f"corpus file {self.data.corpus!r} does not exist")
+            raise ConfigError(f"data.corpus: corpus file {self.data.corpus!r} does not exist "
+                              f"{schema.where('data', 'corpus')}")
         if t.resume:
             from .checkpoint import CheckpointError, check_model, read_meta
 
@@ -306,74 +301,15 @@ def _check_fields(cfg: Config) -> None:
 def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Defaults, then the TOML file at ``path``, then ``overrides`` (flat field -> value).
     Every value is checked (``schema``) before a dataclass is built from it."""
-    flat = _flatten(_read_toml(path), path) if path else {}
+    flat = schema.flatten(schema.read_toml(path), path, _SCHEMA) if path else {}
     for key, value in (overrides or {}).items():
         flat[_qualify(key)] = value
     return _build(flat)
 
 
-def _read_toml(path: str) -> dict[str, Any]:
-    file = Path(path)
-    if file.is_dir():
-        raise ConfigError(f"config file {path!r} is a directory; give the path of a .toml file")
-    if not file.is_file():
-        raise ConfigError(f"config file {path!r} does not exist")
-    try:
-        text = file.read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path!r}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {exc.start}); "
-                          f"save it as UTF-8") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
-
-
-def _fields_of(section: str) -> set[str]:
-    names = {f.name for f in dataclasses.fields(GPTConfig if section == "model" else SECTIONS[section])}
-    return names | {"preset"} if section == "model" else names
-
-
-def _home(name: str) -> str | None:
-    """The section a field belongs to, if any."""
-    return next((s for s in ("model", *SECTIONS) if name in _fields_of(s)), None)
-
-
-def _flatten(data: dict[str, Any], path: str) -> dict[str, Any]:
-    """TOML tables -> {"section.field": value}, refusing unknown and misplaced names."""
-    flat, problems = {}, []
-    for section, table in data.items():
-        if section not in ("model", *SECTIONS):
-            home = _home(section)
-            problems.append(f"{section} = ... at the top level of {path}: put it under [{home}]"
-                            if home else f"unknown section(s) [{section}] in {path}; sections "
-                            f"are model, {', '.join(SECTIONS)}")
-            continue
-        if not isinstance(table, dict):
-            problems.append(f"{section} = ... in {path} must be a table: [{section}]")
-            continue
-        for key, value in table.items():
-            home = _home(key)
-            if key in _fields_of(section):
-                flat[f"{section}.{key}"] = value
-            elif home:
-                problems.append(f"[{section}] {key}: {key} belongs in [{home}], not [{section}]; "
-                                f"move it there")
-            else:
-                close = difflib.get_close_matches(key, sorted(_fields_of(section)), n=1)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                problems.append(f"[{section}] {key}: unknown field{hint}; known fields: "
-                                f"{', '.join(sorted(_fields_of(section)))}")
-    if problems:
-        raise ConfigError("\n".join(problems))
-    return flat
-
-
 def _qualify(name: str) -> str:
     """'lr' -> 'optim.lr': every field name is unique across sections."""
-    home = _home(name)
+    home = schema.home(name, _SCHEMA)
     if home is None:
         raise ConfigError(f"unknown setting {name!r}")
     return f"{home}.{name}"

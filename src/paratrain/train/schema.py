@@ -17,15 +17,32 @@ give it a ``LIMITS`` entry when 0 is not its lower bound. Other annotations (lis
 optionals...) are passed through unchecked. ``check`` returns the resolved values (an
 integer given to a float field becomes a float) and the problems, each naming the field,
 its TOML section and its flag; it never raises and never mutates.
+
+A TOML file holds one table per section; ``flatten`` refuses a key in the wrong table
+naming the table it belongs to, and an unknown key naming the closest known one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
+import sys
 import types
 import typing
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Literal, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change."""
+
 
 LIMITS: dict[str, dict[str, float]] = {
     # [model] (GPTConfig)
@@ -151,3 +168,67 @@ def describe_limits(name: str) -> str:
     parts += [f"{word} {limits[key]}" for key, word in
               (("above", "above"), ("max", "at most"), ("below", "below")) if key in limits]
     return ", ".join(parts)
+
+
+# ---- TOML files: which table each field goes in ------------------------------------------
+
+def read_toml(path: str) -> dict[str, Any]:
+    """The tables of a TOML config file; a missing, unreadable or malformed file is a
+    ConfigError saying which."""
+    file = Path(path)
+    if file.is_dir():
+        raise ConfigError(f"config file {path!r} is a directory; give the path of a .toml file")
+    if not file.is_file():
+        raise ConfigError(f"config file {path!r} does not exist")
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {exc.start}); "
+                          f"save it as UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
+
+
+def _fields_of(section: str, tables: Mapping[str, type]) -> set[str]:
+    names = {f.name for f in dataclasses.fields(tables[section])}
+    return names | {"preset"} if section == "model" else names
+
+
+def home(name: str, tables: Mapping[str, type]) -> str | None:
+    """The table (section) a field belongs to, if any."""
+    return next((s for s in tables if name in _fields_of(s, tables)), None)
+
+
+def flatten(data: dict[str, Any], path: str, tables: Mapping[str, type]) -> dict[str, Any]:
+    """TOML tables -> {"section.field": value}, refusing unknown and misplaced names."""
+    flat, problems = {}, []
+    for section, table in data.items():
+        if section not in tables:
+            owner = home(section, tables)
+            problems.append(f"{section} = ... at the top level of {path}: put it under [{owner}]"
+                            if owner else f"unknown section(s) [{section}] in {path}; sections "
+                            f"are {', '.join(tables)}")
+            continue
+        if not isinstance(table, dict):
+            problems.append(f"{section} = ... in {path} must be a table: [{section}]")
+            continue
+        known = _fields_of(section, tables)
+        for key, value in table.items():
+            owner = home(key, tables)
+            if key in known:
+                flat[f"{section}.{key}"] = value
+            elif owner:
+                problems.append(f"[{section}] {key}: {key} belongs in [{owner}], not [{section}]; "
+                                f"move it there")
+            else:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                problems.append(f"[{section}] {key}: unknown field{hint}; known fields: "
+                                f"{', '.join(sorted(known))}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return flat
