@@ -179,3 +179,17 @@ def test_exit_code_2_end_to_end(argv, words):
                           text=True, env=env, timeout=120)
     assert done.returncode == 2, done.stderr
     assert words in done.stderr and "Traceback" not in done.stderr + done.stdout
+
+
+def test_no_validation_set_means_no_validation_loss(tmp_path):
+    """--val-fraction 0: nothing is evaluated, printed or written as a validation loss."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env["PYTHONPATH"] = str(Path(__file__).parents[1] / "src")
+    done = subprocess.run([sys.executable, "-m", "paratrain", "train", *TINY, "--steps", "2",
+                           "--warmup-steps", "1", "--val-fraction", "0", "--eval-every", "1",
+                           "--no-progress", "--run-dir", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and not any("val_loss" in r for r in records)
+    assert "val loss" not in done.stdout and "warning" not in done.stderr
