@@ -95,6 +95,7 @@ CASES = [
      "not UTF-8"),
     ("corpus-missing", ["train", "--corpus", "{tmp}/none.txt"], {}, {}, "none.txt"),
     ("vocab-below-data", ["train", *TINY, "--vocab-size", "100"], {}, {}, "model.vocab_size"),
+    ("corpus-empty", ["train", *TINY, "--corpus", "{tmp}/c.txt"], {"c.txt": ""}, {}, "data.corpus"),
     ("corpus-too-short", ["train", *TINY, "--corpus", "{tmp}/c.txt"], {"c.txt": "x" * 100}, {},
      "data.corpus"),
     ("no-validation-sample", ["train", *TINY, "--corpus", "{tmp}/c.txt", "--val-fraction", "0.001"],

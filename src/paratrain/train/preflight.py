@@ -9,6 +9,8 @@ naming the field, never inside a rank.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..launch import pick_backend
@@ -36,6 +38,9 @@ def check_data(cfg: Config) -> None:
     validation sample when there is a validation set, and only tokens the model knows."""
     d, t = cfg.data, cfg.train
     try:
+        if d.corpus and Path(d.corpus).stat().st_size == 0:
+            raise ConfigError(f"data.corpus: {d.corpus!r} is empty; give a text file to train "
+                              f"on {where('data', 'corpus')}")
         tokens = D.load_corpus(d.corpus)
     except OSError as exc:
         raise ConfigError(f"data.corpus: cannot read {d.corpus!r}: {exc.strerror} "
