@@ -51,8 +51,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str,
         default = (getattr(defaults, f.name) if defaults is not None
                    else f.default if f.default is not dataclasses.MISSING else None)
         options = schema.choices(kinds[f.name])
-        kind = type(options[0]) if options else kinds[f.name] if isinstance(kinds[f.name], type) \
-            else type(default)
+        kind = _flag_kind(kinds[f.name], options, default)
         flag = "--" + f.name.replace("_", "-")
         limits = f"; {schema.describe_limits(f.name)}" if kind in (int, float) and not options else ""
         help_text = f"{docs.get(f.name, '')} (default: {default!r}{limits})"
@@ -65,6 +64,14 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str,
                                help=help_text)
         names.append(f.name)
     return names
+
+
+def _flag_kind(annotation, options: tuple | None, default) -> type:
+    """The Python type a flag's text converts to: the choices' type, the annotated type,
+    else (an annotation argparse cannot use) the default's type."""
+    if options:
+        return type(options[0])
+    return annotation if isinstance(annotation, type) else type(default)
 
 
 def _parse(kind: type):
@@ -106,10 +113,11 @@ def _run_train(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, overrides)
     if started_by_torchrun(os.environ):  # this process is one rank of torchrun's world
         world = torchrun_world(cfg.parallel.backend, cfg.parallel.timeout_s)
-        cfg = _preflight(_torchrun_config(cfg, world.world_size), True, world.rank == 0)
+        cfg = _preflight(_torchrun_config(cfg, world.world_size), torchrun=True,
+                         report=world.rank == 0)
         run_worker(cfg, world)
         return 0
-    cfg = _preflight(cfg.validate(), False, True)
+    cfg = _preflight(cfg.validate(), torchrun=False, report=True)
     try:
         spawn(run_worker, cfg.parallel.nproc, cfg, None, backend=cfg.parallel.backend,
               timeout_s=None, collective_timeout_s=cfg.parallel.timeout_s)
@@ -129,7 +137,7 @@ def _torchrun_config(cfg: Config, world_size: int) -> Config:
     return dataclasses.replace(cfg, parallel=parallel).validate(launcher="torchrun")
 
 
-def _preflight(cfg: Config, torchrun: bool, report: bool) -> Config:
+def _preflight(cfg: Config, *, torchrun: bool, report: bool) -> Config:
     """The config checked against this machine and the data; ``report``: print advice."""
     from .train import preflight
 
