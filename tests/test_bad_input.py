@@ -114,6 +114,10 @@ CASES = [
     ("plan-hf-float-heads", PLAN_HF, hf(num_attention_heads=4.5), {}, "num_attention_heads"),
     ("plan-toml-zero-heads", ["plan", "--model", "{tmp}/m.toml"],
      {"m.toml": "[model]\nn_layers = 2\nd_model = 64\nn_heads = 0\n"}, {}, "n_heads"),
+    ("plan-out-no-directory", ["plan", "--model", "llama3-8b", "--out", "{tmp}/no/plan.toml"],
+     {}, {}, "--out"),
+    ("plan-toml-model-not-table", ["plan", "--model", "{tmp}/m.toml"], {"m.toml": "model = 5\n"},
+     {}, "[model]"),
     ("plan-toml-true-layers", ["plan", "--model", "{tmp}/m.toml"],
      {"m.toml": "[model]\nn_layers = true\nd_model = 64\nn_heads = 4\n"}, {}, "n_layers"),
 ]

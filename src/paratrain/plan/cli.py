@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 from .candidate import OPTIMIZERS, PRECISIONS, RECOMPUTE, Training
 from .hardware import GB, GPUS, Cluster, gpu_preset, load_calibration, local_cluster
@@ -106,6 +107,9 @@ def check_args(args: argparse.Namespace) -> None:
             kind = "integer" if isinstance(value, int) else "number"
             raise ValueError(f"{flag} must be a positive {kind}, got {value}; leave {flag} "
                              f"out for the default")
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{flag} {path}: the directory {Path(path).parent} does not exist")
 
 
 def _micro_batch(value: str) -> int | None:

@@ -178,8 +178,14 @@ def from_toml(path: str | Path) -> ModelSpec:
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
     path = Path(path)
-    data = tomllib.loads(path.read_text())
-    table = dict(data.get("model", data))
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    table = data.get("model", data)
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: [model] must be a table of model settings")
+    table = dict(table)
     for key in _IGNORED_GPT_FIELDS:
         table.pop(key, None)
     known = {f.name for f in fields(ModelSpec)} - {"name"}
