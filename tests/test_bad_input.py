@@ -75,6 +75,8 @@ CASES = [
     ("steps-flag-float", ["train", "--steps", "5.5"], {}, {}, "--steps"),
     ("timeout-inf", ["train", "--timeout-s", "inf"], {}, {}, "parallel.timeout_s"),
     ("seed-negative", ["train", "--seed", "-1"], {}, {}, "train.seed"),
+    ("seed-huge", ["train", "--seed", str(2**64)], {}, {}, "train.seed"),
+    ("timeout-overflows", ["train", "--timeout-s", "1e15"], {}, {}, "parallel.timeout_s"),
     ("warmup-negative", ["train", "--warmup-steps", "-5"], {}, {}, "optim.warmup_steps"),
     ("beta2-1", ["train", "--beta2", "1"], {}, {}, "optim.beta2"),
     ("min-lr-above-lr", ["train", "--lr", "0.001", "--min-lr", "0.01"], {}, {}, "optim.min_lr"),

@@ -51,13 +51,14 @@ LIMITS: dict[str, dict[str, float]] = {
     "norm_eps": {"above": 0}, "init_std": {"above": 0},
     # [parallel]
     "tp": {"min": 1}, "pp": {"min": 1}, "cp": {"min": 1}, "virtual_stages": {"min": 1},
-    "bucket_mb": {"above": 0}, "timeout_s": {"above": 0},
+    "bucket_mb": {"above": 0}, "timeout_s": {"above": 0, "max": 1e7},  # ~4 months: no overflow
     # [data]
     "seq_len": {"min": 1}, "val_fraction": {"below": 1},
     # [optim]
     "lr": {"above": 0}, "beta1": {"below": 1}, "beta2": {"below": 1}, "eps": {"above": 0},
     # [train]
     "steps": {"min": 1}, "global_batch": {"min": 1}, "eval_batches": {"min": 1},
+    "seed": {"max": 2**32 - 1},
 }
 """Ranges that differ from the default "a number is at least 0"."""
 
