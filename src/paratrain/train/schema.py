@@ -149,24 +149,28 @@ def _is_int_text(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lstrip("+-").isdigit()
 
 
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
+
+
 def _in_range(value: float, limits: Mapping[str, float]) -> float:
     low = limits.get("min", 0 if "above" not in limits else None)
     if low is not None and value < low:
-        raise ValueError(f"must be at least {low}, got {value}")
+        raise ValueError(f"must be at least {_num(low)}, got {value}")
     if "above" in limits and value <= limits["above"]:
-        raise ValueError(f"must be above {limits['above']}, got {value}")
+        raise ValueError(f"must be above {_num(limits['above'])}, got {value}")
     if "max" in limits and value > limits["max"]:
-        raise ValueError(f"must be at most {limits['max']}, got {value}")
+        raise ValueError(f"must be at most {_num(limits['max'])}, got {value}")
     if "below" in limits and value >= limits["below"]:
-        raise ValueError(f"must be below {limits['below']}, got {value}")
+        raise ValueError(f"must be below {_num(limits['below'])}, got {value}")
     return value
 
 
 def describe_limits(name: str) -> str:
     """The range of a numeric field, for ``--help`` (``at least 1``)."""
     limits = LIMITS.get(name, {})
-    parts = [f"at least {limits.get('min', 0)}"] if "above" not in limits else []
-    parts += [f"{word} {limits[key]}" for key, word in
+    parts = [f"at least {_num(limits.get('min', 0))}"] if "above" not in limits else []
+    parts += [f"{word} {_num(limits[key])}" for key, word in
               (("above", "above"), ("max", "at most"), ("below", "below")) if key in limits]
     return ", ".join(parts)
 
