@@ -6,6 +6,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import os
 import sys
 import textwrap
 import time
@@ -16,7 +17,11 @@ from .layout import LayoutError
 from .models.gpt import PRESETS, GPTConfig
 from .data.prepare import DataError
 from .models.hf import HFModelError
-from .train.config import SECTIONS, ConfigError
+from .train import schema
+from .train.config import SECTIONS, Config, ConfigError
+
+DEFAULT_PRESET = Config.model_preset
+"""The model ``paratrain train`` builds when no preset is named."""
 
 
 @lru_cache(maxsize=None)
@@ -32,27 +37,59 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> list[str]:
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str,
+                        defaults: object = None) -> list[str]:
     """One ``--field-name`` flag per field of ``cls``; returns the field names.
 
-    Defaults are suppressed so that only flags the user gave override the config file.
+    The flag's type and choices come from the field's annotation (``schema``), and its help
+    shows the default (read from ``defaults``, an instance, when given: a preset's values)
+    and the range. Defaults are suppressed so that only flags the user gave override the
+    config file.
     """
     group = parser.add_argument_group(title)
     docs = field_docs(cls)
+    kinds = schema.hints(cls)
     names = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else None
-        kind = type(default)
+        default = (getattr(defaults, f.name) if defaults is not None
+                   else f.default if f.default is not dataclasses.MISSING else None)
+        options = schema.choices(kinds[f.name])
+        kind = _flag_kind(kinds[f.name], options, default)
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{docs.get(f.name, '')} (default: {default!r})"
+        limits = f"; {schema.describe_limits(f.name)}" if kind in (int, float) and not options else ""
+        help_text = f"{docs.get(f.name, '')} (default: {default!r}{limits})"
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
         else:
-            group.add_argument(flag, dest=f.name, type=kind, default=argparse.SUPPRESS,
-                               metavar=f.name.upper(), help=help_text)
+            group.add_argument(flag, dest=f.name, type=_parse(kind), default=argparse.SUPPRESS,
+                               choices=options, metavar=f.name.upper() if not options else None,
+                               help=help_text)
         names.append(f.name)
     return names
+
+
+def _flag_kind(annotation, options: tuple | None, default) -> type:
+    """The Python type a flag's text converts to: the choices' type, the annotated type,
+    else (an annotation argparse cannot use) the default's type."""
+    if options:
+        return type(options[0])
+    return annotation if isinstance(annotation, type) else type(default)
+
+
+def _parse(kind: type):
+    """``kind`` as an argparse type whose error names what was expected."""
+    if kind not in (int, float):
+        return kind
+
+    def parse(text: str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -62,9 +99,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file "
                    "(flags override it)")
     p.add_argument("--model", dest="preset", default=argparse.SUPPRESS, metavar="PRESET|DIR",
-                   help=f"model preset ({', '.join(sorted(PRESETS))}; default: small) or a local "
-                        f"Hugging Face Llama/Mistral/Qwen2 directory, whose weights are loaded")
-    fields = add_dataclass_flags(p, GPTConfig, "model (override the preset)")
+                   help=f"model preset ({', '.join(sorted(PRESETS))}; default: {DEFAULT_PRESET}) or "
+                        f"a local Hugging Face Llama/Mistral/Qwen2 directory, whose weights are loaded")
+    fields = add_dataclass_flags(p, GPTConfig, f"model (override the preset; defaults: "
+                                 f"{DEFAULT_PRESET})", PRESETS[DEFAULT_PRESET])
     for title, cls in SECTIONS.items():
         fields += add_dataclass_flags(p, cls, title)
     p.set_defaults(func=_run_train, config_fields=["preset", *fields])
@@ -73,20 +111,17 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     from .launch import RankFailed, spawn, torchrun_world
     from .train import config as config_mod
-    from .train.worker import run_worker
+    from .train.worker import run_worker, started_by_torchrun
 
     overrides = {k: getattr(args, k) for k in args.config_fields if hasattr(args, k)}
     cfg = config_mod.load(args.config, overrides)
-    world = torchrun_world(cfg.parallel.backend, cfg.parallel.timeout_s)
-    if world is not None:  # started by torchrun: this process is one rank of its world
-        cfg.parallel.nproc = cfg.parallel.nproc or world.world_size
-        cfg.validate()
-        if cfg.parallel.nproc != world.world_size:
-            raise ConfigError(f"torchrun started {world.world_size} processes but the layout "
-                              f"needs {cfg.parallel.nproc}")
+    if started_by_torchrun(os.environ):  # this process is one rank of torchrun's world
+        world = torchrun_world(cfg.parallel.backend, cfg.parallel.timeout_s)
+        cfg = _preflight(_torchrun_config(cfg, world.world_size), torchrun=True,
+                         report=world.rank == 0)
         run_worker(cfg, world)
         return 0
-    cfg.validate()
+    cfg = _preflight(cfg.validate(), torchrun=False, report=True)
     start = time.perf_counter()
     try:
         spawn(run_worker, cfg.parallel.nproc, cfg, None, backend=cfg.parallel.backend,
@@ -96,6 +131,27 @@ def _run_train(args: argparse.Namespace) -> int:
         return 1
     print(f"wall time     {time.perf_counter() - start:.1f} s with process start-up and teardown")
     return 0
+
+
+def _torchrun_config(cfg: Config, world_size: int) -> Config:
+    """The config validated for the world torchrun started (its size is not ours to set)."""
+    if cfg.parallel.nproc and cfg.parallel.nproc != world_size:
+        raise ConfigError(f"parallel.nproc={cfg.parallel.nproc}, but torchrun started "
+                          f"{world_size} processes; under torchrun leave --nproc out: "
+                          f"torchrun's --nnodes x --nproc-per-node set the world")
+    parallel = dataclasses.replace(cfg.parallel, nproc=world_size)
+    return dataclasses.replace(cfg, parallel=parallel).validate(launcher="torchrun")
+
+
+def _preflight(cfg: Config, *, torchrun: bool, report: bool) -> Config:
+    """The config checked against this machine and the data; ``report``: print advice."""
+    from .train import preflight
+
+    preflight.check_machine(cfg, torchrun)
+    preflight.check_data(cfg)
+    for note in preflight.advice(cfg) if report else ():
+        print(f"paratrain train: warning: {note}", file=sys.stderr)
+    return cfg
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

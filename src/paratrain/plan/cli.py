@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from pathlib import Path
 
 from .candidate import OPTIMIZERS, PRECISIONS, RECOMPUTE, Training
 from .hardware import GB, GPUS, Cluster, gpu_preset, load_calibration, local_cluster
@@ -90,6 +92,26 @@ def build_training(args: argparse.Namespace, model: ModelSpec, cluster: Cluster)
     return Training(batch, seq, precision, args.optimizer)
 
 
+POSITIVE_ARGS = ("gpus", "nodes", "gpus_per_node", "global_batch", "seq_len", "top",
+                 "intra_bw", "inter_bw")
+"""Numeric arguments that must be above 0 when given (None: not given, a default applies)."""
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse numeric arguments out of range (argparse has checked their types): a 0 must
+    not silently mean "the default"."""
+    for name in POSITIVE_ARGS:
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            flag = "--" + name.replace("_", "-")
+            kind = "integer" if isinstance(value, int) else "number"
+            raise ValueError(f"{flag} must be a positive {kind}, got {value}; leave {flag} "
+                             f"out for the default")
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{flag} {path}: the directory {Path(path).parent} does not exist")
+
+
 def _micro_batch(value: str) -> int | None:
     if value == "search":
         return None
@@ -112,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.model:
             raise ValueError("--model is required (a preset, a .toml or a config.json); "
                              "only --calibrate runs without one")
+        check_args(args)
         model = load_model(args.model)
         cluster = build_cluster(args)
         training = build_training(args, model, cluster)

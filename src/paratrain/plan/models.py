@@ -178,8 +178,14 @@ def from_toml(path: str | Path) -> ModelSpec:
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
     path = Path(path)
-    data = tomllib.loads(path.read_text())
-    table = dict(data.get("model", data))
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    table = data.get("model", data)
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: [model] must be a table of model settings")
+    table = dict(table)
     for key in _IGNORED_GPT_FIELDS:
         table.pop(key, None)
     known = {f.name for f in fields(ModelSpec)} - {"name"}
@@ -191,9 +197,28 @@ def from_toml(path: str | Path) -> ModelSpec:
         raise ValueError(f"{path}: the model needs {missing}")
     values = {"vocab_size": 256, "max_seq_len": 256, "n_kv_heads": 0, "ffn_hidden": 0,
               **{k: v for k, v in table.items() if k in known}}
+    check_values(path, values, zero_ok=("n_kv_heads", "ffn_hidden"))
     values["n_kv_heads"] = values["n_kv_heads"] or values["n_heads"]
     values["ffn_hidden"] = values["ffn_hidden"] or 32 * math.ceil(8 * values["d_model"] / 3 / 32)
     return ModelSpec(name=path.name, **values)
+
+
+def check_values(path: Path, values: dict, names: dict | None = None,
+                 zero_ok: tuple[str, ...] = ()) -> None:
+    """Every integer field of ``ModelSpec`` in ``values`` is an integer (JSON ``true`` is
+    not 1 layer, 5.5 is not 5) and positive (0 only for ``zero_ok``: "derive it"); bool
+    fields are true/false. ``names`` maps a field to the key the file used for it."""
+    names = names or {}
+    for f in fields(ModelSpec):
+        if f.name not in values:
+            continue
+        value, key = values[f.name], names.get(f.name, f.name)
+        label = key if key == f.name else f"{key} ({f.name})"
+        if f.type == "int" and (type(value) is not int or value < (0 if f.name in zero_ok else 1)):
+            low = "0 or more" if f.name in zero_ok else "a positive integer"
+            raise ValueError(f"{path}: {label} must be {low}, got {json.dumps(value)}")
+        if f.type == "bool" and type(value) is not bool:
+            raise ValueError(f"{path}: {label} must be true or false, got {json.dumps(value)}")
 
 
 # ---- Hugging Face config.json -------------------------------------------------------------
@@ -222,16 +247,16 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen, GPT-2, GPT-NeoX, BLOOM)."""
     path = Path(path)
     cfg = json.loads(path.read_text())
-    values = {}
-    for field, keys in _HF_ALIASES.items():
-        value = _first(cfg, keys)
-        if value is None:
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object of model settings")
+    values, keys_used = {}, {}
+    for field, keys in {**_HF_ALIASES, **_HF_OPTIONAL}.items():
+        key = next((k for k in keys if cfg.get(k) is not None), None)
+        if key is None and field in _HF_ALIASES:
             raise ValueError(f"{path}: no {field} (looked for {', '.join(keys)})")
-        values[field] = int(value)
-    for field, keys in _HF_OPTIONAL.items():
-        value = _first(cfg, keys)
-        if value is not None:
-            values[field] = int(value)
+        if key is not None:
+            values[field], keys_used[field] = cfg[key], key
+    check_values(path, values, keys_used)
     kind = str(cfg.get("model_type", "llama"))
     gpt_like = kind in _GPT_LIKE
     values.setdefault("n_kv_heads", values["n_heads"])

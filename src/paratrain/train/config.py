@@ -3,29 +3,24 @@
 A TOML file has one table per section (``[model]``, ``[parallel]``, ``[data]``,
 ``[optim]``, ``[train]``); ``[model]`` takes ``preset`` plus any ``GPTConfig`` field to
 override. Every field is also a command-line flag (``--d-model``, ``--dp``, ``--lr``...);
-flags override the file, which overrides the defaults. ``Config.validate()`` checks the
-whole thing before any process is started.
+flags override the file, which overrides the defaults. Every value is checked against
+its field's type and range as it is read (``schema``: types and choices come from the
+annotations, ranges from ``schema.LIMITS``); ``Config.validate()`` then checks the
+combination and returns a resolved copy, before any process is started.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..layout import Layout, LayoutError
 from ..models.gpt import PRESETS, GPTConfig, preset
+from . import schema
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says what to change."""
+ConfigError = schema.ConfigError  # defined with the checks that raise it; imported from here
 
 
 @dataclass
@@ -42,9 +37,9 @@ class ParallelConfig:
     """Pipeline stages."""
     cp: int = 1
     """Context-parallel ranks."""
-    zero: int = 0
+    zero: Literal[0, 1, 2, 3] = 0
     """ZeRO stage on the data-parallel axis: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters)."""
-    reshard_after_forward: str = "auto"
+    reshard_after_forward: Literal["auto", "yes", "no"] = "auto"
     """ZeRO-3: free a unit's gathered parameters after each forward and gather them again
     for backward ("yes": least memory, two gathers per microbatch), or keep them from the
     first forward of a step to the unit's last backward ("no": one gather per step). "auto":
@@ -54,9 +49,9 @@ class ParallelConfig:
     """ZeRO: keep optimizer state (fp32 masters, Adam moments) in CPU memory (GPU runs only)."""
     sp: bool = False
     """Megatron sequence parallelism on the tensor-parallel axis."""
-    cp_method: str = "ring"
+    cp_method: Literal["ring", "ulysses"] = "ring"
     """Context-parallel attention: ring or ulysses."""
-    schedule: str = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     """Pipeline schedule: gpipe, 1f1b or interleaved."""
     microbatches: int = 0
     """Microbatches per step and data-parallel rank: pipeline microbatches when pp > 1,
@@ -67,7 +62,7 @@ class ParallelConfig:
     """Axes from fastest- to slowest-varying rank: tp first keeps its peers on one node."""
     bucket_mb: float = 4.0
     """Size of a gradient bucket, in MiB, for overlapped gradient reduction."""
-    backend: str = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: auto (nccl with GPUs, else gloo), gloo or nccl."""
     timeout_s: float = 300.0
     """Seconds a collective may wait for a peer before the job fails instead of hanging."""
@@ -85,8 +80,9 @@ class DataConfig:
     seq_len: int = 128
     """Tokens per training sequence."""
     val_fraction: float = 0.05
-    """Share of the corpus (its end) held out for validation."""
-    remainder: str = "drop"
+    """Share of the corpus (its end) held out for validation (0: no validation set, and no
+    validation loss)."""
+    remainder: Literal["drop", "pad"] = "drop"
     """Samples that do not fill the last global batch of an epoch: drop, or pad (pad and mask)."""
 
 
@@ -124,9 +120,9 @@ class TrainConfig:
     """Sequences per forward/backward on one rank (0: global_batch / dp, no accumulation)."""
     seed: int = 0
     """Seed for initialisation and data order."""
-    precision: str = "fp32"
+    precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 (bf16 compute; fp32 master weights and optimizer state)."""
-    recompute: str = "none"
+    recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: none, selective (attention core), full (whole blocks)."""
     eval_every: int = 50
     """Validation every this many steps (0: never; always at the end)."""
@@ -157,11 +153,7 @@ class TrainConfig:
 
 
 SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
-CHOICES = {"cp_method": ("ring", "ulysses"), "reshard_after_forward": ("auto", "yes", "no"), "schedule": ("gpipe", "1f1b", "interleaved"),
-           "backend": ("auto", "gloo", "nccl"), "remainder": ("drop", "pad"),
-           "precision": ("fp32", "bf16"), "recompute": ("none", "selective", "full")}
-# Strategies whose code has not landed: rejected up front, never silently ignored.
-
+_SCHEMA = {"model": GPTConfig, **SECTIONS}  # every TOML table and the dataclass it fills
 
 @dataclass
 class Config:
@@ -208,14 +200,16 @@ class Config:
         return Path(self.train.metrics or Path(self.train.run_dir) / "metrics.jsonl")
 
     # ---- checks ----------------------------------------------------------------------------
-    def validate(self) -> "Config":
-        """Fill in derived sizes and raise ConfigError naming any problem and its fix."""
-        _resolve_world(self.parallel)
-        for name, value in CHOICES.items():
-            for section in (self.parallel, self.data, self.train):
-                got = getattr(section, name, None)
-                if got is not None and got not in value:
-                    raise ConfigError(f"{name}={got!r} is not one of {', '.join(value)}")
+    def validate(self, launcher: Literal["local", "torchrun"] = "local") -> "Config":
+        """A copy with the derived sizes (dp, nproc) filled in; raises ConfigError naming
+        any problem and its fix. ``self`` is left as it was. Under ``torchrun``, nproc is
+        the world torchrun started, and the fix for a mismatch names torchrun's flags."""
+        _check_fields(self)
+        cfg = dataclasses.replace(self, parallel=_resolve_world(self.parallel, launcher))
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
         try:
             self.layout.check_model(n_heads=self.model.n_heads, n_kv_heads=self.model.kv_heads,
                                     n_layers=self.model.n_layers, seq_len=self.data.seq_len,
@@ -226,7 +220,6 @@ class Config:
         self._check_strategies()
         self._check_batch()
         self._check_logs()
-        return self
 
     def _check_logs(self) -> None:
         from . import logs
@@ -293,7 +286,8 @@ class Config:
         if t.steps < 1:
             raise ConfigError(f"steps={t.steps}: train for at least one step")
         if self.data.corpus and not Path(self.data.corpus).is_file():
-            raise ConfigError(f"corpus file {self.data.corpus!r} does not exist")
+            raise ConfigError(f"data.corpus: corpus file {self.data.corpus!r} does not exist "
+                              f"{schema.where('data', 'corpus')}")
         if self.data.data:
             _check_dataset(self)
         if t.resume:
@@ -332,35 +326,47 @@ def _check_dataset(cfg: Config) -> None:
                           f"prepare more text, or lower --global-batch or --seq-len")
 
 
-def _resolve_world(p: ParallelConfig) -> None:
+def _resolve_world(p: ParallelConfig, launcher: str = "local") -> ParallelConfig:
+    """``p`` with dp and nproc filled in (a copy). Under torchrun nproc is its world size."""
     others = p.tp * p.pp * p.cp
-    if p.dp == 0:
+    started = (f"parallel.nproc: torchrun started {p.nproc} processes" if launcher == "torchrun"
+               else f"parallel.nproc: nproc={p.nproc or 2 * others}")
+    dp = p.dp
+    if dp == 0:
         nproc = p.nproc or 2 * others
         if nproc % others:
-            raise ConfigError(f"nproc={nproc} is not divisible by tp*pp*cp={others}")
-        p.dp = nproc // others
-    p.nproc = p.nproc or p.dp * others
-    if p.nproc != p.dp * others:
-        raise ConfigError(f"nproc={p.nproc} but dp*tp*pp*cp = {p.dp * others}; set --nproc "
-                          f"{p.dp * others} or change the axis sizes")
+            fix = ("start torchrun with --nnodes x --nproc-per-node" if launcher == "torchrun"
+                   else "set --nproc to")
+            raise ConfigError(f"{started}, which is not divisible by tp*pp*cp={others}; "
+                              f"{fix} a multiple of {others}")
+        dp = nproc // others
+    nproc = p.nproc or dp * others
+    if nproc != dp * others:
+        fix = (f"start torchrun with --nnodes x --nproc-per-node = {dp * others} processes"
+               if launcher == "torchrun" else f"set --nproc {dp * others}")
+        raise ConfigError(f"{started} but dp*tp*pp*cp = {dp * others}; {fix} "
+                          f"or change the axis sizes")
+    return dataclasses.replace(p, dp=dp, nproc=nproc)
+
+
+def _check_fields(cfg: Config) -> None:
+    """Types and ranges of every field (see ``schema``), and ranges across fields."""
+    problems = []
+    for section, cls in {"model": GPTConfig, **SECTIONS}.items():
+        obj = getattr(cfg, section)
+        problems += schema.check(cls, {f.name: getattr(obj, f.name)
+                                       for f in dataclasses.fields(cls)}, section)[1]
+    if not problems and cfg.optim.min_lr > cfg.optim.lr:
+        problems.append(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}, so "
+                        f"the decay would raise the learning rate; set --min-lr at most --lr")
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat field -> value)."""
-    data: dict[str, Any] = {}
-    if path:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"config file {path!r} does not exist")
-        try:
-            data = tomllib.loads(file.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
-    unknown = set(data) - {"model", *SECTIONS}
-    if unknown:
-        raise ConfigError(f"unknown section(s) {sorted(unknown)} in {path}; "
-                          f"sections are model, {', '.join(SECTIONS)}")
-    flat = {f"{s}.{k}": v for s, table in data.items() for k, v in table.items()}
+    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat field -> value).
+    Every value is checked (``schema``) before a dataclass is built from it."""
+    flat = schema.flatten(schema.read_toml(path), path, _SCHEMA) if path else {}
     for key, value in (overrides or {}).items():
         flat[_qualify(key)] = value
     return _build(flat)
@@ -368,25 +374,31 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Co
 
 def _qualify(name: str) -> str:
     """'lr' -> 'optim.lr': every field name is unique across sections."""
-    for section, cls in {"model": GPTConfig, **SECTIONS}.items():
-        if name in {f.name for f in dataclasses.fields(cls)} or (section, name) == ("model", "preset"):
-            return f"{section}.{name}"
-    raise ConfigError(f"unknown setting {name!r}")
+    home = schema.home(name, _SCHEMA)
+    if home is None:
+        raise ConfigError(f"unknown setting {name!r}")
+    return f"{home}.{name}"
 
 
 def _build(flat: dict[str, Any]) -> Config:
-    model_fields = {k[6:]: v for k, v in flat.items() if k.startswith("model.")}
-    name = model_fields.pop("preset", "small")
+    """Check every value against its field, then build the dataclasses."""
+    tables: dict[str, dict[str, Any]] = {s: {} for s in ("model", *SECTIONS)}
+    for key, value in flat.items():
+        section, name = key.split(".", 1)
+        tables[section][name] = value
+    name = tables["model"].pop("preset", "small")
+    problems = []
+    if name not in PRESETS:
+        problems.append(f"model.preset: unknown preset {name!r}; known: "
+                        f"{', '.join(PRESETS)} {schema.where('model', 'preset')}")
+    for section, cls in {"model": GPTConfig, **SECTIONS}.items():
+        tables[section], found = schema.check(cls, tables[section], section)
+        problems += found
+    if problems:
+        raise ConfigError("\n".join(problems))
     try:
-        model = preset(name, **model_fields)
+        model = preset(name, **tables.pop("model"))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"[model]: {exc}") from None
-    sections = {}
-    for section, cls in SECTIONS.items():
-        values = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith(section + ".")}
-        try:
-            sections[section] = cls(**values)
-        except TypeError as exc:
-            known = ", ".join(f.name for f in dataclasses.fields(cls))
-            raise ConfigError(f"[{section}]: {exc}; known fields: {known}") from None
+    sections = {s: cls(**tables[s]) for s, cls in SECTIONS.items()}
     return Config(model=model, model_preset=name, **sections)

@@ -206,7 +206,8 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
                       **result.state_bytes[0])
         result.losses.append(record["loss"])
         last = step + 1 == cfg.train.steps
-        if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
+        evaluating = last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)
+        if evaluating and cfg.data.val_fraction > 0:  # no validation set: no validation loss
             record["val_loss"] = evaluate(run)
             result.val_losses.append((step + 1, record["val_loss"]))
         if last or (step + 1) % cfg.train.log_every == 0:  # same steps on every rank: collective

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch.distributed as dist
 
 from ..launch import WorldSpec, init_world
 from ..mesh import Mesh
-from .config import Config
+from .config import Config, ConfigError
 from .loop import train
 
 
@@ -21,3 +23,37 @@ def run_worker(cfg: Config, world: WorldSpec | None) -> None:
     finally:
         if world is not None:
             dist.destroy_process_group()
+
+
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+"""Variables torchrun sets for every process it starts."""
+_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+"""Any one of these means a torchrun world was meant (MASTER_ADDR/PORT alone are often
+exported cluster-wide, and the local launcher does not read them)."""
+
+
+def started_by_torchrun(env: Mapping[str, str]) -> bool:
+    """Whether torchrun started this process: all of ``TORCHRUN_VARS``, consistent. None
+    of the rank variables: False. A partial or inconsistent set (left over from another
+    job, or set by hand) raises ConfigError listing what is wrong: paratrain never guesses."""
+    present = [k for k in _RANK_VARS if k in env]
+    if not present:
+        return False
+    missing = [k for k in TORCHRUN_VARS if k not in env]
+    if missing:
+        raise ConfigError(
+            f"torchrun variables {', '.join(present)} are set, but not {', '.join(missing)}, "
+            f"which torchrun sets for every process it starts; left over from another job? "
+            f"`unset {' '.join(k for k in TORCHRUN_VARS if k in env)}` to let paratrain start "
+            f"its own processes, or start it with torchrun")
+    try:
+        rank, local, world, local_world = (int(env[k]) for k in _RANK_VARS[:4])
+    except ValueError:
+        raise ConfigError(f"torchrun variables must be integers: "
+                          + ", ".join(f"{k}={env[k]!r}" for k in _RANK_VARS[:4])) from None
+    if not (0 <= rank < world and 0 <= local < local_world <= world):
+        raise ConfigError(f"inconsistent torchrun variables RANK={rank}, LOCAL_RANK={local}, "
+                          f"WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local_world}; unset them, "
+                          f"or start paratrain with torchrun")
+    return True

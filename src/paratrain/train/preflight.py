@@ -1,0 +1,77 @@
+"""Checks of a validated config against this machine and the data, before any process starts.
+
+``Config.validate`` judges the config alone; these read the world outside it: which
+backends the machine can run, and whether the corpus fills a batch, a validation set and
+the model's vocabulary. ``paratrain train`` runs them in the launcher (and under torchrun
+in each rank, before it joins the group), so a bad run ends with exit code 2 and a message
+naming the field, never inside a rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..launch import pick_backend
+from . import data as D
+from .config import Config, ConfigError
+from .schema import where
+
+
+def check_machine(cfg: Config, torchrun: bool = False) -> None:
+    """The backend can run here: nccl needs CUDA, and (when paratrain starts the processes
+    itself) one GPU per process."""
+    p = cfg.parallel
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if p.backend == "nccl" and gpus == 0:
+        raise ConfigError(f"parallel.backend: nccl runs on CUDA GPUs and this machine has none; "
+                          f"use --backend gloo (or auto) {where('parallel', 'backend')}")
+    if not torchrun and pick_backend(p.backend) == "nccl" and p.nproc > gpus:
+        raise ConfigError(f"parallel.nproc: nccl needs one GPU per process: {p.nproc} processes, "
+                          f"{gpus} GPUs here; lower --nproc or use --backend gloo "
+                          f"{where('parallel', 'nproc')}")
+
+
+def check_data(cfg: Config) -> None:
+    """The corpus gives at least one global batch of training samples, at least one
+    validation sample when there is a validation set, and only tokens the model knows."""
+    d, t = cfg.data, cfg.train
+    if d.data:  # a prepared dataset: its metadata was checked with the config (_check_dataset)
+        return
+    try:
+        if d.corpus and Path(d.corpus).stat().st_size == 0:
+            raise ConfigError(f"data.corpus: {d.corpus!r} is empty; give a text file to train "
+                              f"on {where('data', 'corpus')}")
+        tokens = D.load_corpus(d.corpus)
+    except OSError as exc:
+        raise ConfigError(f"data.corpus: cannot read {d.corpus!r}: {exc.strerror} "
+                          f"{where('data', 'corpus')}") from None
+    train, val = D.split(tokens, d.val_fraction)
+    samples = len(D.Samples(train, d.seq_len))
+    needed = 1 if d.remainder == "pad" else t.global_batch
+    if samples < needed:
+        raise ConfigError(f"data.corpus: {len(train)} training tokens make {samples} samples of "
+                          f"seq_len={d.seq_len}, fewer than one global batch of {needed}; use a "
+                          f"longer corpus, or a smaller --global-batch or --seq-len "
+                          f"{where('data', 'corpus')}")
+    if d.val_fraction > 0 and len(D.Samples(val, d.seq_len)) == 0:
+        raise ConfigError(f"data.val_fraction: the validation split ({len(val)} tokens) holds no "
+                          f"sample of seq_len={d.seq_len}; raise --val-fraction, lower "
+                          f"--seq-len, or set --val-fraction 0 for no validation "
+                          f"{where('data', 'val_fraction')}")
+    top = int(tokens.max()) if len(tokens) else 0
+    if top >= cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: the corpus holds token {top}, and the model's "
+                          f"vocabulary has {cfg.model.vocab_size}; set --vocab-size {top + 1} or "
+                          f"more (256 covers every byte) {where('model', 'vocab_size')}")
+
+
+def advice(cfg: Config) -> list[str]:
+    """Settings that run but probably do not do what was meant."""
+    o, t = cfg.optim, cfg.train
+    notes = []
+    if t.steps <= o.warmup_steps:
+        notes.append(f"steps={t.steps} is not above warmup_steps={o.warmup_steps}: the learning "
+                     f"rate only warms up and never decays; lower --warmup-steps or raise --steps")
+    return notes
