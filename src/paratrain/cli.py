@@ -6,11 +6,13 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import signal
 import sys
 import textwrap
 from functools import lru_cache
 
 from . import __version__
+from .errors import RunError
 from .layout import LayoutError
 from .models.gpt import PRESETS, GPTConfig
 from .train.config import SECTIONS, ConfigError
@@ -69,6 +71,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     from .launch import RankFailed, spawn, torchrun_world
     from .train import config as config_mod
+    from .train.checkpoint import verify
+    from .train.rundir import RunDirLock
     from .train.worker import run_worker
 
     overrides = {k: getattr(args, k) for k in args.config_fields if hasattr(args, k)}
@@ -83,13 +87,21 @@ def _run_train(args: argparse.Namespace) -> int:
         run_worker(cfg, world)
         return 0
     cfg.validate()
-    try:
-        spawn(run_worker, cfg.parallel.nproc, cfg, None, backend=cfg.parallel.backend,
-              timeout_s=None, collective_timeout_s=cfg.parallel.timeout_s)
-    except RankFailed as exc:
-        print(f"paratrain train: {exc}", file=sys.stderr)
-        return 1
+    if cfg.train.resume:
+        verify(cfg.train.resume, cfg.model)  # every tensor's checksum, before any rank starts
+    signal.signal(signal.SIGTERM, _terminated)  # run the launcher's cleanup on SIGTERM too
+    with RunDirLock(cfg):
+        try:
+            spawn(run_worker, cfg.parallel.nproc, cfg, None, backend=cfg.parallel.backend,
+                  timeout_s=cfg.parallel.max_time_s or None, collective_timeout_s=cfg.parallel.timeout_s)
+        except RankFailed as exc:
+            print(f"paratrain train: {exc}", file=sys.stderr)
+            return 1
     return 0
+
+
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -126,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, LayoutError, FileNotFoundError) as exc:
+    except (ConfigError, LayoutError, FileNotFoundError, RunError) as exc:
         print(f"paratrain {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # one line, not a traceback; every rank was stopped
+        terminated = bool(exc.args)
+        print(f"paratrain {args.command}: {'terminated (SIGTERM)' if terminated else 'interrupted (Ctrl-C)'}; "
+              f"stopped", file=sys.stderr)
+        return 143 if terminated else 130
