@@ -89,14 +89,16 @@ def _run_train(args: argparse.Namespace) -> int:
     cfg.validate()
     if cfg.train.resume:
         verify(cfg.train.resume, cfg.model)  # every tensor's checksum, before any rank starts
-    signal.signal(signal.SIGTERM, _terminated)  # run the launcher's cleanup on SIGTERM too
-    with RunDirLock(cfg):
-        try:
+    previous = signal.signal(signal.SIGTERM, _terminated)  # the launcher's cleanup runs on SIGTERM too
+    try:
+        with RunDirLock(cfg):
             spawn(run_worker, cfg.parallel.nproc, cfg, None, backend=cfg.parallel.backend,
                   timeout_s=cfg.parallel.max_time_s or None, collective_timeout_s=cfg.parallel.timeout_s)
-        except RankFailed as exc:
-            print(f"paratrain train: {exc}", file=sys.stderr)
-            return 1
+    except RankFailed as exc:
+        print(f"paratrain train: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -42,6 +42,7 @@ from ..parallel.engine import MOMENTS
 FORMAT = 2
 KINDS = ("param", *MOMENTS)
 STATE = "state.safetensors"
+DTYPES = ("float32", "bfloat16")
 
 
 class CheckpointError(RunError, ValueError):
@@ -166,6 +167,9 @@ def verify(directory: str | Path, model_cfg) -> tuple[dict, dict[str, torch.Tens
             raise CheckpointError(f"{where} lacks tensor {name!r}; resume from another checkpoint")
         if name not in want:
             raise CheckpointError(f"{where} holds tensor {name!r}, which this model does not have")
+        if recorded[name]["dtype"] not in DTYPES:
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {recorded[name]['dtype']}; "
+                                  f"checkpoints hold {' or '.join(DTYPES)}")
         if tuple(recorded[name]["shape"]) != want[name]:
             raise CheckpointError(f"{where}: tensor {name!r} has shape {recorded[name]['shape']}, "
                                   f"the model needs {list(want[name])}")
