@@ -26,6 +26,7 @@ from paratrain.mesh import Mesh
 from paratrain.models.gpt import GPT, PRESETS
 from paratrain.train import checkpoint, loop
 from paratrain.train.rundir import RunDirLock
+from paratrain.watchdog import HEARTBEAT, Watchdog
 from test_ddp import tiny_config
 
 TINY = ["--model", "tiny", "--seq-len", "32", "--eval-every", "0", "--no-progress", "--nproc", "2"]
@@ -108,6 +109,34 @@ def test_a_killed_rank_ends_the_job_at_once_naming_it(tmp_path):
     assert proc.returncode == 1 and time.monotonic() - killed < 10, err
     assert err.startswith("paratrain train: rank 1 was killed by SIGKILL"), err
     assert not any(alive(pid) for pid in ranks) and not leftovers(tmp_path)
+
+
+class FakeStore(dict):
+    def set(self, key, value):
+        self[key] = value
+
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+    def get(self, key):
+        return self[key].encode()
+
+
+def test_the_watchdog_reports_a_wait_stuck_past_the_timeout_and_nothing_else():
+    reports = []
+    store = FakeStore()
+    dog = Watchdog(rank=0, timeout_s=0.5, on_hang=reports.append).start()
+    dog.attach(store)
+    try:
+        time.sleep(1.5)  # computing, not waiting on a collective: no report
+        assert reports == [] and HEARTBEAT + "0" in store
+        start = time.monotonic()
+        while not reports and time.monotonic() - start < 5:
+            time.sleep(0.5)  # stands in for work.wait() on a collective that never completes
+    finally:
+        dog.stop()
+    assert reports and time.monotonic() - start < 3, reports
+    assert reports[0].startswith("hang at step ?: rank 0 waited") and "(--timeout-s 0.5)" in reports[0]
 
 
 # ---- the launcher's end, and one run per directory ---------------------------------------------
@@ -211,7 +240,9 @@ def failing_write(kind: str):
 
 
 def faults_in_one_world(tmp: str) -> dict:
-    out = {}
+    mesh = Mesh.build(tiny_config(tmp, nproc=2).layout)
+    out = {"timeouts": [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                        for g in mesh.groups.values() if dist.get_world_size(g) > 1]}
     build = loop.build
     # skip: the step is not applied, counted, and the run goes on (one skip allowed)
     loop.build = poisoned(build, {2})
@@ -249,6 +280,7 @@ def test_nonfinite_steps_and_failed_writes_in_one_world(tmp_path):
     got = run_world(faults_in_one_world, 2, str(tmp_path), timeout_s=240)
     for rank in (0, 1):
         out = got[rank]
+        assert out["timeouts"] and set(out["timeouts"]) == {300.0}  # spawn's collective timeout
         assert torch.isnan(torch.tensor(out["skip_losses"][1])) and len(out["skip_losses"]) == 4
         assert "NonFiniteError" in out["stop"] and "at step 3 on rank 1" in out["stop"], out["stop"]
         assert f"Last good checkpoint: {tmp_path / 'stop' / 'checkpoints' / 'step-2'}" in out["stop"]
@@ -311,3 +343,6 @@ def test_corrupt_partial_and_mismatched_checkpoints_are_refused_before_launch(tm
         ckpt = write_checkpoint(tmp_path / case, edit)
         with pytest.raises(checkpoint.CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
             checkpoint.verify(ckpt, PRESETS["tiny"])
+    with pytest.raises(checkpoint.CheckpointError, match=f"tensor 'exp_avg/.*' holds NaN"):
+        write_checkpoint(tmp_path / "nan", lambda t: t[f"exp_avg/{name[6:]}"].fill_(float("nan")))
+    assert not (tmp_path / "nan").exists() and not list(tmp_path.glob(".nan*"))

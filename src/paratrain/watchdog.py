@@ -8,8 +8,10 @@ pays nothing for it: everything it needs is already kept by torch or by the inte
   torch.distributed call, on which group, at which step of the training loop.
 * **Heartbeat.** It publishes that record, with the time, in the rendezvous store, where
   every rank of the world can read it.
-* **Hang.** If nothing moved for ``timeout_s`` (no collective issued, the main thread at
-  the same instruction), it writes a report and ends the process. The report compares the
+* **Hang.** If the main thread waits on a collective and nothing moved for ``timeout_s``
+  (no collective issued, the main thread at the same instruction), it writes a report and
+  ends the process. (A long computation is not a hang: its peers, waiting for it in the
+  next collective, report it.) The report compares the
   heartbeats: a peer of the group that issued fewer collectives on it never arrived, and a
   peer whose heartbeat is stale is stopped or frozen (a SIGSTOPped rank cannot speak for
   itself, so the others must name it).
@@ -22,6 +24,7 @@ pays nothing for it: everything it needs is already kept by torch or by the inte
 from __future__ import annotations
 
 import json
+import linecache
 import os
 import select
 import shutil
@@ -112,7 +115,7 @@ class Watchdog:
             except Exception:  # noqa: BLE001  (a torn-down group while stopping)
                 continue
             now = time.monotonic()
-            if now - self._since >= self.timeout_s:
+            if self._state["waiting"] and now - self._since >= self.timeout_s:
                 self.on_hang(self.report(now - self._since))
             if self.max_time_s and now - self._started >= self.max_time_s:
                 self.on_hang(f"the run exceeded --max-time-s {self.max_time_s:g} at step "
@@ -183,11 +186,13 @@ class Watchdog:
             why = _absence(beats.get(peer), group, mine, self.stale_s)
             (missing if why else waiting).append(f"rank {peer}{why}")
         call = me.get("call") or f"{me.get('where') or 'an unknown place'}"
-        lines = [f"hang at step {me.get('step', '?')}: rank {self.rank} waited {blocked_s:.1f} s in "
+        step = me.get("step") if me.get("step") is not None else "?"
+        lines = [f"hang at step {step}: rank {self.rank} waited {blocked_s:.1f} s in "
                  f"{call} on group {_describe(group)}, its collective #{mine} there "
                  f"(--timeout-s {self.timeout_s:g}); "
                  + (f"did not arrive: {'; '.join(missing)}" if missing else
-                    "every peer reports it is waiting too (a collective issued in a different order?)")]
+                    "every peer reports it is waiting too (a collective issued in a different order?)"
+                    if waiting else "no peer to compare with")]
         if waiting:
             lines.append(f"waiting as well: {', '.join(waiting)}")
         return "\n".join(lines)
@@ -207,13 +212,16 @@ def _where(frame) -> dict:
     """The torch.distributed call the main thread is in (outermost such frame) and its
     group, else the innermost paratrain function; and the training step (read from the
     loop's frame, so the loop pays nothing)."""
-    out: dict = {"call": None, "group": None, "where": None, "step": None}
+    out: dict = {"call": None, "group": None, "where": None, "step": None, "waiting": False}
+    if frame is not None:  # a wait on an asynchronous collective's handle, or a sync one
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        out["waiting"] = any(w in line for w in (".wait(", "wait_all(", "synchronize("))
     while frame is not None:
         code = frame.f_code
         path = code.co_filename.replace(os.sep, "/")
         if "/torch/distributed/" in path:
             group = frame.f_locals.get("group")
-            out["call"] = code.co_name
+            out["call"], out["waiting"] = code.co_name, True
             out["group"] = c10d._world.pg_names.get(group) if group is not None else "0"
         elif out["where"] is None and "/paratrain/" in path:
             out["where"] = f"{code.co_name} ({path.rsplit('/paratrain/', 1)[1]}:{frame.f_lineno})"
@@ -227,7 +235,7 @@ def _members(group: str) -> list[int]:
     for pg, ranks in list(c10d._world.pg_group_ranks.items()):
         if c10d._world.pg_names.get(pg) == group:
             return sorted(ranks)
-    return list(range(dist.get_world_size()))
+    return list(range(dist.get_world_size())) if dist.is_initialized() else []
 
 
 def _describe(group: str) -> str:
