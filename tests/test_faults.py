@@ -289,8 +289,10 @@ def test_nonfinite_steps_and_failed_writes_in_one_world(tmp_path):
         assert "CheckpointError" in out["read-only"] and "Read-only file system" in out["read-only"]
     records = strict_json(tmp_path / "skip" / "metrics.jsonl")
     assert records[1]["loss"] is None and records[1]["skipped"] == 1 and records[1]["nonfinite_ranks"] == [1]
-    _, tensors = checkpoint.verify(tmp_path / "skip" / "checkpoints" / "step-4", PRESETS["tiny"])
+    meta, tensors = checkpoint.verify(tmp_path / "skip" / "checkpoints" / "step-4", PRESETS["tiny"])
     assert all(torch.isfinite(t).all() for t in tensors.values())
+    assert meta["run"]["seed"] == 0 and meta["run"]["config"]["train"]["on_nonfinite"] == "skip"
+    assert meta["data"]["step"] == 4 and meta["data"]["samples_seen"] == 4 * 8
     assert strict_json(tmp_path / "stop" / "metrics.jsonl")[-1]["loss"] is None
     assert not (tmp_path / "stop" / "checkpoints" / "step-3").exists()
     assert list((tmp_path / "full" / "checkpoints").iterdir()) == []  # no half-written checkpoint
