@@ -7,12 +7,14 @@ import ast
 import dataclasses
 import inspect
 import os
+import signal
 import sys
 import textwrap
 import time
 from functools import lru_cache
 
 from . import __version__
+from .errors import RunError
 from .layout import LayoutError
 from .models.gpt import PRESETS, GPTConfig
 from .data.prepare import DataError
@@ -111,6 +113,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     from .launch import RankFailed, spawn, torchrun_world
     from .train import config as config_mod
+    from .train.checkpoint import verify
+    from .train.rundir import RunDirLock
     from .train.worker import run_worker, started_by_torchrun
 
     overrides = {k: getattr(args, k) for k in args.config_fields if hasattr(args, k)}
@@ -122,15 +126,25 @@ def _run_train(args: argparse.Namespace) -> int:
         run_worker(cfg, world)
         return 0
     cfg = _preflight(cfg.validate(), torchrun=False, report=True)
+    if cfg.train.resume:
+        verify(cfg.train.resume, cfg.model)  # every tensor's checksum, before any rank starts
+    previous = signal.signal(signal.SIGTERM, _terminated)  # the launcher's cleanup runs on SIGTERM too
     start = time.perf_counter()
     try:
-        spawn(run_worker, cfg.parallel.nproc, cfg, None, backend=cfg.parallel.backend,
-              timeout_s=None, collective_timeout_s=cfg.parallel.timeout_s)
+        with RunDirLock(cfg):
+            spawn(run_worker, cfg.parallel.nproc, cfg, None, backend=cfg.parallel.backend,
+                  timeout_s=cfg.parallel.max_time_s or None, collective_timeout_s=cfg.parallel.timeout_s)
     except RankFailed as exc:
         print(f"paratrain train: {exc}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"wall time     {time.perf_counter() - start:.1f} s with process start-up and teardown")
     return 0
+
+
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def _torchrun_config(cfg: Config, world_size: int) -> Config:
@@ -209,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, LayoutError, FileNotFoundError, DataError, HFModelError) as exc:
+    except (ConfigError, LayoutError, FileNotFoundError, DataError, HFModelError, RunError) as exc:
         print(f"paratrain {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # one line, not a traceback; every rank was stopped
+        terminated = bool(exc.args)
+        print(f"paratrain {args.command}: {'terminated (SIGTERM)' if terminated else 'interrupted (Ctrl-C)'}; "
+              f"stopped", file=sys.stderr)
+        return 143 if terminated else 130

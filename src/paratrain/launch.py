@@ -5,6 +5,10 @@ up ``torch.distributed`` in each, and returns every rank's result. If any rank r
 the others are killed at once and ``RankFailed`` carries that rank's traceback; a world
 that outlives ``timeout_s`` is killed and reported the same way. Tests, benchmarks and
 ``paratrain train`` all start their processes through here.
+
+Every rank runs a watchdog (watchdog.py): a collective stuck for ``collective_timeout_s``
+is reported with the ranks that never arrived, and a rank whose launcher died removes the
+temporary directory and exits. Ranks ignore Ctrl-C: the launcher handles it, once.
 """
 
 from __future__ import annotations
@@ -12,15 +16,22 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
+
+from .errors import RunError
+from .watchdog import Watchdog
 
 
 class RankFailed(RuntimeError):
@@ -89,24 +100,50 @@ def init_world(spec: WorldSpec, threads: int = 1) -> None:
 
 
 def _worker(local_rank: int, fn: Callable, args: tuple, init_method: str, world: int,
-            backend: str, result_dir: str, collective_timeout_s: float) -> None:
+            backend: str, result_dir: str, collective_timeout_s: float, parent: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's: one report, not one per rank
+    # tqdm's default lock is a multiprocessing semaphore, which a killed rank would leak
+    # (and the launcher's resource tracker then warns about it); a thread lock suffices.
+    tqdm.set_lock(threading.RLock())
+    watchdog = Watchdog(local_rank, collective_timeout_s, lambda report: _hung(result_dir, local_rank, report))
+    watchdog.guard_parent(parent, result_dir).start()
     spec = WorldSpec(local_rank, world, local_rank, backend, init_method, collective_timeout_s)
     try:
         init_world(spec)
+        watchdog.attach(dist.distributed_c10d._get_default_store())
         result = fn(*args)
         torch.save(result, os.path.join(result_dir, f"rank{local_rank}.pt"))
         dist.barrier()  # tear down together: no rank closes connections a peer still uses
-    except BaseException:
-        # Record when this rank failed: the first failure is the cause, the ranks that
-        # fail after it usually just lost their peer.
-        path = os.path.join(result_dir, f"error{local_rank}.txt")
-        with open(path + ".tmp", "w") as f:
-            f.write(f"{time.time()}\n{traceback.format_exc()}")
-        os.replace(path + ".tmp", path)  # atomic: the launcher may kill us mid-write
+    except BaseException as exc:
+        # torch's own timeout may raise before the watchdog fires: report the hang alike.
+        _record_failure(result_dir, local_rank, watchdog.hang_report() or describe_error(exc))
         raise
     finally:
+        watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def describe_error(exc: BaseException) -> str:
+    """A RunError by its message (it says everything); anything else with its traceback."""
+    if isinstance(exc, RunError):
+        return f"{type(exc).__name__}: {exc}"
+    return traceback.format_exc()
+
+
+def _record_failure(result_dir: str, rank: int, text: str) -> None:
+    """Record when this rank failed: the first failure is the cause, the ranks that fail
+    after it usually just lost their peer."""
+    path = os.path.join(result_dir, f"error{rank}.txt")
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{time.time()}\n{text}")
+    os.replace(path + ".tmp", path)  # atomic: the launcher may kill us mid-write
+
+
+def _hung(result_dir: str, rank: int, report: str) -> None:
+    """The watchdog's verdict (called on its thread, while the main thread is stuck)."""
+    _record_failure(result_dir, rank, report)
+    os._exit(1)
 
 
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "auto",
@@ -126,10 +163,15 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "auto",
     try:
         # A file rendezvous needs no free port, so concurrent worlds cannot collide.
         init_method = "file://" + os.path.join(workdir, "rendezvous")
-        ctx = mp.start_processes(
-            _worker, args=(fn, args, init_method, nproc, backend, workdir, collective_timeout_s),
-            nprocs=nproc, join=False, start_method="spawn",
-        )
+        saved, tempfile.tempdir = tempfile.tempdir, workdir  # torch's error files go there too
+        try:
+            ctx = mp.start_processes(
+                _worker, args=(fn, args, init_method, nproc, backend, workdir, collective_timeout_s,
+                               os.getpid()),
+                nprocs=nproc, join=False, start_method="spawn",
+            )
+        finally:
+            tempfile.tempdir = saved
         _join(ctx, timeout_s, workdir)
         return [torch.load(os.path.join(workdir, f"rank{r}.pt"), weights_only=False)
                 for r in range(nproc)]
@@ -138,24 +180,63 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "auto",
 
 
 def _join(ctx: mp.ProcessContext, timeout_s: float | None, workdir: str) -> None:
+    """Wait for every rank; at the first that fails, report and kill the others. (Not
+    ``ctx.join``: it SIGTERMs the survivors first, which would hide who died of what.)"""
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
+    procs = ctx.processes
     try:
-        while not ctx.join(timeout=0.2):
-            if time.monotonic() > deadline:
-                alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+        while True:
+            running = [p.sentinel for p in procs if p.exitcode is None]
+            if not running:
+                break
+            mp_connection.wait(running, timeout=0.2)
+            # A recorded failure counts at once: its rank may take a while to exit (a peer
+            # it waits for in teardown is stopped).
+            if any(p.exitcode not in (None, 0) for p in procs) or _any_failure(workdir):
+                time.sleep(0.1)  # let a peer that lost this rank record its side too
+                report = _failure_report(procs, workdir)
                 _kill(ctx)
-                raise RankFailed(f"world timed out after {timeout_s:.0f} s; ranks {alive} were "
-                                 f"still running (a collective one rank never reached?)")
-    except mp.ProcessRaisedException as exc:
-        _kill(ctx)
-        raise RankFailed(_first_failure(workdir) or f"rank {exc.error_index} failed:\n{exc}") from None
-    except mp.ProcessExitedException as exc:
-        _kill(ctx)
-        raise RankFailed(f"rank {exc.error_index} died with exit code {exc.exit_code} "
-                         f"(signal {exc.signal_name}); out of memory?") from None
+                raise RankFailed(report)
+            if time.monotonic() > deadline:
+                alive = [i for i, p in enumerate(procs) if p.is_alive()]
+                _kill(ctx)
+                raise RankFailed(f"the run passed its time limit of {timeout_s:g} s (--max-time-s) "
+                                 f"and was ended; ranks {alive} were still running")
+    except RankFailed:
+        raise
     except BaseException:
         _kill(ctx)  # Ctrl-C in the launcher must not leave ranks behind
         raise
+
+
+def _failure_report(procs: list, workdir: str) -> str:
+    """Ranks killed by a signal or stopped come first (they cannot report themselves; the
+    peers that lost them fail after), then the first failure a rank recorded."""
+    lines = []
+    for rank, p in enumerate(procs):
+        if p.exitcode is not None and p.exitcode < 0:
+            lines.append(f"rank {rank} was killed by {signal.Signals(-p.exitcode).name} "
+                         f"(out of memory, or killed from outside?)")
+        elif p.exitcode is None and _stopped(p.pid):
+            lines.append(f"rank {rank} (pid {p.pid}) is stopped (SIGSTOP?)")
+    first = _first_failure(workdir)
+    if first:
+        lines.append(first)
+    if not lines:
+        lines += [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(procs) if p.exitcode]
+    return "\n".join(lines)
+
+
+def _any_failure(workdir: str) -> bool:
+    return any(n.startswith("error") and n.endswith(".txt") for n in os.listdir(workdir))
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _first_failure(workdir: str) -> str | None:
@@ -170,6 +251,9 @@ def _first_failure(workdir: str) -> str | None:
         return None
     failures.sort()
     _, rank, tb = failures[0]
+    same = [r for _, r, text in failures[1:] if text == tb]
+    if same:  # e.g. a non-finite loss, which every rank sees
+        return f"ranks {sorted([rank, *same])} failed:\n{tb}"
     others = [r for _, r, _ in failures[1:]]
     after = f" (then ranks {others} failed, having lost their peer)" if others else ""
     return f"rank {rank} failed first{after}:\n{tb}"

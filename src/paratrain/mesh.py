@@ -6,6 +6,7 @@ no global registry of groups.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 
 import torch
@@ -32,14 +33,19 @@ class Mesh:
     """One group per axis (and per axis combination in MESH_AXES) containing this rank."""
 
     @classmethod
-    def build(cls, layout: Layout, device: torch.device | None = None) -> "Mesh":
-        """Create this rank's groups. Collective: every rank of the world must call it."""
+    def build(cls, layout: Layout, device: torch.device | None = None,
+              timeout_s: float | None = None) -> "Mesh":
+        """Create this rank's groups. Collective: every rank of the world must call it.
+
+        Every group gets ``timeout_s`` (default: the world group's, which the launcher set
+        from ``--timeout-s``): without it torch would give each group its own 30 minutes."""
         if not dist.is_initialized():
             raise RuntimeError("Mesh.build needs torch.distributed.init_process_group first")
         rank, world = dist.get_rank(), dist.get_world_size()
         layout.check_world(world)
         if device is None:
             device = _default_device()
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else _world_timeout()
         by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
         groups = {}
         for axes in MESH_AXES:
@@ -48,7 +54,8 @@ class Mesh:
             if ranks not in by_ranks:
                 # Local synchronization: only members take part, so each rank creates just
                 # the groups it belongs to (fast start-up at any world size).
-                by_ranks[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+                by_ranks[ranks] = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True,
+                                                 group_desc="-".join(key))
             groups[frozenset(key)] = by_ranks[ranks]
         return cls(layout=layout, rank=rank, device=device, groups=groups)
 
@@ -70,6 +77,15 @@ class Mesh:
 
     def size(self, axes: str | tuple[str, ...]) -> int:
         return self.layout.size(axes)
+
+
+def _world_timeout() -> datetime.timedelta | None:
+    """The timeout the world group was created with (None: torch's default)."""
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    try:
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # a torch without per-backend options
+        return None
 
 
 def _default_device() -> torch.device:

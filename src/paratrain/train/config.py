@@ -66,6 +66,8 @@ class ParallelConfig:
     """Process-group backend: auto (nccl with GPUs, else gloo), gloo or nccl."""
     timeout_s: float = 300.0
     """Seconds a collective may wait for a peer before the job fails instead of hanging."""
+    max_time_s: float = 0.0
+    """Limit on the whole run's wall time, in seconds: past it the job is ended (0: none)."""
 
 
 @dataclass
@@ -150,6 +152,11 @@ class TrainConfig:
     timeline: bool = False
     """Pipeline runs: record what each rank did when into RUN_DIR/timeline.json, for
     `paratrain trace --run`, and print the measured bubble."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradient norm is NaN or inf: stop the run (naming the step, the
+    rank and the last good checkpoint), or skip its update and go on."""
+    max_skips: int = 10
+    """With --on-nonfinite skip: the run fails at the next non-finite step after this many."""
 
 
 SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}

@@ -10,7 +10,10 @@ data- or context-parallel size, the accumulation steps or the padding.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from . import checkpoint, logs
 from . import data as D
 from .config import Config
 from .metrics import MetricsWriter, state_bytes, summary
+from .nonfinite import NonFiniteGuard, culprits
 
 
 @dataclass
@@ -60,6 +64,10 @@ class Run:
     """Collects this rank's pipeline timeline when ``train.timeline`` is set."""
     start_step: int = 0
     """Steps already taken (a resumed run starts there)."""
+    run_id: str = ""
+    """This run's identity, kept by its checkpoints (a resumed run keeps the one it resumes)."""
+    last_checkpoint: str = ""
+    """The newest checkpoint this run wrote or resumed from."""
 
     @property
     def is_logger(self) -> bool:
@@ -71,6 +79,8 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
     model = GPT(cfg.model).to(mesh.device)
     start_step, state = checkpoint.load(cfg.train.resume, cfg.model) if cfg.train.resume else (0, None)
+    run_id = (checkpoint.read_meta(cfg.train.resume).get("run", {}).get("id") if cfg.train.resume
+              else None) or uuid.uuid4().hex
     if state is not None:  # the plain model takes the full tensors; parallelize cuts them
         model.load_state_dict(state["param"])
     elif hf.is_model_dir(cfg.model_preset):  # a Hugging Face directory: start from its weights
@@ -85,7 +95,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
                                    seed=cfg.train.seed, remainder=cfg.data.remainder)
     recorder = Recorder(rank=mesh.coord("pp")) if cfg.train.timeline and cfg.parallel.pp > 1 else None
     return Run(cfg, mesh, engine, train_data, D.Samples(val_tokens, cfg.data.seq_len), sampler,
-               recorder, start_step)
+               recorder, start_step, run_id, cfg.train.resume)
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
@@ -101,12 +111,16 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     else:
         loss_sum = _accumulate(run, micro, scale)
     engine.finish_grad_sync()
+    local_loss = loss_sum.clone()  # names the rank if the total turns out not finite
+    _sum_loss(loss_sum, mesh)
     grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
     lr = lr_at(step, cfg.train.steps, cfg.optim)
+    record = {"loss": loss_sum.item() / global_tokens, "grad_norm": grad_norm, "lr": lr,
+              "tokens": global_tokens}
+    if not (math.isfinite(record["loss"]) and math.isfinite(grad_norm)):
+        return {**record, "nonfinite_ranks": culprits(local_loss)}  # no update: the loop decides
     engine.step(lr)
-    _sum_loss(loss_sum, mesh)
-    return {"loss": loss_sum.item() / global_tokens, "grad_norm": grad_norm, "lr": lr,
-            "tokens": global_tokens}
+    return record
 
 
 def _accumulate(run: Run, micro: list[list[int]], scale: float) -> torch.Tensor:
@@ -192,6 +206,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     flops = _flops_per_token(cfg)
     peak = logs.peak_flops(mesh.device, cfg.train.precision, mesh.layout.world_size)
     records = []
+    guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skips)
     start = time.perf_counter()
     for step in range(run.start_step, cfg.train.steps):
         profiler.before(step + 1)
@@ -212,8 +227,11 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
             result.val_losses.append((step + 1, record["val_loss"]))
         if last or (step + 1) % cfg.train.log_every == 0:  # same steps on every rank: collective
             record["peak_mem_bytes"] = _gather_peak_memory(mesh)
+        stop = guard.check(record, run.last_checkpoint) if "nonfinite_ranks" in record else None
         for sink in [writer, *sinks]:
             sink.write(record)
+        if stop is not None:
+            raise stop
         records.append(record)
         if cfg.train.save_every and (last or (step + 1) % cfg.train.save_every == 0):
             _save(run, step + 1)
@@ -255,9 +273,16 @@ def _gather_peak_memory(mesh: Mesh) -> list[int]:
 
 
 def _save(run: Run, step: int) -> None:
-    directory = Path(run.cfg.train.run_dir) / "checkpoints" / f"step-{step}"
-    checkpoint.save(directory, step, run.engine, run.cfg.model, run.cfg.layout.describe(),
-                    is_writer=run.is_logger)
+    cfg = run.cfg
+    directory = Path(cfg.train.run_dir) / "checkpoints" / f"step-{step}"
+    # The data position: the sampler's order is a function of (seed, global batch, step).
+    data = {"step": step, "samples_seen": step * cfg.train.global_batch, "seed": cfg.train.seed,
+            "global_batch": cfg.train.global_batch, **dataclasses.asdict(cfg.data)}
+    run_meta = {"run": {"id": run.run_id, "seed": cfg.train.seed, "config": dataclasses.asdict(cfg)},
+                "data": data}
+    checkpoint.save(directory, step, run.engine, cfg.model, cfg.layout.describe(),
+                    is_writer=run.is_logger, run_meta=run_meta)
+    run.last_checkpoint = str(directory)
 
 
 def _save_timeline(run: Run) -> None:

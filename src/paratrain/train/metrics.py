@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ def state_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line; only the rank that owns it writes."""
+    """Appends one strict-JSON object per line (a NaN or inf is written as null, which every
+    JSON reader accepts); only the rank that owns it writes."""
 
     def __init__(self, path: Path | None):
         self.path = path
@@ -31,12 +33,23 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps(strict(record), allow_nan=False) + "\n")
             self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+def strict(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
 
 
 def human_bytes(n: float) -> str:

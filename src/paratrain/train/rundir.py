@@ -1,0 +1,122 @@
+"""One run per run directory: a lock file, and no fresh run over another run's checkpoints.
+
+``RUN_DIR/.lock`` holds the pid and host of the launcher that owns the directory. A second
+run into it is refused with that owner named; a lock whose process is gone (on this host)
+is stale and taken over. The lock is taken before any rank starts, so a refused run costs
+nothing, and while it is held the checkpoint check below cannot race with another run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from ..errors import RunError
+
+
+class RunDirError(RunError):
+    """The run directory is in use, holds another run's checkpoints, or is not writable."""
+
+
+class RunDirLock:
+    """The lock on ``cfg.train.run_dir``; ``acquire`` also refuses to overwrite checkpoints."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.train.run_dir)
+        self.path = self.run_dir / ".lock"
+        self.held = False
+
+    def acquire(self) -> "RunDirLock":
+        for _ in range(2):  # the second try follows the removal of a stale lock
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._break_if_stale()
+                continue
+            except OSError as exc:
+                raise RunDirError(f"cannot write to the run directory {str(self.run_dir)!r}: "
+                                  f"{exc.strerror}; choose a writable --run-dir") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}, f)
+            self.held = True
+            check_checkpoints(self.cfg)
+            return self
+        raise RunDirError(f"could not lock {str(self.path)!r}; try again")
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _break_if_stale(self) -> None:
+        try:
+            owner = json.loads(self.path.read_text())
+            pid, host = int(owner["pid"]), owner["host"]
+        except (OSError, ValueError, KeyError, TypeError):
+            owner, pid, host = {}, 0, socket.gethostname()  # half-written by a dead process
+        if host == socket.gethostname() and not _alive(pid):
+            self.path.unlink(missing_ok=True)
+            return
+        since = time.strftime("%H:%M:%S", time.localtime(owner.get("since", 0)))
+        raise RunDirError(f"the run directory {str(self.run_dir)!r} is in use by another paratrain "
+                          f"run (pid {pid} on {host}, since {since}); wait for it to end, or choose "
+                          f"another --run-dir (if that run is gone, remove {str(self.path)!r})")
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_checkpoints(cfg) -> None:
+    """Refuse a run that would overwrite checkpoints another run wrote into its directory.
+    A resumed run continues the run it resumes (same run id), so it may write there."""
+    if not cfg.train.save_every:
+        return
+    from .checkpoint import CheckpointError, read_meta
+
+    folder = Path(cfg.train.run_dir) / "checkpoints"
+    existing = sorted(folder.glob("step-*"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    mine = run_id_of(cfg.train.resume) if cfg.train.resume else None
+    others = []
+    for path in existing:
+        try:
+            theirs = read_meta(path).get("run", {}).get("id")
+        except CheckpointError:
+            theirs = None
+        if mine is None or theirs != mine:
+            others.append(path.name)
+    if others:
+        hint = f"resume it with --resume {folder / others[-1]}, " if mine is None else ""
+        raise RunDirError(f"{str(folder)!r} holds checkpoints of another run ({', '.join(others)}), "
+                          f"which this run would overwrite; {hint}choose another --run-dir, or remove them")
+
+
+def run_id_of(checkpoint_dir: str) -> str | None:
+    from .checkpoint import CheckpointError, read_meta
+
+    try:
+        return read_meta(checkpoint_dir).get("run", {}).get("id")
+    except CheckpointError:
+        return None
