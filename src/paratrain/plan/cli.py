@@ -63,6 +63,12 @@ def add_parser(subparsers) -> None:
     out.add_argument("--explain", action="store_true", help="why the winner wins")
     out.add_argument("--show-rejected", action="store_true", help="why layouts were dropped")
     out.add_argument("--json", action="store_true", help="machine-readable output")
+    out.add_argument("--layout", metavar="SPEC",
+                     help="evaluate one layout, e.g. 'dp8 tp8 pp4 v2 zero1 mb1 "
+                          "recompute=selective' (any subset; the rest is searched): its full "
+                          "breakdown even if it does not fit, why, and its rank")
+    out.add_argument("--compare", nargs="+", metavar="SPEC",
+                     help="evaluate several layouts side by side (same syntax as --layout)")
     out.add_argument("--plot", metavar="FILE.png", help="memory and time breakdown chart")
     out.add_argument("--out", metavar="FILE.toml", help="write the winner as a train config")
     p.set_defaults(func=run)
@@ -121,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     recompute = None if args.recompute == "search" else args.recompute
     result = search(model, training, cluster, micro_batch=micro, recompute=recompute)
+    if args.layout or args.compare:
+        return _evaluate(args, result, model, training, cluster)
     if args.json:
         data = report.to_json(result, model, training, cluster, args.top)
         if args.explain:
@@ -162,3 +170,26 @@ def _calibrate(path: str | None, log) -> int:
         return 2
     print(f"wrote {written}", file=log)
     return 0
+
+
+def _evaluate(args: argparse.Namespace, result, model: ModelSpec, training: Training,
+              cluster: Cluster) -> int:
+    """``--layout`` / ``--compare``: 0 if every given layout fits, 1 otherwise, 2 on a
+    spec that cannot be read."""
+    from . import report
+    from .evaluate import with_search
+
+    specs = ([args.layout] if args.layout else []) + list(args.compare or [])
+    try:
+        evaluations = with_search(specs, model, training, cluster, result)
+    except ValueError as err:
+        print(f"paratrain plan: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        data = {"layouts": [report.evaluation_dict(ev) for ev in evaluations],
+                "winner": report.plan_dict(result.plans[0]) if result.plans else None,
+                "search": {"ranked": len(result.plans), "seconds": result.seconds}}
+        print(json.dumps(data, indent=2))
+    else:
+        print(report.layout_report(evaluations, result, model, training, cluster))
+    return 0 if all(ev.fits for ev in evaluations) else 1

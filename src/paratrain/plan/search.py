@@ -137,10 +137,39 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
                 staged = replace(cand, zero=stage)
                 if _valid_stage(staged, result):
                     _sweep(problem, staged, result)
-    # The model is not finer than 3 significant figures: within that, less memory wins.
-    result.plans.sort(key=lambda p: (float(f"{p.time.step:.3g}"), p.memory.total))
+    result.plans.sort(key=lambda p: rank_key(p.time.step, p.memory.total))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def rank_key(step: float, memory: float) -> tuple[float, float]:
+    """Order of plans: the model is not finer than 3 significant figures of step time;
+    within that, less memory wins."""
+    return float(f"{step:.3g}"), memory
+
+
+def layout_problems(model: ModelSpec, training: Training, cluster: Cluster,
+                    cand: Candidate) -> list[str]:
+    """Every rule ``cand`` breaks, short of memory (the rules the search prunes by)."""
+    problems = []
+    if cand.tp > cluster.node_size:
+        problems.append(f"tp={cand.tp} spans nodes of {cluster.node_size} GPUs: tensor "
+                        f"parallelism is kept inside a node")
+    if training.global_batch % cand.dp:
+        problems.append(f"dp={cand.dp} does not divide the global batch {training.global_batch}")
+    elif (training.global_batch // cand.dp) % cand.micro_batch:
+        problems.append(f"micro batch {cand.micro_batch} does not divide the "
+                        f"{training.global_batch // cand.dp} sequences per replica")
+    try:
+        cand.layout().check_model(n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
+                                  n_layers=model.n_layers, seq_len=training.seq_len,
+                                  virtual_stages=cand.virtual_stages)
+    except LayoutError as err:
+        problems.append(str(err))
+    if cand.schedule == "interleaved" and cand.pp > 1 and cand.microbatches % cand.pp:
+        problems.append(f"interleaved needs microbatches divisible by pp: {cand.microbatches} "
+                        f"% pp={cand.pp} != 0 (Megatron's rule)")
+    return problems
 
 
 def _shapes(problem: _Problem, result: SearchResult):
