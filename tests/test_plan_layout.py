@@ -38,6 +38,16 @@ def test_rejected_layout_prints_its_numbers(capsys):
     assert f"{mem.total / 2**30:.2f}" in out and f"{mem.optimizer / 2**30:.2f}" in out
 
 
+def test_activations_alone_can_reject(capsys):
+    """States fit (70B over 64 ranks), eight 8K-token sequences of activations do not."""
+    assert plan(*ARGS, "--layout", "dp1 tp8 pp8 zero0 mb8 recompute=none", "--json") == 1
+    data = json.loads(capsys.readouterr().out)["layouts"][0]
+    mem = data["memory_bytes"]
+    limit = mem["total"] - data["overflow_bytes"]
+    assert mem["params"] + mem["grads"] + mem["optimizer"] < limit < mem["total"]
+    assert "does not fit" in data["problems"][-1]
+
+
 def test_layout_json_and_invalid_rules(capsys):
     assert plan(*ARGS, "--layout", "tp16 pp1 cp1", "--json") == 1
     entry = json.loads(capsys.readouterr().out)["layouts"][0]
