@@ -160,3 +160,14 @@ def test_logits_counted_once_except_gpipe():
     assert last["interleaved"] == pytest.approx(logits)  # one microbatch, not the in-flight count
     assert last["1f1b"] == pytest.approx(logits)
     assert last["gpipe"] == pytest.approx(64 * logits)
+
+
+def test_uneven_stage_activations_follow_the_split():
+    """126 blocks on 16 stages: stage 1 holds 8 blocks, stage 0 seven (and the embedding)."""
+    model, training = PRESETS["llama3-405b"], Training(2048, 8192)
+    cand = Candidate(16, 8, 16, 1, 1, 1, 128)
+    per_layer = layer_activation_bytes(model, 8192, 1, 8, True, "none")
+    for stage, layers in ((0, 7), (1, 8), (15, 7)):
+        inflight = 16 - stage
+        assert stage_memory(model, training, cand, stage).activations == pytest.approx(
+            per_layer * layers * min(inflight, 128))

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
+from .stages import PipelineSplitError, check_pipeline_split
+
 AXES = ("dp", "pp", "cp", "tp")
 DEFAULT_ORDER = "tp-cp-pp-dp"
 
@@ -58,12 +60,7 @@ class Layout:
                 raise LayoutError(f"{axis}={size!r}: every axis size must be a positive integer")
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"zero={self.zero!r}: the ZeRO stage must be 0, 1, 2 or 3")
-        if self.pp > 1 and self.zero >= 2:
-            raise LayoutError(
-                f"zero={self.zero} reduce-scatters gradients after every microbatch, which a "
-                f"pipeline runs many of per step; use zero 1 with pp > 1 (DeepSpeed draws "
-                f"the same line)"
-            )
+        check_zero_with_pp(self.pp, self.zero)
         if sorted(_as_axes(self.order)) != sorted(AXES):
             raise LayoutError(
                 f"order={self.order!r} must name each of {', '.join(AXES)} exactly once, "
@@ -170,13 +167,10 @@ class Layout:
                 f"tp={self.tp} and the {n_kv_heads} KV heads must divide one another "
                 f"(KV heads are split when kv_heads >= tp, replicated otherwise)"
             )
-        chunks = self.pp * virtual_stages
-        if n_layers % chunks:
-            raise LayoutError(
-                f"{n_layers} layers cannot be split into pp={self.pp} x virtual_stages="
-                f"{virtual_stages} = {chunks} equal chunks; use a pp*virtual_stages from "
-                f"{_divisors(n_layers)}"
-            )
+        try:  # uneven splits are balanced (paratrain.stages); each chunk needs a layer
+            check_pipeline_split(n_layers, self.pp, virtual_stages)
+        except PipelineSplitError as err:
+            raise LayoutError(str(err)) from None
         if self.cp > 1 and cp_method == "ring" and seq_len % (2 * self.cp):
             raise LayoutError(
                 f"ring attention with cp={self.cp} splits the sequence into 2*cp="
@@ -198,6 +192,25 @@ class Layout:
         parts = [f"{a}{getattr(self, a)}" for a in AXES if getattr(self, a) > 1] or ["single"]
         zero = f", zero{self.zero}" if self.zero else ""
         return f"{'x'.join(parts)} (world {self.world_size}{zero})"
+
+
+def zero_with_pp_supported(runtime: str) -> bool:
+    """Whether ZeRO-2/3 may run with pp > 1 on ``runtime``: ``"paratrain"`` (``train``:
+    not yet; its pipeline executor does not reduce-scatter gradients per microbatch) or
+    ``"planned"`` (``plan`` modelling runtimes such as torchtitan, which shard gradients
+    and parameters inside pipeline stages: yes)."""
+    return runtime == "planned"
+
+
+def check_zero_with_pp(pp: int, zero: int, runtime: str = "paratrain") -> None:
+    """Raise ``LayoutError`` for ZeRO-2/3 with pipeline parallelism where ``runtime``
+    does not support it (``zero_with_pp_supported``)."""
+    if pp > 1 and zero >= 2 and not zero_with_pp_supported(runtime):
+        raise LayoutError(
+            f"zero={zero} reduce-scatters gradients after every microbatch, which a "
+            f"pipeline runs many of per step; paratrain train does not support it with "
+            f"pp > 1 yet: use zero 1 with pp > 1"
+        )
 
 
 def _divisors(n: int) -> list[int]:

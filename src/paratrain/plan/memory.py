@@ -152,7 +152,10 @@ def rank_memory(model: ModelSpec, training: Training, cand: Candidate,
                 paratrain: bool = False) -> Memory:
     """The peak of the fuller of the first and last pipeline stages. ``paratrain``: count
     paratrain's own runtime exactly (``plan.runtime``) instead of the published formulas."""
-    stages = (0,) if cand.pp == 1 else (0, cand.pp - 1)
+    # The first and last stages hold the embedding and the head; with uneven stages the
+    # second holds the most blocks at nearly the first's in-flight count.
+    counts = model.stage_layer_counts(cand.pp, cand.virtual_stages)
+    stages = sorted({0, cand.pp - 1} | ({1} if cand.pp > 2 and counts[1] > counts[0] else set()))
     count = _paratrain_stage_memory if paratrain else stage_memory
     return max((count(model, training, cand, s) for s in stages), key=lambda m: m.total)
 
@@ -160,14 +163,14 @@ def rank_memory(model: ModelSpec, training: Training, cand: Candidate,
 def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: int) -> Memory:
     """Peak bytes of one rank of pipeline ``stage``."""
     weight, grad, k = bytes_per_param(training.precision, training.optimizer)
-    psi = model.stage_params(cand.tp, cand.pp, stage)
+    psi = model.stage_params(cand.tp, cand.pp, stage, cand.virtual_stages)
     zero = cand.zero if cand.shard > 1 else 0
     params, grads, opt = model_state_bytes(psi, cand.shard, zero, weight, grad, k)
     s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
     per_layer = layer_activation_bytes(model, s, b, cand.tp, cand.sp, cand.recompute, elem)
     inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,
                                      cand.virtual_stages, stage)
-    acts = per_layer * (model.n_layers // cand.pp) * inflight
+    acts = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages) * inflight
     buffers = _buffers(model, training, cand, stage, zero, inflight)
     return Memory(params, grads, opt, acts, buffers, stage)
 
@@ -182,7 +185,7 @@ def _paratrain_stage_memory(model: ModelSpec, training: Training, cand: Candidat
                                                          cand.recompute, mode)
     inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,
                                      cand.virtual_stages, stage)
-    acts = per_layer * (model.n_layers // cand.pp) * inflight
+    acts = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages) * inflight
     buffers = runtime.paratrain_buffer_bytes(model, training, cand, stage, inflight)
     return Memory(states["param_bytes"], states["grad_bytes"], states["optim_bytes"], acts,
                   buffers, stage)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
+from ..stages import head_costs, stage_layer_counts
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -91,10 +93,23 @@ class ModelSpec:
         proj = self.vocab_size * self.d_model // tp
         return self._norm_params() + (proj if own_copy or not self.tie_embeddings else 0)
 
+    def stage_layers(self, pp: int, stage: int, v: int = 1) -> int:
+        """Blocks one rank of pipeline ``stage`` holds: evenly when pp x v divides the
+        layers, else balanced with the embedding and head counted (``paratrain.stages``,
+        the rule ``train`` cuts by)."""
+        return self.stage_layer_counts(pp, v)[stage]
+
+    @lru_cache(maxsize=1024)  # noqa: B019 - specs are few, frozen and hashable
+    def stage_layer_counts(self, pp: int, v: int = 1) -> tuple[int, ...]:
+        """``stage_layers`` of every pipeline rank."""
+        pos = self.max_seq_len * self.d_model if self.learned_pos else 0
+        embed, head = head_costs(self.vocab_size, self.d_model, self.layer_params(1), pos)
+        return stage_layer_counts(self.n_layers, pp, v, embed, head)
+
     @lru_cache(maxsize=1024)  # noqa: B019 - the search asks for the same stages often
-    def stage_params(self, tp: int, pp: int, stage: int) -> int:
-        """Parameters one rank of pipeline ``stage`` holds (layers split evenly)."""
-        n = self.n_layers // pp * self.layer_params(tp)
+    def stage_params(self, tp: int, pp: int, stage: int, v: int = 1) -> int:
+        """Parameters one rank of pipeline ``stage`` holds."""
+        n = self.stage_layers(pp, stage, v) * self.layer_params(tp)
         if stage == 0:
             n += self.embedding_params(tp)
         if stage == pp - 1:

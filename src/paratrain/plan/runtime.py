@@ -57,7 +57,8 @@ def block_params(model: ModelSpec, tp: int = 1) -> int:
     return 2 * h + 2 * h * h // tp + 2 * h * kv + 3 * h * f // tp
 
 
-def unit_params(model: ModelSpec, tp: int = 1, pp: int = 1, stage: int = 0) -> list[int]:
+def unit_params(model: ModelSpec, tp: int = 1, pp: int = 1, stage: int = 0,
+                v: int = 1) -> list[int]:
     """Parameters of each ZeRO unit on one rank of pipeline ``stage``, in model order:
     token embedding (first stage), the stage's blocks, final norm and output projection
     (last stage; a tied projection is the embedding itself unless stages separate them)."""
@@ -65,7 +66,7 @@ def unit_params(model: ModelSpec, tp: int = 1, pp: int = 1, stage: int = 0) -> l
     units = []
     if stage == 0:
         units.append(vocab * h)
-    units += [block_params(model, tp)] * (model.n_layers // pp)
+    units += [block_params(model, tp)] * model.stage_layers(pp, stage, v)
     if stage == pp - 1:
         units.append(h)
         if not model.tie_embeddings or pp > 1:
@@ -82,7 +83,8 @@ def paratrain_state_bytes(model: ModelSpec, layout, precision: str, optimizer: s
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision {precision!r}: paratrain trains in fp32 or bf16")
     zero, n = layout.zero, layout.dp * layout.cp
-    units = unit_params(model, layout.tp, layout.pp, stage)
+    units = unit_params(model, layout.tp, layout.pp, stage,
+                        getattr(layout, "virtual_stages", 1))
     padded = sum(-(-u // n) * n for u in units) if zero else sum(units)
     w, g, k = state_bytes_per_param(precision, zero, optimizer)
     return {"param_bytes": w * padded // (n if zero >= 3 else 1),
@@ -151,7 +153,7 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
       core with selective), and the MLP's two gradient temporaries (gate and up).
     """
     mode = precision_mode(training.precision, cand.zero)
-    units = unit_params(model, cand.tp, cand.pp, stage)
+    units = unit_params(model, cand.tp, cand.pp, stage, cand.virtual_stages)
     c = 4 if mode == "fp32" else 2
     r = 2 if mode == "bf16" else 4
     weight = c
@@ -159,7 +161,8 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
     tokens = s * b
     total = 16.0 * tokens  # input ids and targets
     if mode == "autocast":
-        norms = model.d_model * (2 * (model.n_layers // cand.pp) + (stage == cand.pp - 1))
+        norms = model.d_model * (2 * model.stage_layers(cand.pp, stage, cand.virtual_stages)
+                                 + (stage == cand.pp - 1))
         matrices = sum(units) - norms - (units[0] if stage == 0 else 0)  # no embedding cast
         total += 2 * matrices
     shard = model.d_model * tokens / (cand.tp if cand.sp else 1)
