@@ -237,6 +237,7 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen, GPT-2, GPT-NeoX, BLOOM)."""
     path = Path(path)
     cfg = json.loads(path.read_text())
+    refuse_unmodelled(cfg, path)
     values = {}
     for field, keys in _HF_ALIASES.items():
         value = _first(cfg, keys)
@@ -262,6 +263,32 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         learned_pos=kind in ("gpt2", "gpt_bigcode", "opt"),
         dropout=any(float(cfg.get(k) or 0) > 0 for k in _DROPOUT_KEYS),
     )
+
+
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+                "num_experts_per_tok")
+_ENCODER_DECODER = {"t5", "mt5", "umt5", "longt5", "switch_transformers", "bart", "mbart",
+                    "pegasus", "marian", "whisper", "encoder-decoder"}
+
+
+def refuse_unmodelled(cfg: dict, path: Path) -> None:
+    """Raise ValueError, naming the model, for architectures the planner would misread as
+    a dense decoder: mixtures of experts (their parameters, memory and FLOPs depend on
+    the experts and expert parallelism) and encoder-decoders (two stacks, cross
+    attention)."""
+    kind = str(cfg.get("model_type", "?"))
+    name = f"{path.parent.name or path.name} (model_type {kind!r})"
+    experts = {k: cfg[k] for k in _EXPERT_KEYS[:-1]
+               if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool) and cfg[k] > 1}
+    if experts:
+        key, count = next(iter(experts.items()))
+        raise ValueError(f"{name} is a mixture of experts ({key} = {count}): the planner "
+                         f"models dense decoder-only transformers only and would plan it as "
+                         f"a dense model of the same width; MoE is not supported yet")
+    if cfg.get("is_encoder_decoder") is True or kind in _ENCODER_DECODER:
+        raise ValueError(f"{name} is an encoder-decoder model: the planner models "
+                         f"decoder-only transformers only and would plan it as a decoder; "
+                         f"encoder-decoder models are not supported")
 
 
 def describe(model: ModelSpec) -> str:
