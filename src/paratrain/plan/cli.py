@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
             print("\n" + report.rejected(result))
     if not result.plans:
         print("paratrain plan: no layout fits; see the rejections above", file=sys.stderr)
+        _suggest_batches(model, training, cluster, micro, recompute)
         return 1
     if args.out:
         export.write_config(args.out, result.plans[0], model, training)
@@ -193,3 +194,18 @@ def _evaluate(args: argparse.Namespace, result, model: ModelSpec, training: Trai
     else:
         print(report.layout_report(evaluations, result, model, training, cluster))
     return 0 if all(ev.fits for ev in evaluations) else 1
+
+
+def _suggest_batches(model: ModelSpec, training: Training, cluster: Cluster,
+                     micro: int | None, recompute: str | None) -> None:
+    """When nothing fits: the nearest global batches for which a layout does."""
+    from .evaluate import nearest_batches
+
+    batches = nearest_batches(model, training, cluster, micro, recompute)
+    if batches:
+        print(f"paratrain plan: global batch {training.global_batch} has no fitting layout "
+              f"on {cluster.n_gpus} ranks; nearest that do: "
+              f"{', '.join(map(str, batches))} (--global-batch N)", file=sys.stderr)
+    else:
+        print(f"paratrain plan: no global batch near {training.global_batch} fits either: "
+              f"the model needs more or larger devices", file=sys.stderr)

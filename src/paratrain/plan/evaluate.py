@@ -218,3 +218,30 @@ def with_search(spec_texts: list[str], model: ModelSpec, training: Training,
     """Evaluate each ``--layout`` / ``--compare`` string."""
     return [evaluate(parse_layout(t), model, training, cluster, result) for t in spec_texts]
 
+
+
+def nearest_batches(model: ModelSpec, training: Training, cluster: Cluster,
+                    micro_batch: int | None = None, recompute: str | None = None,
+                    count: int = 3, tries: int = 12) -> list[int]:
+    """Global batches near ``training.global_batch`` for which some layout fits, nearest
+    first (up to ``count``, from at most ``tries`` searches): the multiples of each
+    possible data-parallel size (and of the fixed microbatch) just below and above."""
+    from dataclasses import replace as _replace
+
+    from .search import search
+
+    wanted = training.global_batch
+    step = micro_batch or 1
+    near: set[int] = set()
+    for dp in divisors(cluster.n_gpus):
+        unit = dp * step
+        below = wanted // unit * unit
+        near.update(b for b in (below, below + unit) if b > 0 and b != wanted)
+    found = []
+    for batch in sorted(near, key=lambda b: (abs(b - wanted), b))[:tries]:
+        if search(model, _replace(training, global_batch=batch), cluster,
+                  micro_batch=micro_batch, recompute=recompute).plans:
+            found.append(batch)
+            if len(found) == count:
+                break
+    return found
