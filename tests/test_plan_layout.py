@@ -82,3 +82,19 @@ def test_evaluate_candidate_reports_every_broken_rule():
                             Candidate(1, 16, 1, 1, 0, 7, 4))
     text = " ".join(ev.problems)
     assert "spans nodes" in text and "micro batch 7" in text and ev.time is not None
+
+
+@pytest.mark.parametrize("gpus", [384, 768, 1536])
+def test_zero3_below_ptdp_as_narayanan_table_2(gpus):
+    """Narayanan et al. 2021, Table 2 (GPT-3 175B, batch 1536, A100s): ZeRO-3 without
+    model parallelism reaches fewer TFLOP/s per GPU than tp8 x pp12 x dp at every size.
+    Only the direction is asserted: the planner does not reproduce ZeRO-3's collapse."""
+    model, training = PRESETS["gpt3-175b"], Training(1536, 2048)
+    cluster = Cluster(gpu_preset("a100-80g"), gpus)
+    zero3 = evaluate_candidate(model, training, cluster,
+                               Candidate(gpus, 1, 1, 1, 3, 1536 // gpus, 1, recompute="full"))
+    dp = gpus // 96
+    ptdp = evaluate_candidate(model, training, cluster,
+                              Candidate(dp, 8, 12, 1, 0, 1, 1536 // dp, recompute="none"))
+    assert zero3.fits and ptdp.fits
+    assert zero3.mfu < ptdp.mfu
