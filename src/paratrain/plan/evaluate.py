@@ -84,8 +84,9 @@ def parse_layout(text: str) -> LayoutSpec:
                                              "microbatches", "virtual_stages")):
             raise ValueError(f"--layout {token!r}: sizes must be positive")
     spec = LayoutSpec(**values)
-    if spec.virtual_stages and spec.virtual_stages > 1 and spec.schedule not in (None, "interleaved"):
-        raise ValueError(f"--layout {text!r}: v{spec.virtual_stages} needs the interleaved schedule")
+    v = spec.virtual_stages or 1
+    if v > 1 and spec.schedule not in (None, "interleaved"):
+        raise ValueError(f"--layout {text!r}: v{v} needs the interleaved schedule")
     return spec
 
 
@@ -175,7 +176,8 @@ def evaluate_candidate(model: ModelSpec, training: Training, cluster: Cluster,
                         f"(states {_gib(memory.states)}, activations "
                         f"{_gib(memory.activations)}, buffers {_gib(memory.buffers)})")
     peak = cluster.gpu.peak_flops if training.precision == "bf16" else cluster.gpu.peak_flops_fp32
-    return Evaluation(cand, memory, times, problems, overflow, tokens_per_s=training.tokens / times.step,
+    return Evaluation(cand, memory, times, problems, overflow,
+                      tokens_per_s=training.tokens / times.step,
                       mfu=step_flops(model, training) / (times.step * cluster.n_gpus * peak))
 
 

@@ -2,8 +2,8 @@
 
 Virtual stage ``k`` of ``pp * v`` gets a contiguous run of transformer blocks: evenly when
 pp * v divides the layers, else balanced with the embedding and head counted
-(``paratrain.stages``, the rule ``plan`` uses too); the token embedding joins the first virtual stage
-and the final norm, output projection and loss the last. Rank ``r`` keeps the chunks of
+(``paratrain.stages``, the rule ``plan`` uses too); the token embedding joins the first
+virtual stage and the final norm, output projection and loss the last. Rank ``r`` keeps the chunks of
 virtual stages ``r, r + pp, r + 2pp, ...`` (Megatron's interleaving) and the parameters of
 every other stage are released, so each rank holds about 1/pp of the model.
 
