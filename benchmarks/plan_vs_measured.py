@@ -1,5 +1,7 @@
 """The planner's predicted step time vs paratrain's measured one, for several layouts on
-this machine's CPU processes: is the ranking right, and how far off are the seconds?
+this machine's CPU processes (data, ZeRO, tensor + sequence, context ring and Ulysses,
+pipeline GPipe and 1F1B, and their combinations at 2 and 4 processes): is the ranking
+right, and how far off are the seconds?
 
     python benchmarks/plan_vs_measured.py [--model small] [--steps 5] [--rounds 2]
                    [--global-batch 8] [--calibration FILE] [--recalibrate]
@@ -32,7 +34,8 @@ from paratrain.plan.models import from_gpt_config
 from paratrain.train.config import Config, load
 from paratrain.train.loop import train
 
-# (label, processes, config overrides): every strategy paratrain runs on CPU today.
+# (label, processes, config overrides): every strategy paratrain runs on CPU today; the
+# data-parallel size is what the other axes leave of the processes.
 LAYOUTS = [
     ("dp1", 1, {}),
     ("dp2", 2, {}),
@@ -41,13 +44,25 @@ LAYOUTS = [
     ("dp2 recompute full", 2, {"recompute": "full"}),
     ("dp2 bf16", 2, {"precision": "bf16"}),
     ("dp2 zero2 bf16", 2, {"zero": 2, "precision": "bf16"}),
+    ("tp2", 2, {"tp": 2}),
+    ("tp2 sp", 2, {"tp": 2, "sp": True}),
+    ("cp2 ring", 2, {"cp": 2, "cp_method": "ring"}),
+    ("cp2 ulysses", 2, {"cp": 2, "cp_method": "ulysses"}),
+    ("pp2 gpipe", 2, {"pp": 2, "schedule": "gpipe", "microbatches": 4}),
+    ("pp2 1f1b", 2, {"pp": 2, "schedule": "1f1b", "microbatches": 4}),
     ("dp4", 4, {}),
     ("dp4 zero3", 4, {"zero": 3}),
+    ("dp2 tp2 sp", 4, {"tp": 2, "sp": True}),
+    ("dp2 pp2 1f1b", 4, {"pp": 2, "schedule": "1f1b", "microbatches": 4}),
+    ("tp2 cp2", 4, {"tp": 2, "cp": 2}),
 ]
 
 
 def build_config(args: argparse.Namespace, run_dir: str, nproc: int, overrides: dict) -> Config:
-    return load(None, {"preset": args.model, "dp": nproc, "seq_len": args.seq_len,
+    model_parallel = (overrides.get("tp", 1) * overrides.get("pp", 1)
+                      * overrides.get("cp", 1))
+    return load(None, {"preset": args.model, "dp": nproc // model_parallel,
+                       "seq_len": args.seq_len,
                        "global_batch": args.global_batch, "steps": args.steps,
                        "eval_every": 0, "eval_batches": 1, "progress": False,
                        "run_dir": run_dir, **overrides}).validate()
@@ -89,7 +104,8 @@ def predicted_step_time(cfg: Config, calibration) -> float:
     training = Training(t.global_batch, cfg.data.seq_len, t.precision)
     cand = Candidate(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero,
                      micro_batch=cfg.micro_batch, microbatches=cfg.accumulation,
-                     recompute=t.recompute)
+                     schedule=p.schedule, virtual_stages=p.virtual_stages,
+                     recompute=t.recompute, sequence_parallel=p.sp)
     return step_time(model, training, local_cluster(p.nproc, calibration), cand).step
 
 

@@ -62,7 +62,7 @@ def test_world_size_mismatch_names_the_fix():
 @pytest.mark.parametrize("layout, shape, words", [
     (Layout(tp=3), dict(n_heads=4, n_kv_heads=4, n_layers=2, seq_len=64), "divide the 4 attention heads"),
     (Layout(tp=4), dict(n_heads=8, n_kv_heads=3, n_layers=2, seq_len=64), "KV heads"),
-    (Layout(pp=3), dict(n_heads=4, n_kv_heads=4, n_layers=4, seq_len=64), "4 layers cannot be split"),
+    (Layout(pp=5), dict(n_heads=4, n_kv_heads=4, n_layers=4, seq_len=64), "4 layers cannot be split"),
     (Layout(cp=4), dict(n_heads=4, n_kv_heads=4, n_layers=4, seq_len=60), "multiple of 8"),
 ])
 def test_model_checks_name_the_fix(layout, shape, words):

@@ -138,3 +138,19 @@ def test_every_ranked_plan_writes_a_config_train_accepts(tmp_path):
         cfg = load(str(path)).validate()  # raises ConfigError naming the problem
         seen.add((cfg.parallel.tp > 1, cfg.parallel.pp > 1, cfg.parallel.cp > 1))
     assert len(seen) > 2  # the search really offered different strategies
+
+
+def test_nothing_fits_suggests_the_nearest_global_batches(capsys):
+    # Microbatches of 4 cannot divide 6 sequences over any data-parallel size.
+    assert plan("--model", "llama3-8b", "--gpus", "8", "--global-batch", "6",
+                "--micro-batch", "4") == 1
+    assert "nearest that do: 4, 8, 16 (--global-batch N)" in capsys.readouterr().err
+    assert plan("--model", "llama3-405b", "--gpus", "8", "--global-batch", "6") == 1
+    assert "no global batch near 6 fits either" in capsys.readouterr().err
+
+
+def test_24_gpus_with_the_default_batch_plan(capsys):
+    """The issue's case: 3 stages of 32 layers (uneven) make 24 GPUs plannable."""
+    assert plan("--model", "llama3-8b", "--gpus", "24", "--json", "--top", "1") == 0
+    best = json.loads(capsys.readouterr().out)["plans"][0]["layout"]
+    assert best["dp"] * best["tp"] * best["pp"] * best["cp"] == 24

@@ -7,7 +7,7 @@ import pytest
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.memory import (bytes_per_param, inflight_microbatches,
                                    korthikanti_layer_bytes, layer_activation_bytes,
-                                   model_state_bytes, rank_memory)
+                                   model_state_bytes, rank_memory, stage_memory)
 from paratrain.plan.models import PRESETS, ModelSpec
 
 # ZeRO paper (Rajbhandari et al. 2020) Table 1, 7.5B column, in GB:
@@ -73,7 +73,7 @@ def test_korthikanti_published_forms():
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_general_activation_count_reduces_to_korthikanti(t, sp, recompute):
     s, b = 2048, 2
-    ours = layer_activation_bytes(GPT_BLOCK, s, b, t, sp, recompute, elem=2)
+    ours = layer_activation_bytes(GPT_BLOCK, s, b, t, sp, recompute, elem=2, flash=False)
     assert ours == pytest.approx(korthikanti_layer_bytes(s, b, GPT_BLOCK.d_model,
                                                          GPT_BLOCK.n_heads, t, sp, recompute))
 
@@ -129,4 +129,45 @@ def test_full_recompute_and_cp_shrink_activations():
     full = rank_memory(model, training, Candidate(8, 8, 1, 1, 1, 1, 8, recompute="full"))
     cp = rank_memory(model, training, Candidate(4, 8, 1, 2, 1, 1, 16, recompute="none"))
     assert full.activations < none.activations / 10
-    assert cp.activations < none.activations / 2  # the s^2 scores shrink 4x, the rest 2x
+    # Flash attention stores no s x s scores: every stored tensor halves with cp = 2.
+    assert cp.activations == pytest.approx(none.activations / 2)
+
+
+def test_flash_attention_stores_no_scores_and_selective_adds_none():
+    """SDPA/FlashAttention: 4 bytes of log-sum-exp per row and head instead of s x s
+    scores; selective recompute then saves exactly that, and its recompute buffer holds
+    no score matrix either (the issue's overcount)."""
+    model, s, b = PRESETS["llama3-8b"], 8192, 1
+    a, elem = model.n_heads, 2
+    none = layer_activation_bytes(model, s, b, 1, False, "none")
+    selective = layer_activation_bytes(model, s, b, 1, False, "selective")
+    assert none - selective == 4 * a * s * b
+    korth = layer_activation_bytes(model, s, b, 1, False, "none", flash=False)
+    assert korth - selective == elem * a * s * s * b  # the softmax output (no dropout)
+    training = Training(8, s)
+    sel = rank_memory(model, training, Candidate(8, 1, 1, 1, 1, 1, 1, recompute="selective"))
+    nothing = rank_memory(model, training, Candidate(8, 1, 1, 1, 1, 1, 1, recompute="none"))
+    assert sel.buffers - nothing.buffers == 4 * a * s * b  # the recomputed core's output
+
+
+def test_logits_counted_once_except_gpipe():
+    model, training = PRESETS["llama3-8b"], Training(64, 4096)
+    logits = 4096 * model.vocab_size / 8 * (2 + 4)
+    last = {}
+    for schedule, v in (("1f1b", 1), ("interleaved", 2), ("gpipe", 1)):
+        cand = Candidate(1, 8, 4, 1, 0, 1, 64, schedule, v)
+        last[schedule] = stage_memory(model, training, cand, 3).buffers
+    assert last["interleaved"] == pytest.approx(logits)  # one microbatch, not the in-flight count
+    assert last["1f1b"] == pytest.approx(logits)
+    assert last["gpipe"] == pytest.approx(64 * logits)
+
+
+def test_uneven_stage_activations_follow_the_split():
+    """126 blocks on 16 stages: stage 1 holds 8 blocks, stage 0 seven (and the embedding)."""
+    model, training = PRESETS["llama3-405b"], Training(2048, 8192)
+    cand = Candidate(16, 8, 16, 1, 1, 1, 128)
+    per_layer = layer_activation_bytes(model, 8192, 1, 8, True, "none")
+    for stage, layers in ((0, 7), (1, 8), (15, 7)):
+        inflight = 16 - stage
+        assert stage_memory(model, training, cand, stage).activations == pytest.approx(
+            per_layer * layers * min(inflight, 128))

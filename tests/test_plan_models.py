@@ -109,3 +109,33 @@ def test_bad_shapes_are_refused():
         ModelSpec("x", 2, 100, 3, 3, 400, 10)
     with pytest.raises(ValueError, match="multiple"):
         ModelSpec("x", 2, 96, 6, 4, 400, 10)
+
+
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+           "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+           "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+           "vocab_size": 32000, "max_position_embeddings": 32768}
+T5 = {"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "d_model": 768,
+      "d_ff": 3072, "num_heads": 12, "num_layers": 12, "num_decoder_layers": 12,
+      "vocab_size": 32128, "is_encoder_decoder": True}
+
+
+@pytest.mark.parametrize("cfg, words", [(MIXTRAL, "mixture of experts (num_local_experts = 8)"),
+                                        (T5, "encoder-decoder")])
+def test_moe_and_encoder_decoder_configs_are_refused_by_name(tmp_path, cfg, words, capsys):
+    import json
+    import re
+
+    from test_plan_cli import plan
+
+    directory = tmp_path / ("mixtral-8x7b" if cfg is MIXTRAL else "t5-base")
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=re.escape(words)):
+        load_model(str(directory))
+    assert plan("--model", str(directory)) == 2
+    err = capsys.readouterr().err
+    assert directory.name in err and cfg["model_type"] in err and words in err
+    dense = {**MIXTRAL, "num_local_experts": 1, "model_type": "mistral"}
+    (directory / "config.json").write_text(json.dumps(dense))
+    assert load_model(str(directory)).n_layers == 32  # one expert is a dense model

@@ -7,6 +7,7 @@ import pytest
 from paratrain.plan.candidate import Training
 from paratrain.plan.hardware import Cluster, gpu_preset
 from paratrain.plan.models import PRESETS, ModelSpec
+from paratrain.layout import Layout
 from paratrain.plan.search import search
 
 
@@ -16,9 +17,9 @@ def _assert_valid(result, model, training, cluster):
         assert c.n_gpus == cluster.n_gpus
         assert c.tp <= cluster.node_size
         assert training.global_batch == c.dp * c.micro_batch * c.microbatches
-        c.layout().check_model(n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
-                               n_layers=model.n_layers, seq_len=training.seq_len,
-                               virtual_stages=c.virtual_stages)
+        Layout(dp=c.dp, pp=c.pp, cp=c.cp, tp=c.tp).check_model(
+            n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers,
+            seq_len=training.seq_len, virtual_stages=c.virtual_stages)
         assert plan.memory.total <= cluster.memory_limit
         if c.schedule == "interleaved":
             assert c.microbatches % c.pp == 0 and c.virtual_stages > 1
@@ -74,12 +75,26 @@ def test_nothing_fits_reports_why():
     assert states.count > 0 and "GiB" in states.detail
 
 
-def test_layout_rules_reject_with_the_layout_message():
+def test_uneven_stages_plan_published_layouts():
+    """BLOOM's 70 layers on 12 stages (TP4 PP12 DP8, 384 A100s) and Llama 3 405B's 126
+    on 16: both split unevenly, one block fewer on the first and last stages."""
     model, training = PRESETS["bloom-176b"], Training(2048, 2048)
     result = search(model, training, Cluster(gpu_preset("a100-80g"), 384))
-    assert not result.plans  # 70 layers and 112 heads leave no even split of 384 GPUs
-    assert any("layers cannot be split" in r for r in result.rejected)
+    assert any((p.cand.tp, p.cand.pp, p.cand.dp) == (4, 12, 8) for p in result.plans)
+    assert model.stage_layer_counts(12) == (5,) + (6,) * 10 + (5,)
     assert any("spans nodes" in r for r in result.rejected)
+    llama = PRESETS["llama3-405b"]
+    assert llama.stage_layer_counts(16) == (7,) + (8,) * 14 + (7,)
+    assert sum(llama.stage_params(8, 16, s) for s in range(16)) == llama.stage_params(8, 1, 0)
+    result = search(llama, Training(2048, 8192), Cluster(gpu_preset("h100-80g"), 16384))
+    assert any(p.cand.pp == 16 and p.cand.tp == 8 for p in result.plans)
+
+
+def test_too_many_stages_reject_with_the_layout_message():
+    model = ModelSpec("small", 6, 192, 6, 2, 512, 256, 128)
+    result = search(model, Training(64, 128), Cluster(gpu_preset("h100-80g"), 64, 8))
+    assert any("layers cannot be split" in r for r in result.rejected)
+    assert all(p.cand.pp <= 6 for p in result.plans)
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])

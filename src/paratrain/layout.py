@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
+from .stages import PipelineSplitError, check_pipeline_split
+
 AXES = ("dp", "pp", "cp", "tp")
 DEFAULT_ORDER = "tp-cp-pp-dp"
 
@@ -164,13 +166,10 @@ class Layout:
                 f"tp={self.tp} and the {n_kv_heads} KV heads must divide one another "
                 f"(KV heads are split when kv_heads >= tp, replicated otherwise)"
             )
-        chunks = self.pp * virtual_stages
-        if n_layers % chunks:
-            raise LayoutError(
-                f"{n_layers} layers cannot be split into pp={self.pp} x virtual_stages="
-                f"{virtual_stages} = {chunks} equal chunks; use a pp*virtual_stages from "
-                f"{_divisors(n_layers)}"
-            )
+        try:  # uneven splits are balanced (paratrain.stages); each chunk needs a layer
+            check_pipeline_split(n_layers, self.pp, virtual_stages)
+        except PipelineSplitError as err:
+            raise LayoutError(str(err)) from None
         if self.cp > 1 and cp_method == "ring" and seq_len % (2 * self.cp):
             raise LayoutError(
                 f"ring attention with cp={self.cp} splits the sequence into 2*cp="

@@ -67,11 +67,14 @@ class Candidate:
     """Model chunks per pipeline rank (interleaved schedule)."""
     recompute: str = "none"
     """Activation recomputation: ``none``, ``selective`` (attention core) or ``full``."""
+    sequence_parallel: bool = True
+    """Sequence parallelism with tp > 1 (the search always uses it: same communication
+    volume as plain TP, less memory); False describes a plain-TP run to compare with."""
 
     @property
     def sp(self) -> bool:
-        """Sequence parallelism: same communication volume as plain TP, less memory."""
-        return self.tp > 1
+        """Sequence parallelism is on."""
+        return self.tp > 1 and self.sequence_parallel
 
     @property
     def n_gpus(self) -> int:

@@ -65,6 +65,12 @@ def add_parser(subparsers) -> None:
     out.add_argument("--explain", action="store_true", help="why the winner wins")
     out.add_argument("--show-rejected", action="store_true", help="why layouts were dropped")
     out.add_argument("--json", action="store_true", help="machine-readable output")
+    out.add_argument("--layout", metavar="SPEC",
+                     help="evaluate one layout, e.g. 'dp8 tp8 pp4 v2 zero1 mb1 "
+                          "recompute=selective' (any subset; the rest is searched): its full "
+                          "breakdown even if it does not fit, why, and its rank")
+    out.add_argument("--compare", nargs="+", metavar="SPEC",
+                     help="evaluate several layouts side by side (same syntax as --layout)")
     out.add_argument("--plot", metavar="FILE.png", help="memory and time breakdown chart")
     out.add_argument("--out", metavar="FILE.toml", help="write the winner as a train config")
     p.set_defaults(func=run)
@@ -144,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     recompute = None if args.recompute == "search" else args.recompute
     result = search(model, training, cluster, micro_batch=micro, recompute=recompute)
+    if args.layout or args.compare:
+        return _evaluate(args, result, model, training, cluster)
     if args.json:
         data = report.to_json(result, model, training, cluster, args.top)
         if args.explain:
@@ -157,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
             print("\n" + report.rejected(result))
     if not result.plans:
         print("paratrain plan: no layout fits; see the rejections above", file=sys.stderr)
+        _suggest_batches(model, training, cluster, micro, recompute)
         return 1
     if args.out:
         export.write_config(args.out, result.plans[0], model, training)
@@ -185,3 +194,41 @@ def _calibrate(path: str | None, log) -> int:
         return 2
     print(f"wrote {written}", file=log)
     return 0
+
+
+def _evaluate(args: argparse.Namespace, result, model: ModelSpec, training: Training,
+              cluster: Cluster) -> int:
+    """``--layout`` / ``--compare``: 0 if every given layout fits, 1 otherwise, 2 on a
+    spec that cannot be read."""
+    from . import report
+    from .evaluate import with_search
+
+    specs = ([args.layout] if args.layout else []) + list(args.compare or [])
+    try:
+        evaluations = with_search(specs, model, training, cluster, result)
+    except ValueError as err:
+        print(f"paratrain plan: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        data = {"layouts": [report.evaluation_dict(ev) for ev in evaluations],
+                "winner": report.plan_dict(result.plans[0]) if result.plans else None,
+                "search": {"ranked": len(result.plans), "seconds": result.seconds}}
+        print(json.dumps(data, indent=2))
+    else:
+        print(report.layout_report(evaluations, result, model, training, cluster))
+    return 0 if all(ev.fits for ev in evaluations) else 1
+
+
+def _suggest_batches(model: ModelSpec, training: Training, cluster: Cluster,
+                     micro: int | None, recompute: str | None) -> None:
+    """When nothing fits: the nearest global batches for which a layout does."""
+    from .evaluate import nearest_batches
+
+    batches = nearest_batches(model, training, cluster, micro, recompute)
+    if batches:
+        print(f"paratrain plan: global batch {training.global_batch} has no fitting layout "
+              f"on {cluster.n_gpus} ranks; nearest that do: "
+              f"{', '.join(map(str, batches))} (--global-batch N)", file=sys.stderr)
+    else:
+        print(f"paratrain plan: no global batch near {training.global_batch} fits either: "
+              f"the model needs more or larger devices", file=sys.stderr)

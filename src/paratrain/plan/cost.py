@@ -128,6 +128,18 @@ class StepTime:
         return self.compute + self.bubble + self.tp + self.cp + self.pp + self.dp + self.optimizer
 
 
+def max_stage_params(model: ModelSpec, cand: Candidate) -> int:
+    """Parameters on the fullest pipeline rank: the first or last (embedding, head) or,
+    with uneven stages, the second (the most blocks)."""
+    return max(model.stage_params(cand.tp, cand.pp, s, cand.virtual_stages)
+               for s in {0, min(1, cand.pp - 1), cand.pp - 1})
+
+
+def max_layers(model: ModelSpec, cand: Candidate) -> int:
+    """Blocks on the fullest pipeline rank."""
+    return max(model.stage_layer_counts(cand.pp, cand.virtual_stages))
+
+
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     """Idle fraction of a pipeline step: (p - 1)/(v·m + p - 1)."""
     return (p - 1) / (v * m + p - 1)
@@ -151,7 +163,7 @@ class _Micro:
 
 @lru_cache(maxsize=1 << 14)
 def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: int, cp: int,
-                   pp: int, b: int, recompute: str) -> _Micro:
+                   pp: int, b: int, recompute: str, v: int = 1) -> _Micro:
     gpu, elem = cluster.gpu, training.act_bytes
     if training.precision == "bf16":
         flops = gpu.peak_flops * gpu.efficiency
@@ -162,13 +174,20 @@ def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: i
     matmuls = sum(_matmul_time(m, k, n, flops, gpu.hbm_bw, elem)
                   for m, k, n in layer_matmuls(model, tokens, tp))
     attention = attention_core_flops(model, b, s_q, training.seq_len, tp) / flops
-    layers = model.n_layers // pp
     logits = _matmul_time(tokens, model.d_model, model.vocab_size // tp, flops,
                           gpu.hbm_bw, elem)
     rerun = {"none": 0.0, "selective": attention, "full": matmuls + attention}[recompute]
     fixed = gpu.layer_overhead / 3  # per block pass; backward has twice forward's operators
-    fwd = layers * (matmuls + attention + fixed) + logits
-    bwd = 2 * fwd + layers * (rerun + (fixed if recompute == "full" else 0.0))
+
+    def stage(layers: int, head: float) -> tuple[float, float]:
+        fwd = layers * (matmuls + attention + fixed) + head
+        return fwd, 2 * fwd + layers * (rerun + (fixed if recompute == "full" else 0.0))
+
+    # The slowest stage sets the pace: the last (it runs the logits) or, with uneven
+    # stages, one holding more blocks.
+    counts = model.stage_layer_counts(pp, v)
+    fwd, bwd = max((stage(n, logits if s == pp - 1 else 0.0) for s, n in enumerate(counts)),
+                   key=sum)
     return _Micro(fwd, bwd, attention)
 
 
@@ -176,10 +195,10 @@ def step_time(model: ModelSpec, training: Training, cluster: Cluster,
               cand: Candidate) -> StepTime:
     """Predicted time of one optimizer step of ``cand`` (see the module docstring)."""
     micro = _micro_compute(model, training, cluster, cand.tp, cand.cp, cand.pp,
-                           cand.micro_batch, cand.recompute)
-    tp = _tp_time(model, training, cluster, cand)
-    cp = _cp_time(model, training, cluster, cand, micro)
-    pp = _pp_time(model, training, cluster, cand)
+                           cand.micro_batch, cand.recompute, cand.virtual_stages)
+    tp, cp, pp = _micro_comm(model, training, cluster, Candidate(
+        cand.dp, cand.tp, cand.pp, cand.cp, 0, cand.micro_batch, 1, cand.schedule,
+        cand.virtual_stages, cand.recompute, cand.sequence_parallel))
     m, p, v = cand.microbatches, cand.pp, cand.virtual_stages
     per_micro = micro.fwd + micro.bwd + tp + cp + pp
     bubble = (p - 1) / v * per_micro
@@ -188,13 +207,25 @@ def step_time(model: ModelSpec, training: Training, cluster: Cluster,
                     optimizer=_optimizer_time(model, training, cluster, cand))
 
 
+@lru_cache(maxsize=1 << 14)
+def _micro_comm(model: ModelSpec, training: Training, cluster: Cluster,
+                cand: Candidate) -> tuple[float, float, float]:
+    """Exposed tp, cp and pp time per microbatch (independent of the ZeRO stage and the
+    microbatch count, which ``cand`` carries as 0 and 1 so the search shares them)."""
+    micro = _micro_compute(model, training, cluster, cand.tp, cand.cp, cand.pp,
+                           cand.micro_batch, cand.recompute, cand.virtual_stages)
+    return (_tp_time(model, training, cluster, cand),
+            _cp_time(model, training, cluster, cand, micro),
+            _pp_time(model, training, cluster, cand))
+
+
 def _tp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate) -> float:
     if cand.tp == 1:
         return 0.0
     link = cluster.link(cand.sizes(), ORDER, ("tp",))
     nbytes = cand.micro_batch * training.seq_len // cand.cp * model.d_model * training.act_bytes
     per_layer = 4 + (2 if cand.recompute == "full" else 0)
-    count = per_layer * (model.n_layers // cand.pp) + 1  # + the output layer's
+    count = per_layer * max_layers(model, cand) + 1  # + the output layer's
     return count * link_collective_time(cluster, link, "all-reduce", nbytes, cand.tp)
 
 
@@ -210,7 +241,7 @@ def _cp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     fwd = exposed((cand.cp - 1) * step, micro.attention, overlap)
     bwd = exposed((cand.cp - 1) * 2 * step, 2 * micro.attention, overlap)
     passes = 2 if cand.recompute == "full" else 1
-    return (model.n_layers // cand.pp) * (passes * fwd + bwd)
+    return max_layers(model, cand) * (passes * fwd + bwd)
 
 
 def _pp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate) -> float:
@@ -228,7 +259,7 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     if n == 1:
         return 0.0
     link = cluster.link(cand.sizes(), ORDER, ("cp", "dp"))
-    psi = max(model.stage_params(cand.tp, cand.pp, s) for s in {0, cand.pp - 1})
+    psi = max_stage_params(model, cand)
     weight = grad = training.act_bytes
     if cluster.kind == "local" and cand.zero == 0:
         grad = 4  # paratrain's bf16 data parallelism is autocast over fp32 weights and grads
@@ -245,7 +276,7 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
         return exposed(coll("reduce-scatter", psi * grad), micro.bwd, overlap) + gather
     if cand.zero == 2:
         return m * exposed(coll("reduce-scatter", psi * grad), micro.bwd, overlap) + gather
-    units = model.n_layers // cand.pp  # ZeRO-3 gathers and reduces one block at a time
+    units = max_layers(model, cand)  # ZeRO-3 gathers and reduces one block at a time
     fwd = exposed(coll("all-gather", psi * weight, units), micro.fwd, overlap)
     bwd = exposed(coll("all-gather", psi * weight, units)
                   + coll("reduce-scatter", psi * grad, units), micro.bwd, overlap)
@@ -254,7 +285,7 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
 
 def _optimizer_time(model: ModelSpec, training: Training, cluster: Cluster,
                     cand: Candidate) -> float:
-    psi = max(model.stage_params(cand.tp, cand.pp, s) for s in {0, cand.pp - 1})
+    psi = max_stage_params(model, cand)
     local = psi / (cand.shard if cand.zero >= 1 else 1)
     return local * OPTIMIZER_BYTES[training.optimizer] / (cluster.gpu.optimizer_bw
                                                           or cluster.gpu.hbm_bw)

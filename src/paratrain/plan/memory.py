@@ -96,7 +96,7 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 @lru_cache(maxsize=1 << 14)
 def layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int, sp: bool,
-                           recompute: str, elem: int = 2) -> float:
+                           recompute: str, elem: int = 2, flash: bool = True) -> float:
     """Activation bytes one block stores per microbatch on one TP rank (``s`` is the
     sequence per rank, i.e. already divided by cp).
 
@@ -105,7 +105,11 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int, sp: bool,
     inside it Q, K, V (K and V shrink with grouped KV heads), the output-projection input
     and the MLP's intermediates (GELU: its input and output; unfused SwiGLU as paratrain's
     model runs it: gate, silu(gate), up and their product); the attention scores
-    (softmax output, plus dropout mask and output when training with dropout).
+    (softmax output, plus dropout mask and output when training with dropout) unless
+    ``flash``: FlashAttention / SDPA's fused kernels (what Megatron-core with Transformer
+    Engine, torchtitan and DeepSpeed run today) never store them, only one fp32
+    log-sum-exp per row and head, and regenerate dropout masks from the RNG state.
+    ``flash=False`` is Korthikanti et al.'s count (their runs predate FlashAttention).
     """
     h, a = model.d_model, model.n_heads
     sbh = s * b * h
@@ -117,7 +121,9 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int, sp: bool,
     mlp = (4 if model.gated_mlp else 2) * model.ffn_hidden / h
     inside = elem * (2 + kv + mlp) * sbh
     scores = 0.0
-    if recompute == "none":
+    if recompute == "none" and flash:  # fp32 log-sum-exp per row and head; no s x s
+        scores = 4 * a * s * b
+    elif recompute == "none":  # softmax output, plus dropout mask and output
         scores = (elem + (1 + elem if model.dropout else 0)) * a * s * s * b
     return outside / (t if sp else 1) + (inside + scores) / t
 
@@ -146,7 +152,10 @@ def rank_memory(model: ModelSpec, training: Training, cand: Candidate,
                 paratrain: bool = False) -> Memory:
     """The peak of the fuller of the first and last pipeline stages. ``paratrain``: count
     paratrain's own runtime exactly (``plan.runtime``) instead of the published formulas."""
-    stages = (0,) if cand.pp == 1 else (0, cand.pp - 1)
+    # The first and last stages hold the embedding and the head; with uneven stages the
+    # second holds the most blocks at nearly the first's in-flight count.
+    counts = model.stage_layer_counts(cand.pp, cand.virtual_stages)
+    stages = sorted({0, cand.pp - 1} | ({1} if cand.pp > 2 and counts[1] > counts[0] else set()))
     count = _paratrain_stage_memory if paratrain else stage_memory
     return max((count(model, training, cand, s) for s in stages), key=lambda m: m.total)
 
@@ -154,14 +163,14 @@ def rank_memory(model: ModelSpec, training: Training, cand: Candidate,
 def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: int) -> Memory:
     """Peak bytes of one rank of pipeline ``stage``."""
     weight, grad, k = bytes_per_param(training.precision, training.optimizer)
-    psi = model.stage_params(cand.tp, cand.pp, stage)
+    psi = model.stage_params(cand.tp, cand.pp, stage, cand.virtual_stages)
     zero = cand.zero if cand.shard > 1 else 0
     params, grads, opt = model_state_bytes(psi, cand.shard, zero, weight, grad, k)
     s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
     per_layer = layer_activation_bytes(model, s, b, cand.tp, cand.sp, cand.recompute, elem)
     inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,
                                      cand.virtual_stages, stage)
-    acts = per_layer * (model.n_layers // cand.pp) * inflight
+    acts = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages) * inflight
     buffers = _buffers(model, training, cand, stage, zero, inflight)
     return Memory(params, grads, opt, acts, buffers, stage)
 
@@ -176,7 +185,7 @@ def _paratrain_stage_memory(model: ModelSpec, training: Training, cand: Candidat
                                                          cand.recompute, mode)
     inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,
                                      cand.virtual_stages, stage)
-    acts = per_layer * (model.n_layers // cand.pp) * inflight
+    acts = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages) * inflight
     buffers = runtime.paratrain_buffer_bytes(model, training, cand, stage, inflight)
     return Memory(states["param_bytes"], states["grad_bytes"], states["optim_bytes"], acts,
                   buffers, stage)
@@ -191,10 +200,17 @@ def _buffers(model: ModelSpec, training: Training, cand: Candidate, stage: int, 
         total += model.layer_params(cand.tp) * (2 * weight + grad)
     elif zero in (1, 2):  # reduce-scatter staging; DDP's buckets are the gradients
         total += 2 * BUCKET_BYTES
-    if stage == cand.pp - 1:  # vocab-parallel logits and their fp32 softmax, per microbatch
-        total += s * b * model.vocab_size / cand.tp * (elem + 4) * inflight
+    if stage == cand.pp - 1:  # vocab-parallel logits and their fp32 softmax
+        total += s * b * model.vocab_size / cand.tp * (elem + 4) * logits_inflight(cand)
     if cand.recompute != "none":  # the layer being recomputed, briefly in full
         full = layer_activation_bytes(model, s, b, cand.tp, cand.sp, "none", elem)
         total += full - layer_activation_bytes(model, s, b, cand.tp, cand.sp,
                                                cand.recompute, elem)
     return total
+
+
+def logits_inflight(cand: Candidate) -> int:
+    """Microbatches whose logits are alive at once on the last stage: one, because the
+    last (virtual) stage runs each microbatch's backward right after its forward under
+    1F1B and interleaving alike; GPipe runs every forward first, so all m."""
+    return cand.microbatches if cand.schedule == "gpipe" and cand.pp > 1 else 1

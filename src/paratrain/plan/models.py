@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
+from ..stages import head_costs, stage_layer_counts
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -91,10 +93,23 @@ class ModelSpec:
         proj = self.vocab_size * self.d_model // tp
         return self._norm_params() + (proj if own_copy or not self.tie_embeddings else 0)
 
+    def stage_layers(self, pp: int, stage: int, v: int = 1) -> int:
+        """Blocks one rank of pipeline ``stage`` holds: evenly when pp x v divides the
+        layers, else balanced with the embedding and head counted (``paratrain.stages``,
+        the rule ``train`` cuts by)."""
+        return self.stage_layer_counts(pp, v)[stage]
+
+    @lru_cache(maxsize=1024)  # noqa: B019 - specs are few, frozen and hashable
+    def stage_layer_counts(self, pp: int, v: int = 1) -> tuple[int, ...]:
+        """``stage_layers`` of every pipeline rank."""
+        pos = self.max_seq_len * self.d_model if self.learned_pos else 0
+        embed, head = head_costs(self.vocab_size, self.d_model, self.layer_params(1), pos)
+        return stage_layer_counts(self.n_layers, pp, v, embed, head)
+
     @lru_cache(maxsize=1024)  # noqa: B019 - the search asks for the same stages often
-    def stage_params(self, tp: int, pp: int, stage: int) -> int:
-        """Parameters one rank of pipeline ``stage`` holds (layers split evenly)."""
-        n = self.n_layers // pp * self.layer_params(tp)
+    def stage_params(self, tp: int, pp: int, stage: int, v: int = 1) -> int:
+        """Parameters one rank of pipeline ``stage`` holds."""
+        n = self.stage_layers(pp, stage, v) * self.layer_params(tp)
         if stage == 0:
             n += self.embedding_params(tp)
         if stage == pp - 1:
@@ -239,16 +254,13 @@ _TIED_BY_DEFAULT = {"gpt2", "bloom", "gpt_bigcode", "opt"}
 _DROPOUT_KEYS = ("attn_pdrop", "resid_pdrop", "attention_dropout", "hidden_dropout")
 
 
-def _first(cfg: dict, keys: tuple[str, ...]):
-    return next((cfg[k] for k in keys if cfg.get(k) is not None), None)
-
-
 def from_hf_config(path: str | Path) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen, GPT-2, GPT-NeoX, BLOOM)."""
     path = Path(path)
     cfg = json.loads(path.read_text())
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: expected a JSON object of model settings")
+    refuse_unmodelled(cfg, path)
     values, keys_used = {}, {}
     for field, keys in {**_HF_ALIASES, **_HF_OPTIONAL}.items():
         key = next((k for k in keys if cfg.get(k) is not None), None)
@@ -272,6 +284,32 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         learned_pos=kind in ("gpt2", "gpt_bigcode", "opt"),
         dropout=any(float(cfg.get(k) or 0) > 0 for k in _DROPOUT_KEYS),
     )
+
+
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+                "num_experts_per_tok")
+_ENCODER_DECODER = {"t5", "mt5", "umt5", "longt5", "switch_transformers", "bart", "mbart",
+                    "pegasus", "marian", "whisper", "encoder-decoder"}
+
+
+def refuse_unmodelled(cfg: dict, path: Path) -> None:
+    """Raise ValueError, naming the model, for architectures the planner would misread as
+    a dense decoder: mixtures of experts (their parameters, memory and FLOPs depend on
+    the experts and expert parallelism) and encoder-decoders (two stacks, cross
+    attention)."""
+    kind = str(cfg.get("model_type", "?"))
+    name = f"{path.parent.name or path.name} (model_type {kind!r})"
+    experts = {k: cfg[k] for k in _EXPERT_KEYS[:-1]
+               if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool) and cfg[k] > 1}
+    if experts:
+        key, count = next(iter(experts.items()))
+        raise ValueError(f"{name} is a mixture of experts ({key} = {count}): the planner "
+                         f"models dense decoder-only transformers only and would plan it as "
+                         f"a dense model of the same width; MoE is not supported yet")
+    if cfg.get("is_encoder_decoder") is True or kind in _ENCODER_DECODER:
+        raise ValueError(f"{name} is an encoder-decoder model: the planner models "
+                         f"decoder-only transformers only and would plan it as a decoder; "
+                         f"encoder-decoder models are not supported")
 
 
 def describe(model: ModelSpec) -> str:

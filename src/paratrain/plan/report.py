@@ -176,3 +176,84 @@ def to_json(result: SearchResult, model: ModelSpec, training: Training, cluster:
         "rejected": [{"reason": r.reason, "count": r.count, "example": r.example,
                       "detail": r.detail} for r in result.rejected.values()],
     }
+
+
+# ---- --layout and --compare ---------------------------------------------------------------
+
+def _eval_label(ev) -> str:
+    c = ev.cand
+    return (f"{layout_label(Plan(c, ev.memory, ev.time, 0, 0))} mb{c.micro_batch}x"
+            f"{c.microbatches} rc={c.recompute}")
+
+
+def _status(ev) -> str:
+    if ev.fits:
+        return "fits"
+    return "REJECTED: " + "; ".join(ev.problems)
+
+
+def _rank_line(ev, result: SearchResult) -> str:
+    if ev.rank is None:
+        return "rank: cannot be costed"
+    if not result.plans:
+        return "rank: no layout fits, so nothing to rank against"
+    best = result.plans[0]
+    where = "would rank" if not ev.fits else "ranks"
+    return (f"rank: {where} #{ev.rank} of {ev.ranked} ranked layouts by step time; the "
+            f"winner is {layout_label(best)} mb{best.cand.micro_batch} rc="
+            f"{best.cand.recompute} at {best.time.step:.3g} s "
+            f"({ev.time.step / best.time.step - 1:+.1%} for this one)")
+
+
+def layout_report(evaluations: list, result: SearchResult, model: ModelSpec,
+                  training: Training, cluster: Cluster) -> str:
+    """``--layout`` (one) or ``--compare`` (several, side by side)."""
+    if len(evaluations) == 1:
+        ev = evaluations[0]
+        lines = [header(model, training, cluster), "",
+                 f"layout   {_eval_label(ev)}", f"status   {_status(ev)}",
+                 _rank_line(ev, result)]
+        if ev.memory is not None:
+            unit, scale = ("GiB", GiB) if ev.memory.total >= GiB else ("MiB", MiB)
+            lines += ["", f"memory per rank, {unit} (worst pipeline stage: {ev.memory.stage})",
+                      table(["#", "layout"] + list(MEMORY_PARTS) + ["total", "usable"],
+                            [["1", _eval_label(ev)]
+                             + [f"{getattr(ev.memory, k) / scale:.2f}" for k in MEMORY_PARTS]
+                             + [f"{ev.memory.total / scale:.2f}",
+                                f"{cluster.memory_limit / scale:.2f}"]]),
+                      "", "time per step, s (comm columns are the exposed part)",
+                      table(["#", "layout"] + list(TIME_PARTS) + ["step", "tokens/s", "MFU"],
+                            [["1", _eval_label(ev)]
+                             + [f"{getattr(ev.time, k):.4g}" for k in TIME_PARTS]
+                             + [f"{ev.time.step:.4g}", f"{ev.tokens_per_s:,.0f}",
+                                f"{ev.mfu:.1%}"]])]
+        return "\n".join(lines)
+    rows = [["layout"], ["status"], ["rank"]]
+    rows += [[f"mem {k}"] for k in MEMORY_PARTS] + [["mem total"]]
+    rows += [[f"time {k}"] for k in TIME_PARTS] + [["step s"], ["tokens/s"], ["MFU"]]
+    for ev in evaluations:
+        col = [_eval_label(ev), "fits" if ev.fits else "REJECTED",
+               f"#{ev.rank} of {ev.ranked}" if ev.rank else "-"]
+        if ev.memory is None:
+            col += ["-"] * (len(rows) - 3)
+        else:
+            col += [size(getattr(ev.memory, k)) for k in MEMORY_PARTS] + [size(ev.memory.total)]
+            col += [f"{getattr(ev.time, k):.4g}" for k in TIME_PARTS]
+            col += [f"{ev.time.step:.4g}", f"{ev.tokens_per_s:,.0f}", f"{ev.mfu:.1%}"]
+        for row, cell in zip(rows, col):
+            row.append(cell)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    why = [f"  {i}: {'; '.join(ev.problems)}" for i, ev in enumerate(evaluations, 1)
+           if not ev.fits]
+    return "\n".join([header(model, training, cluster), "", text]
+                     + (["", "rejected:"] + why if why else []))
+
+
+def evaluation_dict(ev) -> dict:
+    """One ``--layout`` / ``--compare`` entry for ``--json``."""
+    data = {"fits": ev.fits, "problems": ev.problems, "overflow_bytes": ev.overflow,
+            "rank": ev.rank, "ranked": ev.ranked}
+    if ev.memory is None:
+        return {"layout": {**asdict(ev.cand), "sp": ev.cand.sp}, **data}
+    return {**plan_dict(Plan(ev.cand, ev.memory, ev.time, ev.tokens_per_s, ev.mfu)), **data}

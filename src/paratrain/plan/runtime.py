@@ -57,7 +57,8 @@ def block_params(model: ModelSpec, tp: int = 1) -> int:
     return 2 * h + 2 * h * h // tp + 2 * h * kv + 3 * h * f // tp
 
 
-def unit_params(model: ModelSpec, tp: int = 1, pp: int = 1, stage: int = 0) -> list[int]:
+def unit_params(model: ModelSpec, tp: int = 1, pp: int = 1, stage: int = 0,
+                v: int = 1) -> list[int]:
     """Parameters of each ZeRO unit on one rank of pipeline ``stage``, in model order:
     token embedding (first stage), the stage's blocks, final norm and output projection
     (last stage; a tied projection is the embedding itself unless stages separate them)."""
@@ -65,7 +66,7 @@ def unit_params(model: ModelSpec, tp: int = 1, pp: int = 1, stage: int = 0) -> l
     units = []
     if stage == 0:
         units.append(vocab * h)
-    units += [block_params(model, tp)] * (model.n_layers // pp)
+    units += [block_params(model, tp)] * model.stage_layers(pp, stage, v)
     if stage == pp - 1:
         units.append(h)
         if not model.tie_embeddings or pp > 1:
@@ -82,7 +83,8 @@ def paratrain_state_bytes(model: ModelSpec, layout, precision: str, optimizer: s
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision {precision!r}: paratrain trains in fp32 or bf16")
     zero, n = layout.zero, layout.dp * layout.cp
-    units = unit_params(model, layout.tp, layout.pp, stage)
+    units = unit_params(model, layout.tp, layout.pp, stage,
+                        getattr(layout, "virtual_stages", 1))
     padded = sum(-(-u // n) * n for u in units) if zero else sum(units)
     w, g, k = state_bytes_per_param(precision, zero, optimizer)
     return {"param_bytes": w * padded // (n if zero >= 3 else 1),
@@ -94,8 +96,8 @@ def paratrain_layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int = 
                                      sp: bool = False, recompute: str = "none",
                                      mode: str = "fp32") -> float:
     """Bytes one paratrain block saves for backward per microbatch (``s`` tokens per
-    sequence on this rank, ``b`` sequences): exact for t = 1, within 10% at t = 2 with and
-    without sequence parallelism (tests/test_plan_vs_runs.py). Per token, with c the
+    sequence on this rank, ``b`` sequences): exact against saved-tensor hooks at t = 1 and
+    t = 2 with and without SP (tests/test_plan_vs_runs.py). Per token, with c the
     compute dtype's bytes and r the residual stream's (fp32 4, 4; autocast 2, 4; bf16 2, 2):
 
     * each RMSNorm: its input in fp32 (4h: the input itself, or its fp32 copy), the
@@ -122,39 +124,82 @@ def paratrain_layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int = 
         inputs = consumers if mode == "autocast" else 1
         return 4 * h + r * h + 4 + inputs * c * h
 
-    outside = norm(3) + norm(2)  # attention norm feeds wq, wk, wv; MLP norm w1, w3
+    # The norms run on this rank's sequence shard under SP, but the linear layers save
+    # the all-gathered full-sequence input, so that term is not divided by t.
+    inputs = (5 if mode == "autocast" else 2) * c * h
+    outside = (norm(3) + norm(2) - (inputs if sp else 0)) / (t if sp else 1) + (inputs if sp else 0)
     if recompute == "selective":
         attention = c * (h // t + 2 * kv) + c * h // t
     else:
         attention = 5 * c * h // t + 4 * a // t
-    inside = attention + 4 * c * f // t
-    return tokens * (outside / (t if sp else 1) + inside)
+    # With tp > 1 the row-parallel outputs (wo, w2: full h, full sequence, partial sums)
+    # stay alive until backward: measured, tests/test_plan_peaks.py.
+    row_parallel = 2 * c * h if t > 1 else 0
+    inside = attention + 4 * c * f // t + row_parallel
+    return tokens * (outside + inside)
 
 
 def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate, stage: int,
                            inflight: float) -> float:
-    """Temporaries at a paratrain rank's peak: ZeRO's gathered units and full unit
-    gradients, autocast's bf16 copies of the weights (the graph keeps them until backward
-    reaches their layer), the logits and their fp32 log-softmax, and the block being
-    recomputed."""
+    """Bytes beyond the stored activations at a paratrain rank's peak (measured with live
+    storages, tests/test_plan_peaks.py). Always: autocast's bf16 copies of the weights
+    (the graph keeps them until backward reaches their layer), the batch's token ids and
+    targets (int64), and on a stage that sends activations onward, its outputs of every
+    microbatch in flight plus the gradient it receives. Then the larger of two moments:
+
+    * the start of the loss's backward on the last stage (``paratrain_head_bytes``);
+    * the backward of a block: ZeRO's gathered units and full unit gradients, the
+      block's recomputed activations (all of them with full recompute; the attention
+      core with selective), and the MLP's two gradient temporaries (gate and up).
+    """
     mode = precision_mode(training.precision, cand.zero)
-    units = unit_params(model, cand.tp, cand.pp, stage)
-    weight = 2 if mode == "bf16" else 4
-    total = 0.0
-    if cand.zero == 3:  # the unit in use and the prefetched one, two units' full gradients
-        total += 4 * max(units) * weight
-    elif cand.zero == 2:  # the gradient being reduced and the one being assembled
-        total += 2 * max(units) * weight
+    units = unit_params(model, cand.tp, cand.pp, stage, cand.virtual_stages)
+    c = 4 if mode == "fp32" else 2
+    r = 2 if mode == "bf16" else 4
+    weight = c
+    s, b = training.seq_len // cand.cp, cand.micro_batch
+    tokens = s * b
+    total = 16.0 * tokens  # input ids and targets
     if mode == "autocast":
-        norms = model.d_model * (2 * (model.n_layers // cand.pp) + (stage == cand.pp - 1))
+        norms = model.d_model * (2 * model.stage_layers(cand.pp, stage, cand.virtual_stages)
+                                 + (stage == cand.pp - 1))
         matrices = sum(units) - norms - (units[0] if stage == 0 else 0)  # no embedding cast
         total += 2 * matrices
-    s, b = training.seq_len // cand.cp, cand.micro_batch
-    if stage == cand.pp - 1:
-        c = 4 if mode == "fp32" else 2
-        total += s * b * model.vocab_size / cand.tp * (c + 4 + (4 if c == 2 else 0)) * inflight
-    if cand.recompute != "none":  # the block being recomputed, briefly in full
+    shard = model.d_model * tokens / (cand.tp if cand.sp else 1)
+    if stage < cand.pp - 1:  # outputs kept for backward, their send copies, a gradient received
+        total += (2 * inflight + 1) * r * shard
+    if stage > 0:  # the next microbatch's activation, received ahead
+        total += r * shard
+    block = 2 * c * model.ffn_hidden / cand.tp * tokens
+    if cand.zero == 3:  # the unit in use and the prefetched one, two units' full gradients
+        block += 4 * max(units) * weight
+    elif cand.zero == 2:  # the gradient being reduced and the one being assembled
+        block += 2 * max(units) * weight
+    if cand.recompute != "none":
         full, kept = (paratrain_layer_activation_bytes(model, s, b, cand.tp, cand.sp, policy, mode)
                       for policy in ("none", cand.recompute))
-        total += full - kept
-    return total
+        block += full - (kept if cand.recompute == "selective" else 0)
+    head = paratrain_head_bytes(model, s, b, cand, mode) if stage == cand.pp - 1 else 0.0
+    return total + max(head, block)
+
+
+def paratrain_head_bytes(model: ModelSpec, s: int, b: int, cand: Candidate, mode: str) -> float:
+    """What the last stage's head holds at its peak, the start of the loss's backward:
+    the final RMSNorm's saved tensors (as a block's norm, feeding one linear layer) and
+    the logits' loss buffers. The loss runs in fp32 (``.float()`` of the logits). With
+    tp = 1, ``F.cross_entropy`` saves the log-softmax (4 bytes per logit) and its backward
+    holds the NLL gradient and the log-softmax gradient (4 + 4) at once; the vocab-parallel
+    loss (tp > 1) saves the softmax (4) and turns it into the gradient in place, plus a
+    copy in the compute dtype when that is bf16. Only one microbatch's loss is in
+    backward at a time; GPipe runs every forward first, so each of its m microbatches
+    keeps the saved part."""
+    t = cand.tp
+    c = 4 if mode == "fp32" else 2
+    r = 2 if mode == "bf16" else 4
+    h, tokens = model.d_model, s * b
+    vocab = -(-model.vocab_size // t)
+    norm = (4 * h + r * h + 4) / (t if cand.sp else 1) + c * h
+    saved = 4 * vocab
+    transient = 8 * vocab if t == 1 else (2 * vocab if c == 2 else 0)
+    kept = cand.microbatches if cand.schedule == "gpipe" and cand.pp > 1 else 1
+    return tokens * ((norm + saved) * kept + transient)

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from ..layout import LayoutError
+from ..layout import Layout, LayoutError
 from .candidate import RECOMPUTE, Candidate, Training
 from .cost import StepTime, step_flops, step_time
 from .hardware import GiB, Cluster
@@ -88,8 +88,9 @@ class SearchResult:
         key = re.sub(r"\d+(\.\d+)?", "N", reason)
         group = self.rejected.setdefault(key, Rejected(key))
         group.count += count
-        if overflow < group.overflow or not group.example:
-            group.example, group.detail, group.overflow = example, detail, overflow
+        if overflow < group.overflow or not group.example:  # ``detail`` may be a callable:
+            group.example, group.overflow = example, overflow  # built only when shown
+            group.detail = detail() if callable(detail) else detail
 
 
 @lru_cache(maxsize=1024)
@@ -133,14 +134,43 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
                        (recompute,) if recompute else RECOMPUTE, step_flops(model, training))
     for shape in _shapes(problem, result):
         for cand in _schedules(problem, shape, result):
+            fitted: set = set()
             for stage in zero if cand.shard > 1 else (0,):
                 staged = replace(cand, zero=stage)
-                if _valid_stage(staged, result):
-                    _sweep(problem, staged, result)
-    # The model is not finer than 3 significant figures: within that, less memory wins.
-    result.plans.sort(key=lambda p: (float(f"{p.time.step:.3g}"), p.memory.total))
+                # ZeRO-2 and 3 only communicate more than the stage below: they are timed
+                # only where it did not fit.
+                fitted = _sweep(problem, staged, result, fitted if stage >= 2 else set())
+    result.plans.sort(key=lambda p: rank_key(p.time.step, p.memory.total))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def rank_key(step: float, memory: float) -> tuple[float, float]:
+    """Order of plans: the model is not finer than 3 significant figures of step time;
+    within that, less memory wins."""
+    return float(f"{step:.3g}"), memory
+
+
+def layout_problems(model: ModelSpec, training: Training, cluster: Cluster,
+                    cand: Candidate) -> list[str]:
+    """Every rule ``cand`` breaks, short of memory (the rules the search prunes by)."""
+    problems = []
+    if cand.tp > cluster.node_size:
+        problems.append(f"tp={cand.tp} spans nodes of {cluster.node_size} GPUs: tensor "
+                        f"parallelism is kept inside a node")
+    if training.global_batch % cand.dp:
+        problems.append(f"dp={cand.dp} does not divide the global batch {training.global_batch}")
+    elif (training.global_batch // cand.dp) % cand.micro_batch:
+        problems.append(f"micro batch {cand.micro_batch} does not divide the "
+                        f"{training.global_batch // cand.dp} sequences per replica")
+    try:
+        _check_model(model, training.seq_len, cand, cand.virtual_stages)
+    except LayoutError as err:
+        problems.append(str(err))
+    if cand.schedule == "interleaved" and cand.pp > 1 and cand.microbatches % cand.pp:
+        problems.append(f"interleaved needs microbatches divisible by pp: {cand.microbatches} "
+                        f"% pp={cand.pp} != 0 (Megatron's rule)")
+    return problems
 
 
 def _shapes(problem: _Problem, result: SearchResult):
@@ -165,25 +195,19 @@ def _shapes(problem: _Problem, result: SearchResult):
 
 def _valid(problem: _Problem, cand: Candidate, v: int, label: str,
            result: SearchResult) -> bool:
-    model = problem.model
     try:
-        cand.layout().check_model(n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
-                                  n_layers=model.n_layers, seq_len=problem.training.seq_len,
-                                  virtual_stages=v)
+        _check_model(problem.model, problem.training.seq_len, cand, v)
     except LayoutError as err:
         result.reject(str(err).split(";")[0], label, str(err))
         return False
     return True
 
 
-def _valid_stage(cand: Candidate, result: SearchResult) -> bool:
-    """The ZeRO stage is allowed with this layout (``Layout``'s rule, shared with train)."""
-    try:
-        cand.layout()
-    except LayoutError as err:
-        result.reject(str(err).split(";")[0], f"dp{cand.dp} pp{cand.pp} zero{cand.zero}", str(err))
-        return False
-    return True
+def _check_model(model: ModelSpec, seq_len: int, cand: Candidate, v: int) -> None:
+    """``Layout.check_model``, the rule ``train`` applies (the ZeRO stage is not its part)."""
+    Layout(dp=cand.dp, pp=cand.pp, cp=cand.cp, tp=cand.tp).check_model(
+        n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers,
+        seq_len=seq_len, virtual_stages=v)
 
 
 def _schedules(problem: _Problem, shape: Candidate, result: SearchResult):
@@ -199,18 +223,24 @@ def _schedules(problem: _Problem, shape: Candidate, result: SearchResult):
             yield cand
 
 
-def _sweep(problem: _Problem, cand: Candidate, result: SearchResult) -> None:
+def _sweep(problem: _Problem, cand: Candidate, result: SearchResult,
+           skip: set[tuple[str, int]]) -> set[tuple[str, int]]:
     """Every microbatch size and recompute policy of ``cand``. A policy is tried only on
     the microbatches where less recompute did not fit: where it fits, less recompute is
-    at least as fast (same everything, less compute)."""
+    at least as fast (same everything, less compute). (policy, microbatch) pairs in
+    ``skip`` fit with a lower ZeRO stage and are not timed; returns the pairs that fit
+    or were skipped."""
     sizes = ((problem.micro_batch,) if problem.micro_batch
              else divisors(problem.training.global_batch // cand.dp))
+    fitted: set[tuple[str, int]] = set()
     if not _states_fit(problem, cand, len(problem.policies) * len(sizes), result):
-        return
+        return fitted
     first = 0
     for policy in problem.policies:
         result.dominated += first
-        first = _sweep_microbatch(problem, replace(cand, recompute=policy), sizes, first, result)
+        first = _sweep_microbatch(problem, replace(cand, recompute=policy), sizes, first, result,
+                                  skip, fitted)
+    return fitted
 
 
 def _states_fit(problem: _Problem, cand: Candidate, count: int, result: SearchResult) -> bool:
@@ -227,13 +257,18 @@ def _states_fit(problem: _Problem, cand: Candidate, count: int, result: SearchRe
 
 
 def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...], first: int,
-                      result: SearchResult) -> int:
+                      result: SearchResult, skip: set, fitted: set) -> int:
     """Evaluate ``cand`` at ``sizes[first:]`` (ascending) until one overflows; returns the
-    index of the first size that did not fit (peak memory never shrinks with the size)."""
+    index of the first size that did not fit (peak memory never shrinks with the size).
+    Adds the sizes that fit, or are in ``skip``, to ``fitted``."""
     training, cluster = problem.training, problem.cluster
     per_replica = training.global_batch // cand.dp
     for i in range(first, len(sizes)):
         mb = sizes[i]
+        if (cand.recompute, mb) in skip:
+            result.dominated += 1
+            fitted.add((cand.recompute, mb))
+            continue
         if per_replica % mb:
             result.reject("micro batch does not divide the per-replica batch",
                           cand.describe(), f"{per_replica} sequences per replica % {mb} != 0")
@@ -243,14 +278,15 @@ def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...]
                           cand.virtual_stages, cand.recompute)
         if trial.schedule == "interleaved" and m % trial.pp:
             result.reject("interleaved needs microbatches divisible by pp", trial.describe(),
-                          f"{m} microbatches % pp={trial.pp} != 0 (Megatron's rule)")
+                          lambda: f"{m} microbatches % pp={trial.pp} != 0 (Megatron's rule)")
             continue
         memory = rank_memory(problem.model, training, trial, problem.paratrain)
         if memory.total > cluster.memory_limit:
             result.reject("activations exceed memory", trial.describe(),
-                          _overflow_text(memory, cluster), count=len(sizes) - i,
+                          lambda: _overflow_text(memory, cluster), count=len(sizes) - i,
                           overflow=memory.total - cluster.memory_limit)
             return i
+        fitted.add((cand.recompute, mb))
         times = step_time(problem.model, training, cluster, trial)
         peak = cluster.gpu.peak_flops if training.precision == "bf16" else \
             cluster.gpu.peak_flops_fp32

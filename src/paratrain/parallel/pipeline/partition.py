@@ -1,8 +1,9 @@
 """Split a built GPT into the chunks one pipeline rank runs.
 
-Virtual stage ``k`` of ``pp * v`` gets a contiguous run of transformer blocks, balanced by
-a cost per block (uniform by default); the token embedding joins the first virtual stage
-and the final norm, output projection and loss the last. Rank ``r`` keeps the chunks of
+Virtual stage ``k`` of ``pp * v`` gets a contiguous run of transformer blocks: evenly when
+pp * v divides the layers, else balanced with the embedding and head counted
+(``paratrain.stages``, the rule ``plan`` uses too); the token embedding joins the first
+virtual stage and the final norm, output projection and loss the last. Rank ``r`` keeps the chunks of
 virtual stages ``r, r + pp, r + 2pp, ...`` (Megatron's interleaving) and the parameters of
 every other stage are released, so each rank holds about 1/pp of the model.
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from ...layout import Layout, LayoutError
 from ...models.gpt import GPT
+from ...stages import head_costs, pipeline_split, split_layers  # noqa: F401 - re-exported
 
 
 class PipelineChunk(nn.Module):
@@ -78,46 +80,6 @@ class PipelineChunk(nn.Module):
         return f"stage={self.stage}/{self.num_stages}, layers={ids.start}..{ids.stop - 1}"
 
 
-def split_layers(n_layers: int, parts: int, layer_costs: Sequence[float] | None = None,
-                 embed_cost: float = 0.0, head_cost: float = 0.0) -> list[range]:
-    """Cut ``n_layers`` blocks into ``parts`` contiguous non-empty runs minimising the most
-    expensive run. The embedding's cost counts toward the first run, the head's toward
-    the last (all in units of one block when ``layer_costs`` is uniform)."""
-    if not 1 <= parts <= n_layers:
-        raise LayoutError(f"cannot split {n_layers} layers into {parts} pipeline chunks: every "
-                          f"chunk needs at least one layer; use pp*virtual_stages <= {n_layers}")
-    costs = [1.0] * n_layers if layer_costs is None else [float(c) for c in layer_costs]
-    if len(costs) != n_layers:
-        raise ValueError(f"layer_costs has {len(costs)} entries for {n_layers} layers")
-    if layer_costs is None and not embed_cost and not head_cost and n_layers % parts == 0:
-        size = n_layers // parts
-        return [range(i * size, (i + 1) * size) for i in range(parts)]
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def run_cost(a: int, b: int, k: int) -> float:  # layers a..b-1 as run k
-        return (prefix[b] - prefix[a] + (embed_cost if k == 0 else 0.0)
-                + (head_cost if k == parts - 1 else 0.0))
-
-    # best[k][i]: smallest achievable maximum cost putting layers 0..i-1 into runs 0..k-1.
-    inf = float("inf")
-    best = [[inf] * (n_layers + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n_layers + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for i in range(k, n_layers - (parts - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], run_cost(j, i, k - 1))
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    bounds, i = [], n_layers
-    for k in range(parts, 0, -1):
-        bounds.append(range(cut[k][i], i))
-        i = cut[k][i]
-    return bounds[::-1]
-
-
 def split_model(model: GPT, pp_rank: int, pp_size: int, virtual_stages: int = 1,
                 layer_costs: Sequence[float] | None = None, embed_cost: float = 0.0,
                 head_cost: float = 0.0) -> list[PipelineChunk]:
@@ -135,7 +97,13 @@ def split_model(model: GPT, pp_rank: int, pp_size: int, virtual_stages: int = 1,
         raise LayoutError("tie_embeddings shares the embedding (first stage) with the output "
                           "projection (last stage), which live on different pipeline ranks; "
                           "set tie_embeddings = false to use pp > 1")
-    runs = split_layers(cfg.n_layers, num_stages, layer_costs, embed_cost, head_cost)
+    if layer_costs is None and not embed_cost and not head_cost:  # train's rule (stages.py)
+        d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
+        block = 2 * d + 2 * d * d + 2 * d * kv + 3 * d * cfg.ffn_dim
+        runs = pipeline_split(cfg.n_layers, pp_size, virtual_stages,
+                              *head_costs(cfg.vocab_size, d, block))
+    else:
+        runs = split_layers(cfg.n_layers, num_stages, layer_costs, embed_cost, head_cost)
     chunks = [PipelineChunk(model, s, num_stages, runs[s])
               for s in range(pp_rank, num_stages, pp_size)]
     _release_others(model, chunks)

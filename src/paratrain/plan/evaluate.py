@@ -1,0 +1,249 @@
+"""Evaluate one given layout (``paratrain plan --layout``, ``--compare``): its full
+breakdown even when it does not fit, why not and by how much, and where it would rank.
+
+A layout spec fixes any subset of the choices, written as the tables print them:
+``dp8 tp8 pp4 cp1 v2 zero1 mb1 recompute=selective`` (also ``z1``, ``tp8+sp``,
+``rc=sel``, ``mb1x16``, ``gpipe`` / ``1f1b`` / ``interleaved`` / ``interleaved/v2``).
+What it leaves out is searched: the best completion that fits is shown, or, when none
+fits, the one closest to fitting.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .candidate import RECOMPUTE, SCHEDULES, Candidate, Training
+from .cost import StepTime, step_flops, step_time
+from .hardware import Cluster
+from .memory import Memory, rank_memory
+from .models import ModelSpec
+from .search import SearchResult, divisors, layout_problems, rank_key
+
+_SIZE = re.compile(r"(dp|tp|pp|cp)(\d+)(\+sp)?")
+_ALIASES = {"sel": "selective", "no": "none", "off": "none"}
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """The choices a ``--layout`` string fixes; None means searched."""
+
+    dp: int | None = None
+    """Data-parallel replicas."""
+    tp: int | None = None
+    """Tensor-parallel ranks."""
+    pp: int | None = None
+    """Pipeline stages."""
+    cp: int | None = None
+    """Context-parallel ranks."""
+    zero: int | None = None
+    """ZeRO stage."""
+    micro_batch: int | None = None
+    """Sequences per microbatch."""
+    microbatches: int | None = None
+    """Microbatches per step (only checked: the batch sets it)."""
+    schedule: str | None = None
+    """``gpipe``, ``1f1b`` or ``interleaved``."""
+    virtual_stages: int | None = None
+    """Chunks per pipeline rank."""
+    recompute: str | None = None
+    """``none``, ``selective`` or ``full``."""
+    text: str = ""
+    """The string it was parsed from."""
+
+
+def parse_layout(text: str) -> LayoutSpec:
+    """``LayoutSpec`` of a ``--layout`` string; ValueError naming the token otherwise."""
+    values: dict = {"text": text.strip()}
+    for token in text.replace(",", " ").split():
+        low = token.lower()
+        if m := _SIZE.fullmatch(low):
+            values[m.group(1)] = int(m.group(2))
+        elif m := re.fullmatch(r"(?:zero|z)([0-3])", low):
+            values["zero"] = int(m.group(1))
+        elif m := re.fullmatch(r"mb(\d+)(?:x(\d+))?", low):
+            values["micro_batch"] = int(m.group(1))
+            if m.group(2):
+                values["microbatches"] = int(m.group(2))
+        elif m := re.fullmatch(r"v(\d+)", low):
+            values["virtual_stages"] = int(m.group(1))
+        elif m := re.fullmatch(r"(gpipe|1f1b|interleaved)(?:/v(\d+))?", low):
+            values["schedule"] = m.group(1)
+            if m.group(2):
+                values["virtual_stages"] = int(m.group(2))
+        elif m := re.fullmatch(r"(?:recompute|rc)=(\w+)", low):
+            policy = _ALIASES.get(m.group(1), m.group(1))
+            if policy not in RECOMPUTE:
+                raise ValueError(f"--layout {token!r}: recompute is one of {', '.join(RECOMPUTE)}")
+            values["recompute"] = policy
+        else:
+            raise ValueError(
+                f"--layout: cannot read {token!r}; write e.g. 'dp8 tp8 pp4 cp1 v2 zero1 mb1 "
+                f"1f1b recompute=selective' (any subset)")
+        if any(values.get(k) == 0 for k in ("dp", "tp", "pp", "cp", "micro_batch",
+                                             "microbatches", "virtual_stages")):
+            raise ValueError(f"--layout {token!r}: sizes must be positive")
+    spec = LayoutSpec(**values)
+    v = spec.virtual_stages or 1
+    if v > 1 and spec.schedule not in (None, "interleaved"):
+        raise ValueError(f"--layout {text!r}: v{v} needs the interleaved schedule")
+    return spec
+
+
+@dataclass
+class Evaluation:
+    """One layout's predictions and what stops it."""
+
+    cand: Candidate
+    """The layout with its searched choices filled in."""
+    memory: Memory | None
+    """Peak bytes on the worst rank (None if the layout cannot be costed at all)."""
+    time: StepTime | None
+    """Seconds per step by component."""
+    problems: list[str] = field(default_factory=list)
+    """Why the layout is rejected; empty when it is valid and fits."""
+    overflow: float = 0.0
+    """Bytes over the usable memory (0 when it fits)."""
+    rank: int | None = None
+    """Position among the search's ranked plans by step time (1 = would win)."""
+    ranked: int = 0
+    """Plans the search ranked."""
+    tokens_per_s: float = 0.0
+    """Throughput of the whole job."""
+    mfu: float = 0.0
+    """Model FLOPs per second over the peak of all GPUs."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def _options(fixed, choices):
+    return (fixed,) if fixed is not None else tuple(choices)
+
+
+def candidates(spec: LayoutSpec, model: ModelSpec, training: Training,
+               cluster: Cluster):
+    """Every completion of ``spec`` on ``cluster`` (no pruning: invalid ones included)."""
+    n = cluster.n_gpus
+    named = [getattr(spec, a) for a in ("dp", "tp", "pp", "cp") if getattr(spec, a)]
+    product = 1
+    for size in named:
+        product *= size
+    if n % product:
+        raise ValueError(f"--layout {spec.text!r} needs a multiple of {product} ranks; the "
+                         f"cluster has {n}")
+    for tp in _options(spec.tp, divisors(n)):
+        for cp in _options(spec.cp, divisors(n // tp) if n % tp == 0 else ()):
+            for pp in _options(spec.pp, divisors(n // (tp * cp)) if n % (tp * cp) == 0 else ()):
+                if n % (tp * cp * pp):
+                    continue
+                dp = n // (tp * cp * pp)
+                if spec.dp is not None and spec.dp != dp:
+                    continue
+                yield from _choices(spec, model, training, dp, tp, pp, cp)
+
+
+def _choices(spec, model, training, dp, tp, pp, cp):
+    per_replica = max(training.global_batch // dp, 1)
+    schedules = ("1f1b",) if pp == 1 and spec.schedule is None else _options(
+        spec.schedule, SCHEDULES if (spec.virtual_stages or 1) == 1 else ("interleaved",))
+    for schedule in schedules:
+        vs = (1,) if schedule != "interleaved" else _options(
+            spec.virtual_stages, [v for v in divisors(max(model.n_layers // pp, 1))[1:]] or [2])
+        for v in vs:
+            for zero in _options(spec.zero, (0, 1, 2, 3) if dp * cp > 1 else (0,)):
+                for mb in _options(spec.micro_batch, divisors(per_replica)):
+                    for rc in _options(spec.recompute, RECOMPUTE):
+                        yield Candidate(dp, tp, pp, cp, zero, mb, max(per_replica // mb, 1),
+                                        schedule, v, rc)
+
+
+def evaluate_candidate(model: ModelSpec, training: Training, cluster: Cluster,
+                       cand: Candidate, paratrain: bool | None = None) -> Evaluation:
+    """Predictions for ``cand`` whether or not it is valid or fits."""
+    paratrain = cluster.kind == "local" if paratrain is None else paratrain
+    problems = layout_problems(model, training, cluster, cand)
+    try:
+        memory = rank_memory(model, training, cand, paratrain)
+        times = step_time(model, training, cluster, cand)
+    except (ZeroDivisionError, ValueError, IndexError) as err:
+        return Evaluation(cand, None, None, problems + [f"cannot be costed: {err}"])
+    overflow = max(0.0, memory.total - cluster.memory_limit)
+    if overflow:
+        problems.append(f"does not fit: needs {_gib(memory.total)} of "
+                        f"{_gib(cluster.memory_limit)} usable, {_gib(overflow)} over "
+                        f"(states {_gib(memory.states)}, activations "
+                        f"{_gib(memory.activations)}, buffers {_gib(memory.buffers)})")
+    peak = cluster.gpu.peak_flops if training.precision == "bf16" else cluster.gpu.peak_flops_fp32
+    return Evaluation(cand, memory, times, problems, overflow,
+                      tokens_per_s=training.tokens / times.step,
+                      mfu=step_flops(model, training) / (times.step * cluster.n_gpus * peak))
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _closeness(ev: Evaluation) -> tuple:
+    """Best first: fitting and fastest; else fewest problems, least overflow, fastest."""
+    step = ev.time.step if ev.time else float("inf")
+    if ev.fits:
+        return (0, 0, 0.0, step)
+    structural = sum(not p.startswith("does not fit") for p in ev.problems)
+    return (1, structural, ev.overflow, step)
+
+
+def evaluate(spec: LayoutSpec, model: ModelSpec, training: Training, cluster: Cluster,
+             result: SearchResult) -> Evaluation:
+    """The best completion of ``spec`` (or the closest to fitting), ranked against
+    ``result``, the search over all layouts."""
+    best = None
+    for cand in candidates(spec, model, training, cluster):
+        ev = evaluate_candidate(model, training, cluster, cand)
+        if best is None or _closeness(ev) < _closeness(best):
+            best = ev
+    if best is None:
+        raise ValueError(f"--layout {spec.text!r} has no layout on {cluster.n_gpus} ranks")
+    if spec.microbatches is not None and spec.microbatches != best.cand.microbatches:
+        best.problems.insert(0, f"mb{best.cand.micro_batch}x{spec.microbatches}: the global "
+                                f"batch gives {best.cand.microbatches} microbatches")
+    best.ranked = len(result.plans)
+    if best.time is not None:
+        key = rank_key(best.time.step, best.memory.total)
+        best.rank = 1 + sum(rank_key(p.time.step, p.memory.total) < key for p in result.plans)
+    return best
+
+
+def with_search(spec_texts: list[str], model: ModelSpec, training: Training,
+                cluster: Cluster, result: SearchResult) -> list[Evaluation]:
+    """Evaluate each ``--layout`` / ``--compare`` string."""
+    return [evaluate(parse_layout(t), model, training, cluster, result) for t in spec_texts]
+
+
+
+def nearest_batches(model: ModelSpec, training: Training, cluster: Cluster,
+                    micro_batch: int | None = None, recompute: str | None = None,
+                    count: int = 3, tries: int = 12) -> list[int]:
+    """Global batches near ``training.global_batch`` for which some layout fits, nearest
+    first (up to ``count``, from at most ``tries`` searches): the multiples of each
+    possible data-parallel size (and of the fixed microbatch) just below and above."""
+    from dataclasses import replace as _replace
+
+    from .search import search
+
+    wanted = training.global_batch
+    step = micro_batch or 1
+    near: set[int] = set()
+    for dp in divisors(cluster.n_gpus):
+        unit = dp * step
+        below = wanted // unit * unit
+        near.update(b for b in (below, below + unit) if b > 0 and b != wanted)
+    found = []
+    for batch in sorted(near, key=lambda b: (abs(b - wanted), b))[:tries]:
+        if search(model, _replace(training, global_batch=batch), cluster,
+                  micro_batch=micro_batch, recompute=recompute).plans:
+            found.append(batch)
+            if len(found) == count:
+                break
+    return found
