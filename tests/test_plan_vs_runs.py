@@ -62,7 +62,8 @@ def test_state_bytes_equal_the_planners(nproc, tmp_path):
 # replicated at tp=4), pipeline stages holding different units, cp replicating weights.
 MODEL_PARALLEL = [dict(dp=2, tp=2, zero=1), dict(tp=4, vocab_size=250),
                   dict(dp=2, pp=2, zero=1, n_layers=4), dict(tp=2, pp=2, n_layers=4, vocab_size=250),
-                  dict(dp=2, cp=2, zero=3), dict(tp=2, cp=2, zero=2, precision="bf16")]
+                  dict(dp=2, cp=2, zero=3), dict(tp=2, cp=2, zero=2, precision="bf16"),
+                  dict(dp=2, pp=2, zero=3, n_layers=4), dict(dp=2, pp=2, zero=2, n_layers=4, precision="bf16")]
 
 
 def test_model_parallel_state_bytes_equal_the_planners(tmp_path):

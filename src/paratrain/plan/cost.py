@@ -268,7 +268,10 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     def coll(op: str, nbytes: float, calls: int = 1) -> float:  # calls pay α each
         return calls * link_collective_time(cluster, link, op, nbytes / calls, n)
 
-    m = cand.microbatches
+    # Under a pipeline paratrain accumulates a stage's gradient through the step and
+    # reduces it once, and ZeRO-3 keeps a stage's gathered units through the step
+    # (zero.md): once per step, whatever the microbatches.
+    m = 1 if cand.pp > 1 else cand.microbatches
     if cand.zero == 0:
         return exposed(coll("all-reduce", psi * grad), micro.bwd, overlap)
     gather = exposed(coll("all-gather", psi * weight), micro.fwd, overlap)
@@ -278,8 +281,8 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
         return m * exposed(coll("reduce-scatter", psi * grad), micro.bwd, overlap) + gather
     units = max_layers(model, cand)  # ZeRO-3 gathers and reduces one block at a time
     fwd = exposed(coll("all-gather", psi * weight, units), micro.fwd, overlap)
-    bwd = exposed(coll("all-gather", psi * weight, units)
-                  + coll("reduce-scatter", psi * grad, units), micro.bwd, overlap)
+    regather = coll("all-gather", psi * weight, units) if cand.pp == 1 else 0.0
+    bwd = exposed(regather + coll("reduce-scatter", psi * grad, units), micro.bwd, overlap)
     return m * (fwd + bwd)
 
 
