@@ -154,7 +154,7 @@ def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, 
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         return "timeout", time.perf_counter() - start, out[-2000:]
     seconds = time.perf_counter() - start
-    tail = (done.stdout + done.stderr)[-2000:]
+    tail = (done.stdout + done.stderr)[-4000:]
     if done.returncode == 0:
         return "pass", seconds, tail
     return ("error" if done.returncode in (4, 5) else "fail"), seconds, tail
@@ -184,7 +184,10 @@ def check(mutants: list[Mutant], timeout: float, baseline: bool = True) -> int:
                 target.write_text(original)
             verdict = {"fail": "caught", "pass": "MISSED", "timeout": "TIMEOUT", "error": "ERROR"}[status]
             print(f"{verdict:8s} {m.name:40s} {seconds:6.1f} s  {m.file}", flush=True)
-            if status != "fail":
+            if status == "fail":  # say which test failed, and how
+                failed = [ln for ln in tail.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+                print(f"         {(failed or ['(see pytest output)'])[0][:200]}", flush=True)
+            else:
                 missed.append(m.name)
                 print("         " + tail.strip().replace("\n", "\n         ")[-1200:], flush=True)
     caught = len(mutants) - len(missed)

@@ -147,3 +147,15 @@ def assert_replicas_equal(per_rank: list[dict], name: str) -> None:
         params = rank_results[name]["params"]
         for key, ref in first.items():
             assert torch.equal(params[key], ref), (name, "rank", rank_results[name]["rank"], key)
+
+
+def plan(*argv: str) -> int:
+    """``paratrain plan ARGV`` in this process; returns its exit code."""
+    import argparse
+
+    from paratrain.plan import cli
+
+    parser = argparse.ArgumentParser(prog="paratrain")
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", *argv])
+    return args.func(args)
