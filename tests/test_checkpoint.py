@@ -10,7 +10,7 @@ import pytest
 from distributed import run_world
 from paratrain.train import checkpoint
 from paratrain.train.config import ConfigError
-from test_ddp import assert_same_run, tiny_config, train_runs
+from helpers import assert_same_run, tiny_config, train_runs
 
 STEPS = 6
 
@@ -19,31 +19,33 @@ def resume_config(tmp: str, nproc: int, resume: str = "", **overrides):
     return tiny_config(tmp, nproc=nproc, lr=1e-3, steps=STEPS, resume=resume, **overrides)
 
 
-def tail(run, since: int = 3):
-    """The part of a run after ``since`` steps: its later losses and final parameters."""
-    losses, val, params = run
-    return losses[since:], [v for v in val if v[0] > since], params
+def tail(run: dict, since: int = 0) -> dict:
+    """The part of a run after ``since`` steps: its later losses, validation losses and
+    gradient norms, and its final parameters. (First-step gradients are left out: a resumed
+    run's first step is the reference's step ``since + 1``.)"""
+    return {"losses": run["losses"][since:], "val": [v for v in run["val"] if v[0] > since],
+            "grad_norms": run["grad_norms"][since:], "grads": {}, "params": run["params"]}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A dp2 x ZeRO-1 run that saves every 3 steps, and the uninterrupted reference."""
     tmp = tmp_path_factory.mktemp("ckpt")
-    run_world(train_runs, 2, [resume_config(str(tmp / "a"), 2, zero=1, save_every=3)])
-    reference = run_world(train_runs, 1, [resume_config(str(tmp / "ref"), 1)])[0][0]
+    run_world(train_runs, 2, {"a": resume_config(str(tmp / "a"), 2, zero=1, save_every=3)})
+    reference = run_world(train_runs, 1, {"ref": resume_config(str(tmp / "ref"), 1)})[0]["ref"]
     return tmp / "a" / "checkpoints" / "step-3", reference
 
 
 def test_resume_under_other_layouts_continues_the_run(saved, tmp_path):
     ckpt, reference = saved
     assert checkpoint.read_meta(ckpt)["step"] == 3
-    want = tail(reference)
+    want = tail(reference, since=3)
     layouts = [dict(nproc=1), dict(nproc=2, zero=3), dict(nproc=4, dp=1, tp=2, pp=2, microbatches=2)]
     for layout in layouts:
         nproc = layout.pop("nproc")
-        got = run_world(train_runs, nproc, [resume_config(str(tmp_path), nproc, str(ckpt), **layout)])
-        assert len(got[0][0][0]) == STEPS - 3
-        assert_same_run((got[0][0][0], got[0][0][1], got[0][0][2]), want)
+        got = run_world(train_runs, nproc, {"b": resume_config(str(tmp_path), nproc, str(ckpt), **layout)})
+        assert len(got[0]["b"]["losses"]) == STEPS - 3
+        assert_same_run(tail(got[0]["b"]), want, what=str(layout))
 
 
 def test_bad_checkpoints_are_reported_before_launch(saved, tmp_path):

@@ -1,4 +1,5 @@
-"""Data parallelism: parity with one process, with torch DDP, and real overlap."""
+"""Data parallelism: parity with one process (losses, gradient norms, first-step gradients,
+parameters), equal replicas, bf16 autocast over several steps, torch DDP, and overlap."""
 
 from __future__ import annotations
 
@@ -9,47 +10,14 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_world
+from helpers import (assert_close_list, assert_identical_runs, assert_replicas_equal,
+                     assert_same_run, assert_tensors_close, tiny_config, train_runs)
 from paratrain.layout import Layout
 from paratrain.mesh import Mesh
 from paratrain.models.gpt import GPT, PRESETS
 from paratrain.parallel.data import DataParallel
-from paratrain.train.config import load
-from paratrain.train.loop import train
 
-RTOL = 1e-5
-
-
-def tiny_config(tmp_dir: str, **overrides):
-    base = dict(preset="tiny", seq_len=32, global_batch=8, steps=4, warmup_steps=2, lr=3e-3,
-                grad_clip=0.5, eval_every=2, eval_batches=1, progress=False,
-                run_dir=tmp_dir, bucket_mb=0.05)
-    return load(None, {**base, **overrides}).validate()
-
-
-def train_runs(configs):
-    """Train each config in turn inside one world (worlds are slow to start)."""
-    results = []
-    for cfg in configs:
-        result = train(cfg, Mesh.build(cfg.layout), keep_params=True)
-        results.append((result.losses, result.val_losses, result.params if dist.get_rank() == 0 else None))
-    return results
-
-
-def assert_same_run(got, want):
-    losses, val, params = got
-    ref_losses, ref_val, ref_params = want
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
-    torch.testing.assert_close(torch.tensor([v for _, v in val]), torch.tensor([v for _, v in ref_val]),
-                               rtol=RTOL, atol=0)
-    for name, ref in ref_params.items():
-        assert rel_error(params[name], ref) <= RTOL, (name, rel_error(params[name], ref))
-
-
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Norm-wise relative error of a tensor. Element-wise error is ill-conditioned for
-    parameters: Adam divides by sqrt(v) + eps, so an entry whose gradient is near eps turns
-    a last-bit difference in summation order into a visible one."""
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+BF16_STEPS = 6
 
 
 @pytest.fixture(scope="module")
@@ -61,31 +29,76 @@ def corpus(tmp_path_factory):
     return str(path)
 
 
-def variants(tmp: str, nproc: int, corpus: str):
-    return [
-        tiny_config(tmp, nproc=nproc),
-        tiny_config(tmp, nproc=nproc, micro_batch=8 // nproc // 2),  # 2-step accumulation
-        tiny_config(tmp, nproc=nproc, recompute="full"),  # recomputation changes no number
-        tiny_config(tmp, nproc=nproc, corpus=corpus, remainder="pad", global_batch=4,
-                    val_fraction=0.2, steps=4),  # crosses a padded, masked batch
-    ]
+def variants(tmp: str, nproc: int, corpus: str) -> dict:
+    configs = {
+        "plain": tiny_config(tmp, nproc=nproc),
+        "accumulate": tiny_config(tmp, nproc=nproc, micro_batch=8 // nproc // 2),  # 2 microbatches
+        "recompute": tiny_config(tmp, nproc=nproc, recompute="full"),  # changes no number
+        "padded": tiny_config(tmp, nproc=nproc, corpus=corpus, remainder="pad", global_batch=4,
+                              val_fraction=0.2, steps=4),  # crosses a padded, masked batch
+    }
+    if nproc <= 2:
+        configs["bf16"] = tiny_config(tmp, nproc=nproc, precision="bf16", steps=BF16_STEPS)
+    return configs
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus):
     tmp = str(tmp_path_factory.mktemp("ref"))
-    return [r for i, r in enumerate(run_world(train_runs, 1, variants(tmp, 1, corpus))[0]) if i != 2]
+    configs = variants(tmp, 1, corpus)
+    del configs["recompute"]
+    return run_world(train_runs, 1, configs)[0]
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory, corpus):
+    return run_world(train_runs, 2, variants(str(tmp_path_factory.mktemp("dp2")), 2, corpus))
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_ddp_matches_single_process(nproc, reference, tmp_path, corpus):
-    results = run_world(train_runs, nproc, variants(str(tmp_path), nproc, corpus))
-    want = [reference[0], reference[1], reference[0], reference[2]]  # recompute == plain
-    for got, ref in zip(results[0], want):
-        assert_same_run(got, ref)
-    # every replica ends with the same weights; losses are identical on every rank
-    for rank_result in results[1:]:
-        assert [r[0] for r in rank_result] == [r[0] for r in results[0]]
+def test_ddp_matches_single_process(nproc, reference, dp2, tmp_path, corpus):
+    results = dp2 if nproc == 2 else run_world(train_runs, nproc, variants(str(tmp_path), nproc, corpus))
+    got = results[0]
+    for name in ("plain", "accumulate", "padded"):
+        assert_same_run(got[name], reference[name], what=f"dp{nproc} {name}")
+    # recomputation repeats the same forward: bit for bit the same run
+    assert_identical_runs(got["recompute"], got["plain"], what=f"dp{nproc} recompute")
+    for name in got:  # every replica ends with the same weights
+        assert_replicas_equal(results, name)
+
+
+
+def assert_bf16_close(got: dict, want: dict, lr: float, steps: int, what: str) -> None:
+    """Two bf16 runs of the same training that differ only in how gradients are summed
+    (over ranks or in one process).
+
+    The tolerance follows from bf16's unit roundoff u = 2**-8 (8 significant bits):
+    - gradients: the same forward (rows are independent), but one process rounds the whole
+      batch's weight gradient x^T dy to bf16 once, while dp ranks each round their part and
+      then add: two roundings, so within 2u (norm-wise; the same for the global norm);
+    - parameters: Adam's step lr * m / sqrt(v) is scale-free, so a relative gradient
+      perturbation of 2u moves each entry's step by about 2u * lr; over ``steps`` steps
+      (lr never above its peak) the norm-wise drift is at most steps * 2u * lr * sqrt(N),
+      relative to the parameter's norm;
+    - losses: computed the same way on parameters that drifted as above; their relative
+      error stays below one rounding, u.
+    A run whose bf16 weights never change, or whose gradients are scaled wrong, is off by
+    far more (the loss falls by > 0.5 over these steps, a scale error is >= 2x)."""
+    u = 2.0 ** -8
+    assert_close_list(got["losses"], want["losses"], u, f"{what} losses")
+    assert_close_list(got["grad_norms"], want["grad_norms"], 2 * u, f"{what} grad norms")
+    assert_tensors_close(got["grads"], want["grads"], 2 * u, f"{what} first-step gradients")
+    assert got["params"].keys() == want["params"].keys()
+    for name, w in want["params"].items():
+        tol = steps * 2 * u * lr * w.numel() ** 0.5 / w.float().norm().item()
+        assert_tensors_close({name: got["params"][name]}, {name: w}, tol, f"{what} parameters")
+
+
+def test_bf16_autocast_matches_single_process_over_steps(reference, dp2):
+    got, want = dp2[0]["bf16"], reference["bf16"]
+    assert len(got["losses"]) == BF16_STEPS
+    assert want["losses"][0] - want["losses"][-1] > 0.5  # it trains: far beyond the tolerance
+    assert_bf16_close(got, want, lr=3e-3, steps=BF16_STEPS, what="dp2 bf16 autocast")
 
 
 def ddp_checks():

@@ -1,28 +1,32 @@
 """Strategies and their combinations end to end through the training loop: every run must
-match a single process on the same global batch (per-step and validation loss, final
-parameters), fp32, relative error <= 1e-5."""
+match a single process on the same global batch (per-step and validation loss, per-step
+gradient norm, first-step gradients, final parameters), fp32, relative error <= 1e-5, with
+every replica ending on the same weights."""
 
 from __future__ import annotations
 
 import pytest
 
 from distributed import run_world
-from test_ddp import assert_same_run, tiny_config, train_runs
+from helpers import assert_replicas_equal, assert_same_run, tiny_config, train_runs
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ref"))
-    return run_world(train_runs, 1, [tiny_config(tmp, nproc=1, lr=1e-3)])[0][0]
+    return run_world(train_runs, 1, {"ref": tiny_config(tmp, nproc=1, lr=1e-3)})[0]["ref"]
+
+
+def name_of(variant: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in variant.items())
 
 
 def check(nproc: int, reference, tmp_path, *variants: dict) -> None:
-    configs = [tiny_config(str(tmp_path), nproc=nproc, lr=1e-3, **v) for v in variants]
-    for got, variant in zip(run_world(train_runs, nproc, configs)[0], variants):
-        try:
-            assert_same_run(got, reference)
-        except AssertionError as exc:
-            raise AssertionError(f"{variant}: {exc}") from None
+    configs = {name_of(v): tiny_config(str(tmp_path), nproc=nproc, lr=1e-3, **v) for v in variants}
+    results = run_world(train_runs, nproc, configs)
+    for name in configs:
+        assert_same_run(results[0][name], reference, what=name)
+        assert_replicas_equal(results, name)
 
 
 def test_context_parallel_on_two_ranks(reference, tmp_path):
@@ -31,8 +35,10 @@ def test_context_parallel_on_two_ranks(reference, tmp_path):
 
 
 def test_data_and_context_parallel_on_four_ranks(reference, tmp_path):
+    # cp=4: a ring of 4 tells the neighbours apart (at cp=2 both are the same rank)
     check(4, reference, tmp_path, dict(dp=2, cp=2, cp_method="ring"),
-          dict(dp=2, cp=2, cp_method="ulysses", zero=2))
+          dict(dp=2, cp=2, cp_method="ulysses", zero=2), dict(cp=4, cp_method="ring"),
+          dict(cp=4, cp_method="ring", zero=3))
 
 
 def test_tensor_and_sequence_parallel_on_two_ranks(reference, tmp_path):
@@ -55,7 +61,7 @@ def test_pipeline_schedules_on_two_ranks(reference, tmp_path):
 def reference4(tmp_path_factory):
     """The same run with 4 layers, so 4 stages or 2 stages x 2 virtual stages fit."""
     tmp = str(tmp_path_factory.mktemp("ref4"))
-    return run_world(train_runs, 1, [tiny_config(tmp, nproc=1, lr=1e-3, n_layers=4)])[0][0]
+    return run_world(train_runs, 1, {"ref": tiny_config(tmp, nproc=1, lr=1e-3, n_layers=4)})[0]["ref"]
 
 
 def test_pipeline_with_data_tensor_parallel_and_interleaving_on_four_ranks(reference4, tmp_path):

@@ -38,7 +38,7 @@ def fail_mid_step(cfg):
 
 
 def test_failing_rank_ends_the_job_within_seconds_with_its_traceback(tmp_path):
-    from test_ddp import tiny_config
+    from helpers import tiny_config
 
     start = time.monotonic()
     with pytest.raises(RankFailed) as info:

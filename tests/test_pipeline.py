@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from distributed import run_world
+from helpers import RTOL, rel_error
 from paratrain.comm import collectives as C
 from paratrain.layout import Layout, LayoutError
 from paratrain.mesh import Mesh
@@ -19,7 +20,6 @@ from paratrain.parallel.data import DataParallel
 from paratrain.parallel.pipeline import (Recorder, forward_schedule, gather_timeline,
                                          run_schedule, schedule, split_layers, split_model)
 
-RTOL = 1e-5
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                 max_seq_len=16)
 BATCH, SEQ, STEPS = 8, 16, 3
@@ -40,11 +40,6 @@ def adamw(params) -> torch.optim.Optimizer:
     # cancels to ~1e-9 moves by lr * g / (|g| + eps), and a last-bit difference in the
     # summation order of microbatches then shows at 1e-5 (it is Adam, not the pipeline).
     return torch.optim.AdamW(params, lr=3e-3, eps=1e-5, weight_decay=0.1, foreach=False)
-
-
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Norm-wise relative error (Adam makes element-wise error ill-conditioned)."""
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -246,6 +241,19 @@ def test_one_rank_runs_every_table_and_hands_chunks_over_in_memory(kind, v):
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             assert rel_error(p.grad, grads[name]) <= RTOL, name
+    # The same microbatches accumulated one after the other (the loop without pipeline):
+    # the same arithmetic in the same order, so the same bits.
+    torch.manual_seed(0)
+    accumulated = GPT(CFG)
+    total = torch.zeros(())
+    for x, y in mbs:
+        part = accumulated(x, y)
+        (part * (1 / TOKENS)).backward()
+        total += part.detach().float()
+    assert torch.equal(loss, total)
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            assert torch.equal(p.grad, accumulated.get_parameter(name).grad), (kind, v, name)
 
 
 def test_split_keeps_names_and_frees_other_stages():

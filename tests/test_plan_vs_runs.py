@@ -161,7 +161,7 @@ FAKE = Calibration(
 
 
 def test_calibrate_flag_writes_what_local_plans_read(tmp_path, monkeypatch, capsys):
-    from test_plan_cli import plan
+    from helpers import plan
 
     from paratrain.plan import calibrate
 

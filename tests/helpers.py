@@ -1,0 +1,161 @@
+"""Shared test helpers: tiny loop configs, training inside one spawned world, and the
+comparisons every parity test makes (losses, per-step gradient norm, first-step gradients,
+final parameters, replicas).
+
+Parity runs have gradient clipping OFF (``grad_clip=0``): clipping rescales a wrong gradient
+magnitude back to the threshold, and AdamW is nearly invariant to a constant gradient scale,
+so a wrong loss scale or a sum instead of an average shows only in the gradients and their
+norm. That is why ``assert_same_run`` compares those too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from paratrain.comm import collectives as C
+from paratrain.mesh import Mesh
+from paratrain.parallel.engine import merge_stages
+from paratrain.train.config import Config, load
+
+RTOL = 1e-5
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Norm-wise relative error of a tensor. Element-wise error is ill-conditioned for
+    parameters: Adam divides by sqrt(v) + eps, so an entry whose gradient is near eps turns
+    a last-bit difference in summation order into a visible one."""
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+def tiny_config(tmp_dir: str, **overrides) -> Config:
+    """The tiny preset on the bundled corpus, 4 steps, clipping off (see the module doc)."""
+    base = dict(preset="tiny", seq_len=32, global_batch=8, steps=4, warmup_steps=2, lr=3e-3,
+                grad_clip=0.0, eval_every=2, eval_batches=1, progress=False,
+                run_dir=tmp_dir, bucket_mb=0.05)
+    return load(None, {**base, **overrides}).validate()
+
+
+# ---- inside a rank ---------------------------------------------------------------------------
+
+@torch.no_grad()
+def full_grads(engine) -> dict[str, torch.Tensor]:
+    """The engine's current gradients, unsharded, under the plain model's names (collective:
+    every rank calls it). Reads engine internals on purpose: this is an oracle's view."""
+    tp = getattr(engine, "tp", None)
+    if hasattr(engine, "units"):  # ZeRO: each rank holds its slice of every unit's gradient
+        local = {}
+        for unit in engine.units:
+            full = unit.grad_shard.new_empty(unit.flat.padded)
+            C.all_gather(full, unit.grad_shard.contiguous(), engine.group)
+            for name, view in zip(unit.flat.names, unit.flat.copy_out(full)):
+                local[name] = view.float().clone()
+        if tp is not None:
+            local = tp.full_state_dict(engine.module, local=local)
+    elif tp is not None:
+        local = {k: v.float() for k, v in tp.full_state_dict(engine.module, grads=True).items()}
+    else:
+        local = {n: p.grad.detach().float().clone() for n, p in engine.module.named_parameters()}
+    return {k: v.cpu() for k, v in merge_stages(local, engine.pp_group).items()}
+
+
+def _recording(box: dict):
+    """A stand-in for ``parallelize`` that records, at every clip call, the global gradient
+    norm, and at the first one the unsharded gradients (before clipping)."""
+    from paratrain.train import loop
+
+    original = loop.parallelize
+
+    def parallelize(model, mesh, cfg):
+        engine = original(model, mesh, cfg)
+        clip = engine.clip_grad_norm_
+
+        def clip_and_record(max_norm: float) -> float:
+            if "grads" not in box:
+                box["grads"] = full_grads(engine)
+            norm = clip(max_norm)
+            box["grad_norms"].append(float(norm))
+            return norm
+
+        engine.clip_grad_norm_ = clip_and_record
+        return engine
+
+    return loop, original, parallelize
+
+
+def train_one(cfg: Config) -> dict:
+    """Train ``cfg`` on this rank's mesh; what the parity checks compare, from this rank."""
+    box: dict = {"grad_norms": []}
+    loop, original, recording = _recording(box)
+    loop.parallelize = recording
+    try:
+        result = loop.train(cfg, Mesh.build(cfg.layout), keep_params=True)
+    finally:
+        loop.parallelize = original
+    return {"losses": result.losses, "val": result.val_losses, "grad_norms": box["grad_norms"],
+            "grads": box.get("grads", {}), "params": result.params,
+            "state_bytes": result.state_bytes, "rank": dist.get_rank()}
+
+
+def train_runs(configs: dict[str, Config]) -> dict[str, dict]:
+    """Train each named config in turn inside one world (worlds are slow to start)."""
+    return {name: train_one(cfg) for name, cfg in configs.items()}
+
+
+# ---- in the test process ----------------------------------------------------------------------
+
+def assert_close_list(got: list[float], want: list[float], rtol: float, what: str) -> None:
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
+                               torch.tensor(want, dtype=torch.float64), rtol=rtol, atol=0, msg=what)
+
+
+def assert_tensors_close(got: dict, want: dict, rtol: float, what: str) -> None:
+    assert got.keys() == want.keys(), (what, sorted(set(got) ^ set(want)))
+    if not want:
+        return
+    errors = {name: rel_error(got[name], ref) for name, ref in want.items()}
+    worst = max(errors.items(), key=lambda kv: kv[1])
+    assert worst[1] <= rtol, f"{what}: {worst[0]} is {worst[1]:.2e} away (tolerance {rtol:.0e})"
+
+
+def assert_same_run(got: dict, want: dict, rtol: float = RTOL, what: str = "") -> None:
+    """Losses, validation losses, per-step gradient norms, first-step gradients and final
+    parameters all within ``rtol`` (norm-wise for tensors)."""
+    assert_close_list(got["losses"], want["losses"], rtol, f"{what} losses")
+    assert [s for s, _ in got["val"]] == [s for s, _ in want["val"]], what
+    assert_close_list([v for _, v in got["val"]], [v for _, v in want["val"]], rtol, f"{what} val")
+    assert_close_list(got["grad_norms"], want["grad_norms"], rtol, f"{what} grad norms")
+    assert_tensors_close(got["grads"], want["grads"], rtol, f"{what} first-step gradients")
+    assert_tensors_close(got["params"], want["params"], rtol, f"{what} parameters")
+
+
+def assert_identical_runs(got: dict, want: dict, what: str = "") -> None:
+    """Bit-for-bit the same run (where the arithmetic is the same, e.g. recompute vs none)."""
+    for key in ("losses", "val", "grad_norms"):
+        assert got[key] == want[key], (what, key)
+    for key in ("grads", "params"):
+        assert got[key].keys() == want[key].keys(), (what, key)
+        for name, ref in want[key].items():
+            assert torch.equal(got[key][name], ref), (what, key, name)
+
+
+def assert_replicas_equal(per_rank: list[dict], name: str) -> None:
+    """Every rank ends with bit-identical weights: data- and context-parallel replicas hold
+    the same parameters (each rank's full_state_dict is built from its own replica)."""
+    first = per_rank[0][name]["params"]
+    for rank_results in per_rank[1:]:
+        params = rank_results[name]["params"]
+        for key, ref in first.items():
+            assert torch.equal(params[key], ref), (name, "rank", rank_results[name]["rank"], key)
+
+
+def plan(*argv: str) -> int:
+    """``paratrain plan ARGV`` in this process; returns its exit code."""
+    import argparse
+
+    from paratrain.plan import cli
+
+    parser = argparse.ArgumentParser(prog="paratrain")
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", *argv])
+    return args.func(args)

@@ -1,0 +1,36 @@
+"""The mutation check's CI subset: a few fast deliberate bugs from scripts/mutants/*.toml,
+each applied to a temporary copy of the repository, must make their tests fail. The full
+check (every mutant; tens of minutes) is `python scripts/mutants.py`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "mutants.py"
+
+
+def test_every_mutant_file_is_well_formed():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--list"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("tests:") >= 12
+
+
+def test_ci_mutants_are_caught():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--ci"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "MISSED" not in done.stdout and "caught" in done.stdout
+
+
+def test_malformed_mutants_are_refused(tmp_path):
+    (tmp_path / "bad.toml").write_text(
+        '[[mutant]]\nname = "x"\nfile = "src/paratrain/optim.py"\nold = "return"\nnew = "pass"\n'
+        'tests = ["tests/nothing.py"]\nwhy = "y"\n')
+    done = subprocess.run([sys.executable, str(SCRIPT), "--list", "--dir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 2
+    assert "occurs" in done.stderr and "tests/nothing.py does not exist" in done.stderr
