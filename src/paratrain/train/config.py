@@ -13,10 +13,11 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from ..layout import Layout, LayoutError
+from ..layout import Layout, LayoutError, parse_domain
 from ..models.gpt import PRESETS, GPTConfig, preset
+from .heat2d import Heat2DConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,7 +34,8 @@ class ParallelConfig:
     """How the work is split across processes."""
 
     nproc: int = 0
-    """Processes to start (0: the product dp*tp*pp*cp, or 2 when dp is also 0)."""
+    """Processes to start (0: the product dp*tp*pp*cp*domain; when dp is also 0, with dp=2,
+    or dp=1 under domain parallelism)."""
     dp: int = 0
     """Data-parallel replicas (0: whatever fills nproc)."""
     tp: int = 1
@@ -65,6 +67,8 @@ class ParallelConfig:
     """Process-group backend: auto (nccl with GPUs, else gloo), gloo or nccl."""
     timeout_s: float = 300.0
     """Seconds a collective may wait for a peer before the job fails instead of hanging."""
+    domain: str = "1"
+    """Domain parallelism (--task heat2d): N ranks over each sample's height, or HxW, e.g. 2x2."""
 
 
 @dataclass
@@ -137,12 +141,16 @@ class TrainConfig:
     timeline: bool = False
     """Pipeline runs: record what each rank did when into RUN_DIR/timeline.json, for
     `paratrain trace --run`, and print the measured bubble."""
+    task: Literal["lm", "heat2d"] = "lm"
+    """lm: a GPT on text; heat2d: a U-Net on generated 2-D heat-equation fields (--domain)."""
 
 
-SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
+            "heat2d": Heat2DConfig}
 CHOICES = {"cp_method": ("ring", "ulysses"), "schedule": ("gpipe", "1f1b", "interleaved"),
            "backend": ("auto", "gloo", "nccl"), "remainder": ("drop", "pad"),
-           "precision": ("fp32", "bf16"), "recompute": ("none", "selective", "full")}
+           "precision": ("fp32", "bf16"), "recompute": ("none", "selective", "full"),
+           "task": ("lm", "heat2d"), "boundary": ("zeros", "circular")}
 # Strategies whose code has not landed: rejected up front, never silently ignored.
 
 
@@ -158,12 +166,14 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    heat2d: Heat2DConfig = field(default_factory=Heat2DConfig)
 
     # ---- derived ---------------------------------------------------------------------------
     @property
     def layout(self) -> Layout:
         p = self.parallel
-        return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero, order=p.order)
+        domh, domw = parse_domain(p.domain)
+        return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero, order=p.order, domh=domh, domw=domw)
 
     @property
     def micro_batch(self) -> int:
@@ -189,10 +199,15 @@ class Config:
         """Fill in derived sizes and raise ConfigError naming any problem and its fix."""
         _resolve_world(self.parallel)
         for name, value in CHOICES.items():
-            for section in (self.parallel, self.data, self.train):
+            for section in (self.parallel, self.data, self.train, self.heat2d):
                 got = getattr(section, name, None)
                 if got is not None and got not in value:
                     raise ConfigError(f"{name}={got!r} is not one of {', '.join(value)}")
+        if self.train.task == "heat2d" or self.layout.dom > 1:
+            from .task_heat2d import validate as validate_heat2d
+
+            validate_heat2d(self)  # the convolutional task and domain parallelism
+            return self
         try:
             self.layout.check_model(n_heads=self.model.n_heads, n_kv_heads=self.model.kv_heads,
                                     n_layers=self.model.n_layers, seq_len=self.data.seq_len,
@@ -268,15 +283,19 @@ class Config:
 
 
 def _resolve_world(p: ParallelConfig) -> None:
-    others = p.tp * p.pp * p.cp
-    if p.dp == 0:
-        nproc = p.nproc or 2 * others
+    try:
+        domh, domw = parse_domain(p.domain)
+    except LayoutError as exc:
+        raise ConfigError(str(exc)) from None
+    others = p.tp * p.pp * p.cp * domh * domw
+    if p.dp == 0:  # default: 2 replicas, or one when a domain grid already splits each sample
+        nproc = p.nproc or (others if domh * domw > 1 else 2 * others)
         if nproc % others:
-            raise ConfigError(f"nproc={nproc} is not divisible by tp*pp*cp={others}")
+            raise ConfigError(f"nproc={nproc} is not divisible by tp*pp*cp*domain={others}")
         p.dp = nproc // others
     p.nproc = p.nproc or p.dp * others
     if p.nproc != p.dp * others:
-        raise ConfigError(f"nproc={p.nproc} but dp*tp*pp*cp = {p.dp * others}; set --nproc "
+        raise ConfigError(f"nproc={p.nproc} but dp*tp*pp*cp*domain = {p.dp * others}; set --nproc "
                           f"{p.dp * others} or change the axis sizes")
 
 
