@@ -203,7 +203,7 @@ class Config:
                 got = getattr(section, name, None)
                 if got is not None and got not in value:
                     raise ConfigError(f"{name}={got!r} is not one of {', '.join(value)}")
-        if self.train.task == "heat2d" or self.layout.dom > 1:
+        if self.train.task == "heat2d" or parse_domain(self.parallel.domain) != (1, 1):
             from .task_heat2d import validate as validate_heat2d
 
             validate_heat2d(self)  # the convolutional task and domain parallelism

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..comm import collectives as C
+from ..layout import LayoutError
 from ..mesh import Mesh
 from ..models.unet import UNet, UNetConfig
 from ..optim import lr_at
@@ -68,7 +69,11 @@ def validate(cfg: Config) -> None:
     if not 0 < h.heat_diffusivity <= 0.25:
         raise ConfigError(f"heat_diffusivity={h.heat_diffusivity}: explicit steps are stable "
                           f"for 0 < r <= 0.25")
-    for axis, parts in (("height", cfg.layout.domh), ("width", cfg.layout.domw)):
+    try:
+        layout = cfg.layout
+    except LayoutError as exc:
+        raise ConfigError(str(exc)) from None
+    for axis, parts in (("height", layout.domh), ("width", layout.domw)):
         check_grid(h.grid_size, parts, ucfg, axis)
     _check_batch(cfg)
     if t.resume:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...comm import collectives as C
-from .halo import DomainError, Grid, Halo, exchange, wait, window
+from .halo import DomainError, Grid, Halo, arrived_all, exchange, wait, window
 
 
 def conv_halo(kernel: int, stride: int, padding: int) -> tuple[int, int]:
@@ -56,7 +56,8 @@ class DomainConv2d(nn.Module):
         self.overlap = True
         """Compute the interior while the halos travel (False: wait first; for measuring)."""
         self.recorder: list | None = None
-        """Set to a list to record (launch, interior done, halos in, done) times per call."""
+        """Set to a list to record, per call, the times (launch, interior done, halos in,
+        done) and whether the halos had all arrived when the interior was done."""
         halos = [conv_halo(k, s, p) for k, s, p in zip(conv.kernel_size, conv.stride, conv.padding)]
         split = [grid.shape[a] > 1 for a in (0, 1)]
         # An axis the grid does not split pads as the plain layer does, locally.
@@ -95,6 +96,7 @@ class DomainConv2d(nn.Module):
         overlap = self.overlap and self.stride == (1, 1) and n_h > lh + hh and n_w > lw + hw
         interior = self._conv(x) if overlap else None  # needs no halo: runs while they travel
         t1 = time.perf_counter()
+        arrived = self.recorder is not None and arrived_all(pending)
         wait(pending)
         t2 = time.perf_counter()
         H, W = lh + n_h + hh, lw + n_w + hw  # the padded block
@@ -113,7 +115,7 @@ class DomainConv2d(nn.Module):
                 rows.append(self._conv(window(blocks, self.halo, (n_h - hh, H), (0, W))))
             out = torch.cat(rows, -2) if len(rows) > 1 else rows[0]
         if self.recorder is not None:
-            self.recorder.append((t0, t1, t2, time.perf_counter()))
+            self.recorder.append((t0, t1, t2, time.perf_counter(), arrived))
         return out
 
 
@@ -125,11 +127,11 @@ class _GroupNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, groups: int, eps: float, group) -> torch.Tensor:
         N, Cn = x.shape[:2]
         xg = x.reshape(N, groups, -1)
-        count = torch.tensor([float(xg.shape[-1])], dtype=x.dtype, device=x.device)
-        C.all_reduce(count, group)
-        mean = xg.sum(-1)
-        C.all_reduce(mean, group)
-        mean /= count
+        # Sums and element counts in one all-reduce (blocks may differ in size).
+        stats = torch.cat([xg.sum(-1).flatten(), x.new_full((1,), float(xg.shape[-1]))])
+        C.all_reduce(stats, group)
+        count = stats[-1:]
+        mean = stats[:-1].view(N, groups) / count
         var = (xg - mean[..., None]).pow(2).sum(-1)  # two passes: as accurate as torch's
         C.all_reduce(var, group)
         rstd = torch.rsqrt(var / count + eps)
