@@ -9,7 +9,15 @@ column from the block to the right, one corner cell from the diagonal block, and
 as square grids (sqrt(n) x sqrt(n)).
 
     python docs/img/make_domain.py      # writes domain-halo.png next to this script
+
+With ``--timeline FILE.json`` (written by ``benchmarks/domain_parallel.py --timeline``) it
+also draws domain-overlap.png: every rank's halo convolutions in one forward pass, without
+overlap (wait for the halos, then convolve) and with it (the interior is computed while the
+halos travel, then the wait that is left, then the border strips).
 """
+
+import argparse
+import json
 
 from pathlib import Path
 
@@ -77,7 +85,40 @@ def draw_ratio(ax, size: int = 256) -> None:
     ax.set_title(f"halo-to-interior ratio, {size}x{size} field", fontsize=9, loc="left")
 
 
+def draw_timeline(path: str) -> Path:
+    data = json.loads(Path(path).read_text())
+    n = data["nproc"]
+    fig, axes = plt.subplots(2, 1, figsize=(12, 2 + 1.2 * n), sharex=True)
+    rest = (("waiting for halos", "#d62828"), ("convolution after the wait (all / border strips)", COLORS[2]))
+    for ax, mode, title in ((axes[0], "off", "without overlap: post, wait, then convolve"),
+                            (axes[1], "on", "with overlap: post, interior, then the wait left, then strips")):
+        first = ("posting the exchange", "#999999") if mode == "off" else \
+            ("posting the exchange + interior conv (halos in flight)", COLORS[1])
+        parts = (first, *rest)
+        for rank, calls in enumerate(data[mode]):
+            for i, (t0, t1, t2, t3) in enumerate(calls):
+                for (label, color), (a, b) in zip(parts, ((t0, t1), (t1, t2), (t2, t3))):
+                    ax.barh(rank, (b - a) * 1e3, left=a * 1e3, color=color, height=0.6,
+                            label=label if rank == 0 and i == 0 else None)
+        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
+        ax.invert_yaxis()
+        ax.set_title(f"{title} ({data['size']}x{data['size']} fields, {n} ranks, halo convolutions "
+                     f"of one U-Net forward; gaps: other layers)", fontsize=9, loc="left")
+    axes[1].set_xlabel("ms since the forward pass started")
+    for ax in axes:
+        ax.legend(loc="lower right", fontsize=7, framealpha=0.9)
+    fig.tight_layout()
+    out = Path(__file__).with_name("domain-overlap.png")
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timeline", metavar="FILE.json")
+    args = parser.parse_args()
+    if args.timeline:
+        print(draw_timeline(args.timeline))
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.5), gridspec_kw={"width_ratios": [1.1, 1]})
     draw_field(left)
     draw_ratio(right)

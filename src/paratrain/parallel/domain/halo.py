@@ -218,11 +218,6 @@ def wait(pending: list) -> None:
         C.wait_all(works)
 
 
-def arrived_all(pending: list) -> bool:
-    """Whether every transfer of an ``exchange`` has completed already (without waiting)."""
-    return all(w.is_completed() for works, _ in pending for w in works)
-
-
 def _segments(n: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(offset, start, end) of the before / mine / after blocks along one padded axis."""
     parts = [(-1, 0, lo), (0, lo, lo + n), (1, lo + n, lo + n + hi)]
