@@ -12,7 +12,7 @@ from torch import nn
 
 from distributed import run_world
 from paratrain.cli import main
-from paratrain.layout import Layout
+from paratrain.layout import Layout, parse_domain
 from paratrain.mesh import Mesh
 from paratrain.parallel.domain import DomainError, Grid, apply_domain_parallel
 from paratrain.parallel.domain.halo import Halo, check_thickness
@@ -165,6 +165,21 @@ def test_domain_checkpoint_resumes_on_one_process(one_rank):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[2:]), rtol=1e-5, atol=0)
     for name, ref in ref_params.items():
         torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6)
+
+
+# ---- the domain axes of Layout (pure rank math) -------------------------------------------
+
+def test_domain_axes_are_two_ordinary_axes_varying_fastest():
+    layout = Layout(dp=2, domh=2, domw=2)
+    assert layout.world_size == 8 and layout.describe() == "dp2xdom2x2 (world 8)"
+    assert layout.groups("domw") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # row neighbours: consecutive
+    assert layout.groups("domh") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("dom") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.groups("dp-dom") == [list(range(8))]
+    assert set(Layout(dp=2, tp=2).coords(3)) == {"dp", "pp", "cp", "tp"}  # unchanged without one
+    placed = Layout(dp=2, tp=2, domh=2, order="tp-domh-cp-pp-dp")
+    assert placed.groups("domh") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert parse_domain("2x2") == (2, 2) and parse_domain(4) == (4, 1)
 
 
 # ---- refusals, before any process starts ---------------------------------------------------
