@@ -10,6 +10,14 @@ Example, dp=2 x tp=2 with the default order::
     rank  0   1   2   3
     tp    0   1   0   1
     dp    0   0   1   1
+
+Domain parallelism (docs/domain-parallel.md) adds two axes, ``domh`` and ``domw``: a grid of
+ranks over an image's height and width. Two plain axes rather than one axis with a grid
+shape, so that a rank's row and column neighbours come from the same ``ranks_along`` math
+as every other group. An order string may leave them out (every order written before
+they existed does): they then vary fastest, ``domw`` first, so halo-exchanging neighbours
+are consecutive ranks. ``"dom"`` names both at once (``"dp-dom"``). With both of size 1
+a layout's ranks, groups and coordinates are exactly what they were without them.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from .stages import PipelineSplitError, check_pipeline_split
 
 AXES = ("dp", "pp", "cp", "tp")
 DEFAULT_ORDER = "tp-cp-pp-dp"
+DOMAIN_AXES = ("domh", "domw")
+ALL_AXES = AXES + DOMAIN_AXES
 
 
 class LayoutError(ValueError):
@@ -30,10 +40,23 @@ class LayoutError(ValueError):
 
 def _as_axes(axes: str | Iterable[str]) -> tuple[str, ...]:
     names = tuple(axes.replace(",", "-").split("-")) if isinstance(axes, str) else tuple(axes)
+    names = tuple(n for name in names for n in (DOMAIN_AXES if name == "dom" else (name,)))
     for name in names:
-        if name not in AXES:
-            raise LayoutError(f"unknown axis {name!r}; the axes are {', '.join(AXES)}")
+        if name not in ALL_AXES:
+            raise LayoutError(f"unknown axis {name!r}; the axes are {', '.join(ALL_AXES)} (and dom = domh-domw)")
     return names
+
+
+def parse_domain(text: str | int) -> tuple[int, int]:
+    """``"4"`` -> (4, 1): four ranks over the height; ``"2x2"`` -> (2, 2): height x width."""
+    parts = str(text).lower().split("x")
+    try:
+        sizes = [int(v) for v in parts]
+    except ValueError:
+        sizes = []
+    if len(sizes) not in (1, 2) or min(sizes, default=0) < 1:
+        raise LayoutError(f"domain={text!r}: give N (N ranks over the height) or HxW, e.g. 2x2")
+    return (sizes[0], sizes[1] if len(sizes) == 2 else 1)
 
 
 @dataclass(frozen=True)
@@ -52,28 +75,39 @@ class Layout:
     """ZeRO stage on the data-parallel axis: 0 (plain DDP), 1, 2 or 3."""
     order: str = DEFAULT_ORDER
     """Axes from fastest- to slowest-varying rank index, joined by '-'."""
+    domh: int = 1
+    """Domain-parallel ranks over the height of each sample (spatial sharding)."""
+    domw: int = 1
+    """Domain-parallel ranks over the width of each sample."""
 
     def __post_init__(self) -> None:
-        for axis in AXES:
+        for axis in ALL_AXES:
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise LayoutError(f"{axis}={size!r}: every axis size must be a positive integer")
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"zero={self.zero!r}: the ZeRO stage must be 0, 1, 2 or 3")
-        if sorted(_as_axes(self.order)) != sorted(AXES):
+        named = _as_axes(self.order)
+        if sorted(a for a in named if a in AXES) != sorted(AXES) or len(set(named)) != len(named):
             raise LayoutError(
-                f"order={self.order!r} must name each of {', '.join(AXES)} exactly once, "
-                f"e.g. {DEFAULT_ORDER!r}"
+                f"order={self.order!r} must name each of {', '.join(AXES)} exactly once "
+                f"(domh, domw optional), e.g. {DEFAULT_ORDER!r}"
             )
 
     # ---- sizes ---------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
+        return self.dp * self.pp * self.cp * self.tp * self.dom
+
+    @property
+    def dom(self) -> int:
+        """Domain-parallel ranks per sample: domh x domw."""
+        return self.domh * self.domw
 
     @property
     def axis_order(self) -> tuple[str, ...]:
-        return _as_axes(self.order)
+        named = _as_axes(self.order)
+        return tuple(a for a in DOMAIN_AXES[::-1] if a not in named) + named
 
     def size(self, axes: str | Iterable[str]) -> int:
         """Product of the sizes of ``axes`` (``"dp"`` or a combination such as ``"dp-cp"``)."""
@@ -88,17 +122,19 @@ class Layout:
 
     # ---- rank math -----------------------------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:
-        """Coordinate of ``rank`` along every axis."""
+        """Coordinate of ``rank`` along every axis (the domain axes only when the layout
+        shards a domain, so layouts without one read as they always have)."""
         self._check_rank(rank)
         strides = self._strides()
-        return {a: (rank // strides[a]) % getattr(self, a) for a in AXES}
+        axes = ALL_AXES if self.dom > 1 else AXES
+        return {a: (rank // strides[a]) % getattr(self, a) for a in axes}
 
     def rank_of(self, **coords: int) -> int:
         """Global rank at the given coordinates (missing axes count as 0)."""
         strides = self._strides()
         rank = 0
         for axis, value in coords.items():
-            if axis not in AXES or not 0 <= value < getattr(self, axis):
+            if axis not in ALL_AXES or not 0 <= value < getattr(self, axis):
                 raise LayoutError(f"coordinate {axis}={value} is outside {self.describe()}")
             rank += value * strides[axis]
         return rank
@@ -142,7 +178,7 @@ class Layout:
             raise LayoutError(
                 f"{self.describe()} needs {self.world_size} processes but the world has "
                 f"{world_size}; change --nproc to {self.world_size} or make "
-                f"dp*pp*cp*tp equal {world_size}"
+                f"dp*pp*cp*tp*domain equal {world_size}"
             )
 
     def check_model(
@@ -188,7 +224,10 @@ class Layout:
 
     def describe(self) -> str:
         """Short human form such as ``dp2xtp2 (world 4)``."""
-        parts = [f"{a}{getattr(self, a)}" for a in AXES if getattr(self, a) > 1] or ["single"]
+        parts = [f"{a}{getattr(self, a)}" for a in AXES if getattr(self, a) > 1]
+        if self.dom > 1:
+            parts.append(f"dom{self.domh}x{self.domw}" if self.domw > 1 else f"dom{self.domh}")
+        parts = parts or ["single"]
         zero = f", zero{self.zero}" if self.zero else ""
         return f"{'x'.join(parts)} (world {self.world_size}{zero})"
 

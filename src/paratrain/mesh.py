@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .layout import Layout, _as_axes
+from .layout import DOMAIN_AXES, Layout, _as_axes
 
 # Groups every run needs: one per axis, plus dp x cp, over which gradients are reduced
-# (context-parallel ranks hold the same weights but different tokens).
-MESH_AXES = ("tp", "cp", "pp", "dp", ("dp", "cp"))
+# (context-parallel ranks hold the same weights but different tokens). Domain parallelism
+# adds its rows and columns of ranks, the whole domain, and dp x dom for its gradients; with
+# no domain axis these are groups already made (or one-rank groups) and cost nothing new.
+MESH_AXES = ("tp", "cp", "pp", "dp", ("dp", "cp"), "domh", "domw", DOMAIN_AXES, ("dp", *DOMAIN_AXES))
 
 
 @dataclass
@@ -73,7 +75,8 @@ class Mesh:
 
     def coord(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""
-        return self.layout.coords(self.rank)[axis]
+        coords = self.layout.coords(self.rank)
+        return coords.get(axis, 0) if axis in DOMAIN_AXES else coords[axis]
 
     def size(self, axes: str | tuple[str, ...]) -> int:
         return self.layout.size(axes)

@@ -106,6 +106,9 @@ class P2P:
     kind: str  # "send" or "recv"
     tensor: torch.Tensor
     peer: int
+    tag: int = 0
+    """Tells apart several messages between one pair of ranks in one batch (gloo matches
+    by tag; NCCL by posting order, so callers post such messages in tag order on both sides)."""
 
 
 def send_recv(ops: list[P2P], group: ProcessGroup) -> list[Work]:
@@ -121,7 +124,7 @@ def send_recv(ops: list[P2P], group: ProcessGroup) -> list[Work]:
         if op.kind not in ("send", "recv"):
             raise ValueError(f"P2P kind must be 'send' or 'recv', not {op.kind!r}")
         fn = dist.isend if op.kind == "send" else dist.irecv
-        p2p.append(dist.P2POp(fn, op.tensor, global_rank(group, op.peer), group))
+        p2p.append(dist.P2POp(fn, op.tensor, global_rank(group, op.peer), group, op.tag))
     return dist.batch_isend_irecv(p2p)
 
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..layout import Layout, LayoutError
+from ..layout import Layout, LayoutError, parse_domain
 from ..models.gpt import PRESETS, GPTConfig, preset
 from . import schema
+from .heat2d import Heat2DConfig
 
 ConfigError = schema.ConfigError  # defined with the checks that raise it; imported from here
 
@@ -28,7 +29,8 @@ class ParallelConfig:
     """How the work is split across processes."""
 
     nproc: int = 0
-    """Processes to start (0: the product dp*tp*pp*cp, or 2 when dp is also 0)."""
+    """Processes to start (0: the product dp*tp*pp*cp*domain; when dp is also 0, with dp=2,
+    or dp=1 under domain parallelism)."""
     dp: int = 0
     """Data-parallel replicas (0: whatever fills nproc)."""
     tp: int = 1
@@ -68,6 +70,8 @@ class ParallelConfig:
     """Seconds a collective may wait for a peer before the job fails instead of hanging."""
     max_time_s: float = 0.0
     """Limit on the whole run's wall time, in seconds: past it the job is ended (0: none)."""
+    domain: str = "1"
+    """Domain parallelism (--task heat2d): N ranks over each sample's height, or HxW, e.g. 2x2."""
 
 
 @dataclass
@@ -157,9 +161,12 @@ class TrainConfig:
     rank and the last good checkpoint), or skip its update and go on."""
     max_skips: int = 10
     """With --on-nonfinite skip: the run fails at the next non-finite step after this many."""
+    task: Literal["lm", "heat2d"] = "lm"
+    """lm: a GPT on text; heat2d: a U-Net on generated 2-D heat-equation fields (--domain)."""
 
 
-SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
+            "heat2d": Heat2DConfig}
 _SCHEMA = {"model": GPTConfig, **SECTIONS}  # every TOML table and the dataclass it fills
 
 @dataclass
@@ -174,12 +181,14 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    heat2d: Heat2DConfig = field(default_factory=Heat2DConfig)
 
     # ---- derived ---------------------------------------------------------------------------
     @property
     def layout(self) -> Layout:
         p = self.parallel
-        return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero, order=p.order)
+        domh, domw = parse_domain(p.domain)
+        return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero, order=p.order, domh=domh, domw=domw)
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -213,6 +222,11 @@ class Config:
         the world torchrun started, and the fix for a mismatch names torchrun's flags."""
         _check_fields(self)
         cfg = dataclasses.replace(self, parallel=_resolve_world(self.parallel, launcher))
+        if cfg.train.task == "heat2d" or parse_domain(cfg.parallel.domain) != (1, 1):
+            from .task_heat2d import validate as validate_heat2d
+
+            validate_heat2d(cfg)  # the convolutional task and domain parallelism
+            return cfg
         cfg._check()
         return cfg
 
@@ -335,23 +349,28 @@ def _check_dataset(cfg: Config) -> None:
 
 def _resolve_world(p: ParallelConfig, launcher: str = "local") -> ParallelConfig:
     """``p`` with dp and nproc filled in (a copy). Under torchrun nproc is its world size."""
-    others = p.tp * p.pp * p.cp
+    try:
+        domh, domw = parse_domain(p.domain)
+    except LayoutError as exc:
+        raise ConfigError(str(exc)) from None
+    others = p.tp * p.pp * p.cp * domh * domw
     started = (f"parallel.nproc: torchrun started {p.nproc} processes" if launcher == "torchrun"
                else f"parallel.nproc: nproc={p.nproc or 2 * others}")
     dp = p.dp
     if dp == 0:
-        nproc = p.nproc or 2 * others
+        # default: 2 replicas, or one when a domain grid already splits each sample
+        nproc = p.nproc or (others if domh * domw > 1 else 2 * others)
         if nproc % others:
             fix = ("start torchrun with --nnodes x --nproc-per-node" if launcher == "torchrun"
                    else "set --nproc to")
-            raise ConfigError(f"{started}, which is not divisible by tp*pp*cp={others}; "
+            raise ConfigError(f"{started}, which is not divisible by tp*pp*cp*domain={others}; "
                               f"{fix} a multiple of {others}")
         dp = nproc // others
     nproc = p.nproc or dp * others
     if nproc != dp * others:
         fix = (f"start torchrun with --nnodes x --nproc-per-node = {dp * others} processes"
                if launcher == "torchrun" else f"set --nproc {dp * others}")
-        raise ConfigError(f"{started} but dp*tp*pp*cp = {dp * others}; {fix} "
+        raise ConfigError(f"{started} but dp*tp*pp*cp*domain = {dp * others}; {fix} "
                           f"or change the axis sizes")
     return dataclasses.replace(p, dp=dp, nproc=nproc)
 

@@ -193,6 +193,10 @@ def evaluate(run: Run) -> float:
 
 def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     """Train for ``cfg.train.steps`` steps; every rank of the mesh calls this."""
+    if cfg.train.task == "heat2d":  # the U-Net task has its own build and step
+        from .task_heat2d import train as train_heat2d
+
+        return train_heat2d(cfg, mesh, keep_params)
     run = build(cfg, mesh)
     result = RunResult()
     writer = MetricsWriter(cfg.metrics_path if run.is_logger else None)

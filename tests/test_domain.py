@@ -1,0 +1,214 @@
+"""Domain parallelism: sharded layers equal the unsharded ones, forward and backward; the
+U-Net trains under dp x domain exactly as on one process; what cannot work is refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed import run_world
+from paratrain.cli import main
+from paratrain.layout import Layout, parse_domain
+from paratrain.mesh import Mesh
+from paratrain.parallel.domain import DomainError, Grid, apply_domain_parallel
+from paratrain.parallel.domain.halo import Halo, check_thickness
+from paratrain.parallel.domain.layers import conv_halo
+from paratrain.parallel.domain.measure import saved_activation_bytes
+from paratrain.train.config import ConfigError, load
+from test_ddp import assert_same_run, train_runs
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+# (layout, layer, (H, W), padding mode): kernels 3 and 5, zero and circular padding, 2 and
+# 4 ranks along one axis and a 2x2 grid, even and uneven blocks, strided down-sampling.
+LAYER_CASES = {
+    "h2-k3-zeros-even": (dict(dp=2, domh=2), ("conv", 3, 1), (16, 12), "zeros"),
+    "h2-k5-circular-uneven": (dict(dp=2, domh=2), ("conv", 5, 1), (15, 10), "circular"),
+    "w2-k3-circular-even": (dict(dp=2, domw=2), ("conv", 3, 1), (10, 16), "circular"),
+    "h4-k3-circular-even": (dict(domh=4), ("conv", 3, 1), (16, 12), "circular"),
+    "h4-k5-zeros-uneven": (dict(domh=4), ("conv", 5, 1), (18, 9), "zeros"),
+    "2x2-k3-zeros-uneven": (dict(domh=2, domw=2), ("conv", 3, 1), (13, 11), "zeros"),
+    "2x2-k5-circular-even": (dict(domh=2, domw=2), ("conv", 5, 1), (16, 16), "circular"),
+    "2x2-k5-zeros-even": (dict(domh=2, domw=2), ("conv", 5, 1), (12, 16), "zeros"),
+    "2x2-k3-circular-uneven": (dict(domh=2, domw=2), ("conv", 3, 1), (9, 11), "circular"),
+    "2x2-down-k2s2": (dict(domh=2, domw=2), ("conv", 2, 2), (16, 16), "zeros"),
+    "h4-down-k3s2": (dict(domh=4), ("conv", 3, 2), (16, 8), "zeros"),
+    "2x2-down-k3s2-circular": (dict(domh=2, domw=2), ("conv", 3, 2), (16, 12), "circular"),
+    "2x2-up-k2s2": (dict(domh=2, domw=2), ("up", 2, 2), (8, 8), "zeros"),
+    "2x2-groupnorm-uneven": (dict(domh=2, domw=2), ("norm", 3, 0), (13, 11), "zeros"),
+    "h4-groupnorm": (dict(domh=4), ("norm", 1, 0), (16, 8), "zeros"),
+}
+
+
+def _layer(kind: str, k: int, s: int, mode: str) -> nn.Module:
+    if kind == "conv":
+        return nn.Conv2d(3, 4, k, stride=s, padding=k // 2 if k % 2 else 0, padding_mode=mode)
+    if kind == "up":
+        return nn.ConvTranspose2d(3, 4, k, stride=s)
+    return nn.GroupNorm(k, 3)
+
+
+def _layer_check(layout_kw, spec, hw, mode) -> dict[str, float]:
+    """Max error of output, input gradient and parameter gradients against the plain layer."""
+    mesh = Mesh.build(Layout(**layout_kw))
+    grid = Grid.from_mesh(mesh)
+    torch.manual_seed(0)
+    plain = _layer(*spec, mode)
+    x = torch.randn(2, 3, *hw, requires_grad=True)
+    ref = plain(x)
+    probe = torch.randn_like(ref)
+    (ref * probe).sum().backward()
+    sharded = apply_domain_parallel(nn.Sequential(copy.deepcopy(plain)), grid)
+    xl = grid.local(x.detach()).clone().requires_grad_()
+    out = sharded(xl)
+    (out * grid.local(probe)).sum().backward()
+    errors = {"out": (out - grid.local(ref)).abs().max().item(),
+              "dx": (xl.grad - grid.local(x.grad)).abs().max().item()}
+    for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=grid.group)  # each block's share of the weight gradient
+        errors[f"d{name}"] = ((g - q.grad).norm() / q.grad.norm()).item()  # summed over blocks: norm-wise
+    return errors
+
+
+def _memory_check() -> tuple[int, int]:
+    """Saved bytes of a 3x3 convolution on one block of four over the height, and of the
+    plain convolution on the whole input."""
+    mesh = Mesh.build(Layout(domh=4))
+    grid = Grid.from_mesh(mesh)
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    x = torch.randn(2, 3, 32, 8, requires_grad=True)
+    _, whole = saved_activation_bytes(lambda: conv(x), conv.parameters())
+    sharded = apply_domain_parallel(nn.Sequential(copy.deepcopy(conv)), grid)
+    xl = grid.local(x.detach()).clone().requires_grad_()
+    _, mine = saved_activation_bytes(lambda: sharded(xl), sharded.parameters())
+    return whole, mine
+
+
+def four_rank_checks(configs):
+    errors = {name: _layer_check(*case) for name, case in LAYER_CASES.items()}
+    return errors, _memory_check(), train_runs(configs)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("four"))
+    configs = [heat_config(tmp, domain="2", nproc=4, boundary="zeros"),  # dp2 x dom2
+               heat_config(tmp, domain="2x2", zero=1)]  # dom 2x2, ZeRO-1 over the grid
+    return run_world(four_rank_checks, 4, configs, timeout_s=400)
+
+
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_sharded_layer_equals_plain_layer(four_ranks, case):
+    for rank, (errors, *_) in enumerate(four_ranks):
+        for what, err in errors[case].items():
+            assert err <= 1e-5, (case, rank, what, err)
+
+
+def test_saved_activations_are_a_quarter_plus_the_halo_strips(four_ranks):
+    # Per sample and channel (N=2, C=3, W=8 columns, fp32): the plain conv saves its 32 input
+    # rows. A rank of four saves its 8 rows, plus the two 3-row windows its border strips are
+    # computed from (1 halo row + 2 of its own rows each): 1/4 of the plain figure + 6 rows.
+    row = 2 * 3 * 8 * 4
+    for whole, mine in (m for _, m, _ in four_ranks):
+        assert whole == 32 * row
+        assert mine == whole // 4 + 6 * row
+
+
+# ---- training parity: the U-Net on heat2d, against one process --------------------------
+
+def heat_config(tmp: str, **overrides):
+    base = dict(task="heat2d", grid_size=16, heat_samples=48, unet_width=8, unet_levels=1,
+                steps=4, global_batch=4, warmup_steps=1, lr=3e-3, grad_clip=0.0, eval_every=2,
+                progress=False, run_dir=tmp, bucket_mb=0.01)
+    return load(None, {**base, **overrides}).validate()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Domain 2 (periodic), saving a checkpoint at step 2."""
+    tmp = str(tmp_path_factory.mktemp("two"))
+    cfg = heat_config(tmp, domain="2", save_every=2)
+    return run_world(train_runs, 2, [cfg])[0], tmp
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, two_ranks):
+    """References for each boundary, and the domain-2 checkpoint resumed on one process."""
+    tmp = str(tmp_path_factory.mktemp("one"))
+    resume = f"{two_ranks[1]}/checkpoints/step-2"
+    configs = [heat_config(tmp, nproc=1), heat_config(tmp, nproc=1, boundary="zeros"),
+               heat_config(tmp, nproc=1, resume=resume)]
+    circular, zeros, resumed = run_world(train_runs, 1, configs)[0]
+    return {"circular": circular, "zeros": zeros, "resumed": resumed}
+
+
+def test_domain2_trains_like_one_process(two_ranks, one_rank):
+    assert_same_run(two_ranks[0][0], one_rank["circular"])
+
+
+def test_dp2_x_domain2_trains_like_one_process(four_ranks, one_rank):
+    assert_same_run(four_ranks[0][2][0], one_rank["zeros"])
+
+
+def test_domain_2x2_with_zero1_trains_like_one_process(four_ranks, one_rank):
+    assert_same_run(four_ranks[0][2][1], one_rank["circular"])
+
+
+def test_domain_checkpoint_resumes_on_one_process(one_rank):
+    losses, _, params = one_rank["resumed"]
+    ref_losses, _, ref_params = one_rank["circular"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[2:]), rtol=1e-5, atol=0)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6)
+
+
+# ---- the domain axes of Layout (pure rank math) -------------------------------------------
+
+def test_domain_axes_are_two_ordinary_axes_varying_fastest():
+    layout = Layout(dp=2, domh=2, domw=2)
+    assert layout.world_size == 8 and layout.describe() == "dp2xdom2x2 (world 8)"
+    assert layout.groups("domw") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # row neighbours: consecutive
+    assert layout.groups("domh") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("dom") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.groups("dp-dom") == [list(range(8))]
+    assert set(Layout(dp=2, tp=2).coords(3)) == {"dp", "pp", "cp", "tp"}  # unchanged without one
+    placed = Layout(dp=2, tp=2, domh=2, order="tp-domh-cp-pp-dp")
+    assert placed.groups("domh") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert parse_domain("2x2") == (2, 2) and parse_domain(4) == (4, 1)
+
+
+# ---- refusals, before any process starts ---------------------------------------------------
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(domain="3"), "not divisible by the 3 ranks over the height"),
+    (dict(domain="2x3"), "not divisible by the 3 ranks over the width"),
+    (dict(domain="4", unet_kernel=7), "thinner than the 3-row halo"),
+    (dict(domain="2", tp=2, nproc=4), "dp and ZeRO only"),
+    (dict(domain="2x", nproc=2), "give N"),
+])
+def test_bad_domain_layouts_are_refused(tmp_path, overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        heat_config(str(tmp_path), **overrides)
+
+
+def test_domain_needs_the_heat2d_task():
+    with pytest.raises(ConfigError, match="needs --task heat2d"):
+        load(None, {"domain": "2"}).validate()
+    assert main(["train", "--task", "heat2d", "--domain", "3"]) == 2
+
+
+def test_layers_refuse_what_would_compute_wrong():
+    grid = Grid((2, 1), (0, 0), {}, None)
+    with pytest.raises(DomainError, match="use fewer ranks"):
+        check_thickness(torch.Size([1, 1, 1, 8]), grid, Halo(lo=(2, 0), hi=(2, 0)))
+    with pytest.raises(DomainError, match="does not map blocks"):
+        conv_halo(3, 2, 0)  # its outputs would not tile the plain layer's
+    with pytest.raises(DomainError, match="batch norm"):
+        apply_domain_parallel(nn.Sequential(nn.BatchNorm2d(3)), grid)
+    with pytest.raises(DomainError, match="kernel = stride"):
+        apply_domain_parallel(nn.Sequential(nn.ConvTranspose2d(3, 3, 3, stride=2)), grid)
