@@ -17,9 +17,13 @@ import pytest
 import torch
 
 from paratrain import launch
-from paratrain.cli import main
-from paratrain.train import worker
+from paratrain.cli import build_parser, main
+from paratrain.train import preflight, worker  # noqa: F401 - imported before any patching
 from paratrain.train.worker import TORCHRUN_VARS, started_by_torchrun
+
+# Import every sub-command's modules now: a module first imported while `launch.spawn` is
+# patched would keep the patched function for the rest of the session.
+build_parser()
 
 TINY = ["--model", "tiny", "--seq-len", "16", "--nproc", "1"]
 LLAMA_JSON = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
