@@ -134,17 +134,24 @@ def all_to_all_bytes(nbytes: int, p: int) -> int:
 
 
 class Pending:
-    """A reduction in flight: ``wait()`` waits for the collective, then runs ``finish``."""
+    """A reduction in flight: its collective, then ``finish``, which may launch the next
+    collective and return its Pending (PowerSGD's Q, int8's all-gather)."""
 
-    def __init__(self, work, finish: Callable[[], None] | None = None):
+    def __init__(self, work, finish: Callable[[], "Pending | None"] | None = None):
         self.work, self.finish = work, finish
 
-    def wait(self) -> bool:
+    def advance(self) -> None:
+        """Wait for the current collective and run what follows it, which may launch the
+        next one without waiting for it: advancing every bucket before waiting on any lets
+        their second collectives overlap."""
         if self.work is not None:
             self.work.wait()
-            self.work = None
-            if self.finish is not None:
-                self.finish()
+            nxt = self.finish() if self.finish is not None else None
+            self.work, self.finish = (nxt.work, nxt.finish) if isinstance(nxt, Pending) else (None, None)
+
+    def wait(self) -> bool:
+        while self.work is not None:
+            self.advance()
         return True
 
     def is_completed(self) -> bool:
@@ -262,9 +269,12 @@ class Int8(Compressor):
         send = _pack(q2, scale2)
         out = torch.empty(p * send.numel(), dtype=torch.int8, device=send.device)
         self._sent(all_gather_bytes(send.numel(), p))
-        C.all_gather(out, send.view(-1), group)
-        q_all, s_all = _unpack(out.view(p, -1))
-        bucket.copy_(_dequantize(q_all, s_all).view(-1)[:n])
+        work = C.all_gather(out, send.view(-1), group, async_op=True)
+
+        def unpack():
+            q_all, s_all = _unpack(out.view(p, -1))
+            bucket.copy_(_dequantize(q_all, s_all).view(-1)[:n])
+        return Pending(work, unpack)
 
 
 class TopK(Compressor):
@@ -294,6 +304,7 @@ class TopK(Compressor):
         index = out[:, self.k:].contiguous().view(torch.int32).reshape(-1).long()
         total = torch.zeros(self.numel, device=out.device).index_add_(0, index, values)
         bucket.copy_(total / p)
+        return None
 
 
 def make_compressor(spec: CompressSpec, views: list[tuple[int, torch.Size]], numel: int,

@@ -48,8 +48,21 @@ class Matrix:
 
 
 def orthogonalize(p: torch.Tensor) -> torch.Tensor:
-    """An orthonormal basis of P's columns (reduced QR; identical inputs give identical bases)."""
+    """An orthonormal basis of P's columns (reduced QR; identical inputs give identical
+    bases), for one matrix or a batch of them."""
     return torch.linalg.qr(p).Q
+
+
+def orthogonalize_all(ps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``orthogonalize`` each matrix, one batched QR per shape (blocks share shapes)."""
+    out: list[torch.Tensor | None] = [None] * len(ps)
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(ps):
+        by_shape.setdefault(tuple(p.shape), []).append(i)
+    for indices in by_shape.values():
+        for i, q in zip(indices, orthogonalize(torch.stack([ps[i] for i in indices])).unbind(0)):
+            out[i] = q
+    return out  # type: ignore[return-value]
 
 
 class PowerSGD(Compressor):
@@ -85,13 +98,13 @@ class PowerSGD(Compressor):
         return Pending(work, lambda: self._finish(bucket, x, first, group))
 
     def _finish(self, bucket: torch.Tensor, x: torch.Tensor, first: torch.Tensor,
-                group: ProcessGroup) -> None:
+                group: ProcessGroup) -> Pending | None:
         p = C.size(group)
         out = torch.zeros_like(x)
         out[self.small] = first[:self.small.numel()] / p
         sizes = [m.of(x).shape[0] * m.rank for m in self.matrices]
-        bases = [orthogonalize(chunk.view(-1, m.rank)) for m, chunk in
-                 zip(self.matrices, first[self.small.numel():].split(sizes))]
+        bases = orthogonalize_all([chunk.view(-1, m.rank) for m, chunk in
+                                   zip(self.matrices, first[self.small.numel():].split(sizes))])
         local_qs = [m.of(x).t() @ b for m, b in zip(self.matrices, bases)]
         if self.residual is not None:
             residual = x  # x is this step's private copy: overwrite it in place
@@ -99,14 +112,19 @@ class PowerSGD(Compressor):
             for m, b, q in zip(self.matrices, bases, local_qs):
                 m.of(residual).sub_(b @ q.t())
             self.residual.copy_(residual)
-        if self.matrices:
-            second = torch.cat([q.reshape(-1) for q in local_qs])
-            self._sent(all_reduce_bytes(second.numel() * 4, p))
-            C.all_reduce(second, group, op="sum")
+        if not self.matrices:
+            bucket.copy_(out)
+            return None
+        second = torch.cat([q.reshape(-1) for q in local_qs])
+        self._sent(all_reduce_bytes(second.numel() * 4, p))
+        work = C.all_reduce(second, group, op="sum", async_op=True)
+
+        def decompress() -> None:
             for i, (m, b, q) in enumerate(zip(self.matrices, bases, second.split([q.numel() for q in local_qs]))):
-                self.qs[i] = q.view(-1, m.rank).clone()
+                self.qs[i] = q.view(-1, m.rank)
                 m.of(out).copy_(b @ self.qs[i].t() / p)
-        bucket.copy_(out)
+            bucket.copy_(out)
+        return Pending(work, decompress)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {**super().state_dict(), **{f"q{i}": q for i, q in enumerate(self.qs)}}

@@ -140,6 +140,8 @@ class DataParallel(nn.Module):
         for all. Call after the last backward of a step, before the optimizer step."""
         for bucket in self.buckets:
             self.start_grad_sync(bucket)
+        for bucket in self.buckets:  # second collectives (int8, PowerSGD) start as firsts end
+            bucket.work.advance()
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.work = None
