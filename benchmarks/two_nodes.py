@@ -1,7 +1,7 @@
 """Gradient compression and tensor-parallel placement, measured on a two-node cluster made
 of two network namespaces whose link is shaped with tc (scripts/cluster.py). Needs root.
 
-    sudo PYTHONPATH=src python benchmarks/two_nodes.py [--bandwidth 1gbit] [--latency 0.5ms]
+    python benchmarks/two_nodes.py [--bandwidth 1gbit] [--latency 0.5ms]    (as root)
         [--steps 30] [--model small] [--global-batch 8] [--seq-len 64]
 
 dp4 (2 processes per node) trains the same model on the same data with each paratrain
@@ -46,6 +46,13 @@ def config(args, run_dir: str, **overrides):
                 steps=args.steps, eval_every=0, eval_batches=2, progress=False, run_dir=run_dir,
                 warmup_steps=min(20, args.steps // 3), nproc=4)
     return load(None, {**base, **overrides}).validate()
+
+
+def placement_config(args, run_dir: str, order: str):
+    """dp2 x tp2 with ranks placed by ``order``, on batches whose activations (what tp
+    moves, every block) outweigh the gradients (what dp moves, once a step)."""
+    return config(args, run_dir, dp=2, tp=2, order=order, global_batch=args.tp_global_batch,
+                  seq_len=args.tp_seq_len, steps=args.tp_steps)
 
 
 def link_tx() -> int:
@@ -142,7 +149,7 @@ def worker(args) -> None:
     for hook in HOOKS:
         out[f"torch {hook}"] = torch_run(config(args, f"{tmp}/{hook}"), hook, args.rank)
     for label, order in PLACEMENTS.items():
-        out[label] = paratrain_run(config(args, f"{tmp}/{order}", dp=2, tp=2, order=order))
+        out[label] = paratrain_run(placement_config(args, f"{tmp}/{order}", order))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.barrier()
@@ -183,7 +190,7 @@ def predictions(args, delayed: bool) -> dict[str, float]:
     # Measured per-collective fits describe loopback only: drop them so links decide.
     gpu = dataclasses.replace(local.gpu, collectives=(), network_bw=rate_bytes(args.bandwidth),
                               network_alpha=alpha)
-    cfg = config(args, "unused", dp=2, tp=2)
+    cfg = placement_config(args, "unused", "tp-cp-pp-dp")
     model = from_gpt_config(cfg.model, cfg.model_preset)
     training = Training(cfg.train.global_batch, cfg.data.seq_len, "fp32")
     cand = Candidate(dp=2, tp=2, pp=1, cp=1, zero=0, micro_batch=cfg.micro_batch,
@@ -197,7 +204,9 @@ def run_cluster(args, out: str) -> tuple[str, int]:
     cmd = [sys.executable, str(ROOT / "scripts" / "cluster.py"), "--bandwidth", args.bandwidth,
            "--latency", args.latency, "--measure-link", "--", str(Path(__file__).resolve()), "--worker",
            "--out", out, "--steps", str(args.steps), "--model", args.model, "--rank", str(args.rank),
-           "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len)]
+           "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
+           "--tp-global-batch", str(args.tp_global_batch), "--tp-seq-len", str(args.tp_seq_len),
+           "--tp-steps", str(args.tp_steps)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     return done.stdout + done.stderr, done.returncode
@@ -215,6 +224,8 @@ def report(args, results: dict, planned: dict, log: str, load: float) -> None:
           "batch_tensors_with_same_shape=True)\n")
     none = results["paratrain none"]["step_s"]
     print(f"{'run':<28} {'step ms':>8} {'vs none':>8} {'sent B/step':>12} {'link B/step':>12} {'val loss':>9}")
+    print("(sent: one rank's gradient bytes, paratrain's count; link: node 0's bytes over the shaped "
+          "link for the whole run, start-up and evaluation included, / steps)")
     for label, r in results.items():
         if label in PLACEMENTS:
             continue
@@ -224,7 +235,9 @@ def report(args, results: dict, planned: dict, log: str, load: float) -> None:
         sent = f"{r['sent']:,}" if r.get("sent") is not None else "-"
         print(f"{label:<28} {r['step_s'] * 1e3:>8.1f} {none / r['step_s']:>7.2f}x {sent:>12} "
               f"{r['link']:>12,.0f} {r['loss']:>9.4f}")
-    print(f"\n{'placement (no compression)':<28} {'step ms':>8} {'planned':>8} {'link B/step':>12}")
+    print(f"\ndp2 x tp2, {args.tp_global_batch} x {args.tp_seq_len} tokens per step, {args.tp_steps} steps; "
+          f"planned = the planner's step time on this cluster (link rate as inter-node bandwidth)")
+    print(f"{'placement (no compression)':<28} {'step ms':>8} {'planned':>8} {'link B/step':>12}")
     for label in PLACEMENTS:
         r = results[label]
         print(f"{label:<28} {r['step_s'] * 1e3:>8.1f} {planned.get(label, float('nan')) * 1e3:>8.1f} "
@@ -247,9 +260,13 @@ def main() -> int:
     p.add_argument("--model", default="small")
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--tp-global-batch", type=int, default=16, help="placement runs: sequences per step")
+    p.add_argument("--tp-seq-len", type=int, default=128, help="placement runs: tokens per sequence")
+    p.add_argument("--tp-steps", type=int, default=10, help="placement runs: steps")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD rank, both implementations")
     p.add_argument("--calibration", help="planner calibration (default: the planner's cache; "
                    "made by `paratrain plan --cluster local --calibrate`)")
+    p.add_argument("--save", metavar="FILE.json", help="also write every number to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -273,6 +290,10 @@ def main() -> int:
         print(f"(no planner predictions: {exc})")
         planned = {}
     report(args, results, planned, log, load)
+    if args.save:  # for docs/img/make_compression.py
+        Path(args.save).write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "save")},
+                                               "load_average": round(load, 1), "results": results,
+                                               "planned": planned}, indent=1))
     return 0
 
 

@@ -2,7 +2,7 @@
 """A two-node cluster on one machine: two network namespaces joined by a veth pair whose
 link is shaped with tc, one torchrun agent in each.
 
-    sudo python scripts/cluster.py [--bandwidth 1gbit] [--latency 0.5ms] [--nproc-per-node 2] \\
+    python scripts/cluster.py [--bandwidth 1gbit] [--latency 0.5ms] [--nproc-per-node 2] \\
         -- -m paratrain train --model small --dp 4 --compress powersgd:4
 
 Everything after ``--`` is what torchrun runs on each node (a script or ``-m module``).
@@ -218,7 +218,7 @@ def default_burst(bandwidth: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if os.geteuid() != 0:
-        print("cluster: needs root (ip netns, tc); run it with sudo", file=sys.stderr)
+        print("cluster: needs root (ip netns, tc); run it as root", file=sys.stderr)
         return 2
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:

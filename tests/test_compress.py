@@ -97,6 +97,15 @@ def test_compressors_exact_lossless_and_error_feedback():
     assert 3.5 < r["int8_ratio"] <= 4.0 and r["topk:0.1_ratio"] > 1.5 and r["powersgd:2_ratio"] > 1.5
 
 
+def test_order_places_tp_inside_or_across_nodes():
+    """The two placements of benchmarks/two_nodes.py: nodes hold ranks {0, 1} and {2, 3}."""
+    from paratrain.layout import Layout
+
+    inside, across = Layout(dp=2, tp=2), Layout(dp=2, tp=2, order="dp-tp-cp-pp")
+    assert inside.groups("tp") == [[0, 1], [2, 3]] and inside.groups("dp") == [[0, 2], [1, 3]]
+    assert across.groups("tp") == [[0, 2], [1, 3]] and across.groups("dp") == [[0, 1], [2, 3]]
+
+
 def test_compress_setting_is_checked_before_launch(tmp_path):
     assert Z.parse("topk:0.01") == Z.CompressSpec("topk", fraction=0.01)
     assert Z.parse("powersgd:4:noef").text == "powersgd:4:noef"
@@ -140,3 +149,37 @@ def test_lossless_compression_equals_none_with_accumulation_zero1_and_resume(tmp
     assert_same_run(resumed[1], tail(runs["int8-zero1"]))
     fresh, kept = resumed[2][2], runs["powersgd"][2]
     assert max(rel_error(fresh[k], kept[k]) for k in kept) > 1e-4
+
+
+CONVERGENCE = ["none", "fp16", "bf16", "int8", "powersgd:4", "topk:0.01", "topk:0.01:noef"]
+
+
+def final_val_losses(configs) -> list[float]:
+    from paratrain.mesh import Mesh
+    from paratrain.train.loop import train
+
+    return [train(cfg, Mesh.build(cfg.layout)).val_losses[-1][1] for cfg in configs]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+def test_compressed_training_converges_like_uncompressed(tmp_path):
+    """Small model, bundled corpus, dp2, 300 steps: the final validation loss of each method
+    against no compression. Prints the numbers (run with -s to see them)."""
+    from paratrain.train.config import load
+
+    configs = [load(None, dict(preset="small", seq_len=64, global_batch=8, steps=300, eval_every=0,
+                               eval_batches=4, progress=False, nproc=2, compress=method,
+                               run_dir=str(tmp_path / method.replace(":", "_")))).validate()
+               for method in CONVERGENCE]
+    losses = dict(zip(CONVERGENCE, run_world(final_val_losses, 2, configs, timeout_s=7200)[0]))
+    base = losses["none"]
+    print("\nfinal validation loss after 300 steps (dp2, small):")
+    for method, loss in losses.items():
+        print(f"  {method:<16} {loss:.4f}  {loss / base - 1:+.2%}")
+    for method in ("fp16", "bf16", "int8"):
+        assert losses[method] <= base * 1.03, method
+    for method in ("powersgd:4", "topk:0.01"):
+        assert losses[method] <= base * 1.08, method
+    # Without error feedback, top-k 1% loses most of the gradient for good: measurably worse.
+    assert losses["topk:0.01:noef"] >= losses["topk:0.01"] * 1.02
