@@ -2,13 +2,17 @@
 of two network namespaces whose link is shaped with tc (scripts/cluster.py). Needs root.
 
     python benchmarks/two_nodes.py [--bandwidth 1gbit] [--latency 0.5ms]    (as root)
-        [--steps 30] [--model small] [--global-batch 8] [--seq-len 64]
+        [--steps 20] [--model small] [--global-batch 4] [--seq-len 64] [--save FILE.json]
 
 dp4 (2 processes per node) trains the same model on the same data with each paratrain
 ``--compress`` method and with torch DDP and its communication hooks (fp16_compress_hook,
 bf16_compress_hook, powerSGD_hook at the same rank; DDP configured with
 gradient_as_bucket_view=True, broadcast_buffers=False and paratrain's bucket size; PowerSGD
 from the second step, warm start and error feedback on, batch_tensors_with_same_shape=True).
+Every run uses the same bucket size, by default one bucket for the whole model: with
+several, torch's powerSGD_hook aborts on gloo ("Received data size doesn't match expected
+size. Is there a distributed collective mismatch", torch 2.13, CPU), as its chained
+collectives are issued from gloo's worker threads in different orders on different ranks.
 Then dp2 x tp2 runs with tp inside a node (order tp-cp-pp-dp) and with tp across the link
 (order dp-tp-cp-pp), next to the planner's predictions for both on this cluster.
 
@@ -44,7 +48,7 @@ def config(args, run_dir: str, **overrides):
 
     base = dict(preset=args.model, seq_len=args.seq_len, global_batch=args.global_batch,
                 steps=args.steps, eval_every=0, eval_batches=2, progress=False, run_dir=run_dir,
-                warmup_steps=min(20, args.steps // 3), nproc=4)
+                warmup_steps=min(20, args.steps // 3), nproc=4, bucket_mb=args.bucket_mb)
     return load(None, {**base, **overrides}).validate()
 
 
@@ -206,7 +210,7 @@ def run_cluster(args, out: str) -> tuple[str, int]:
            "--out", out, "--steps", str(args.steps), "--model", args.model, "--rank", str(args.rank),
            "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
            "--tp-global-batch", str(args.tp_global_batch), "--tp-seq-len", str(args.tp_seq_len),
-           "--tp-steps", str(args.tp_steps)]
+           "--tp-steps", str(args.tp_steps), "--bucket-mb", str(args.bucket_mb)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     return done.stdout + done.stderr, done.returncode
@@ -219,6 +223,8 @@ def report(args, results: dict, planned: dict, log: str, load: float) -> None:
     print(f"\n{args.model} model, dp4 on 2 nodes x 2 processes, {args.global_batch} x {args.seq_len} "
           f"tokens per step, {args.steps} steps; load average {load:.1f} (the machine is shared: "
           f"times are noisy, compare within this run)")
+    print(f"bucket size {args.bucket_mb:g} MiB for every run (torch's powerSGD_hook aborts on gloo with "
+          "several buckets: 'collective mismatch')")
     print("torch peers: DDP(gradient_as_bucket_view=True, broadcast_buffers=False, same bucket_cap_mb), "
           f"powerSGD_hook(rank {args.rank}, start_powerSGD_iter=2, error feedback, warm start, "
           "batch_tensors_with_same_shape=True)\n")
@@ -256,13 +262,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bandwidth", default="1gbit")
     p.add_argument("--latency", default="0.5ms")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--model", default="small")
-    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--tp-global-batch", type=int, default=16, help="placement runs: sequences per step")
     p.add_argument("--tp-seq-len", type=int, default=128, help="placement runs: tokens per sequence")
-    p.add_argument("--tp-steps", type=int, default=10, help="placement runs: steps")
+    p.add_argument("--tp-steps", type=int, default=8, help="placement runs: steps")
+    p.add_argument("--bucket-mb", type=float, default=100.0,
+                   help="gradient bucket size for every run (default 100: one bucket; torch's "
+                        "powerSGD_hook aborts on gloo with several, see the docstring)")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD rank, both implementations")
     p.add_argument("--calibration", help="planner calibration (default: the planner's cache; "
                    "made by `paratrain plan --cluster local --calibrate`)")
