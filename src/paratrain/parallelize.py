@@ -44,5 +44,6 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
         dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
         return ZeroDataParallel(model, group, p.zero, cfg.optim, param_dtype=dtype,
                                 offload=p.offload, tp=tp, pp_group=pp_group,
-                                reshard_after_forward=cfg.reshard_after_forward)
-    return ReplicatedEngine(DataParallel(model, group, bucket_mb=p.bucket_mb), cfg.optim, tp, pp_group)
+                                reshard_after_forward=cfg.reshard_after_forward, compress=p.compress)
+    dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=p.compress)
+    return ReplicatedEngine(dp, cfg.optim, tp, pp_group)

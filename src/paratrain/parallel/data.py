@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..comm import collectives as C
+from ..comm.compress import CompressorSet, parse
 
 
 @dataclass
@@ -37,6 +38,8 @@ class Bucket:
     """ids of the parameters whose gradient this backward pass has produced."""
     work: object | None = None
     """Handle of the in-flight all-reduce, if launched."""
+    compressor: object | None = None
+    """How the bucket is averaged and what state that keeps (comm/compress.py)."""
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
@@ -73,7 +76,7 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group: ProcessGroup, bucket_mb: float = 4.0,
-                 broadcast_from_first: bool = True):
+                 broadcast_from_first: bool = True, compress: str = "none"):
         super().__init__()
         self.module = module
         self.group = group
@@ -84,6 +87,12 @@ class DataParallel(nn.Module):
                     C.broadcast(tensor, src=0, group=group)
         self.buckets = make_buckets(params[::-1], max(1, int(bucket_mb * 2**20)))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        # One compressor per bucket (comm/compress.py); "none" is the plain average.
+        self.compressors = CompressorSet(parse(compress), [
+            ([(b.offsets[id(p)], p.shape) for p in b.params], b.buffer.numel()) for b in self.buckets],
+            device=self.buckets[0].buffer.device if self.buckets else None)
+        for bucket, compressor in zip(self.buckets, self.compressors.items):
+            bucket.compressor = compressor
         self._sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
@@ -124,13 +133,15 @@ class DataParallel(nn.Module):
     def start_grad_sync(self, bucket: Bucket) -> None:
         """Launch the asynchronous average of one bucket over the data-parallel group."""
         if bucket.work is None:
-            bucket.work = C.all_reduce(bucket.buffer, self.group, op="avg", async_op=True)
+            bucket.work = bucket.compressor.reduce(bucket.buffer, self.group)
 
     def finish_grad_sync(self) -> None:
         """Launch any bucket not yet launched (e.g. holding unused parameters), then wait
         for all. Call after the last backward of a step, before the optimizer step."""
         for bucket in self.buckets:
             self.start_grad_sync(bucket)
+        for bucket in self.buckets:  # second collectives (int8, PowerSGD) start as firsts end
+            bucket.work.advance()
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.work = None

@@ -69,6 +69,11 @@ class ReplicatedEngine(nn.Module):
         set_lr(self.optimizer, lr)
         self.optimizer.step()
 
+    def pop_comm_bytes(self) -> tuple[int, int]:
+        """Gradient bytes this rank sent since the last call, and what uncompressed
+        all-reduces would have sent."""
+        return self.dp.compressors.pop_bytes()
+
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.module.parameters())
         optim = [v for state in self.optimizer.state.values() for v in state.values()
@@ -93,10 +98,12 @@ class ReplicatedEngine(nn.Module):
             if self.tp is not None:
                 local = self.tp.full_state_dict(self.module, local=local)
             out[key] = merge_stages(local, self.pp_group)
-        return out
+        compress = self.dp.compressors.gather_state()  # error-feedback residuals, PowerSGD's Q
+        return {**out, "compress": compress} if compress else out
 
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Install this rank's share of full moments (from any layout) after ``step`` steps."""
+        self.dp.compressors.load_state(moments.get("compress", {}))
         for name, p in self.module.named_parameters():
             state = {"step": torch.tensor(float(step))}
             for key in MOMENTS:

@@ -201,5 +201,5 @@ def load(directory: str | Path, model_cfg) -> tuple[int, dict[str, dict[str, tor
     state: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in KINDS}
     for key, value in tensors.items():
         kind, _, name = key.partition("/")
-        state[kind][name] = value
+        state.setdefault(kind, {})[name] = value  # engines may save more kinds ("compress")
     return meta["step"], state

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..comm import compress
 from ..layout import Layout, LayoutError, parse_domain
 from ..models.gpt import PRESETS, GPTConfig, preset
 from . import schema
@@ -64,6 +65,10 @@ class ParallelConfig:
     """Axes from fastest- to slowest-varying rank: tp first keeps its peers on one node."""
     bucket_mb: float = 4.0
     """Size of a gradient bucket, in MiB, for overlapped gradient reduction."""
+    compress: str = "none"
+    """Gradient compression of the data-parallel reduction: none, fp16, bf16, int8,
+    topk:FRACTION or powersgd:RANK; int8/topk/powersgd keep an error-feedback residual
+    (append :noef to drop it). With --zero 0 or 1."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: auto (nccl with GPUs, else gloo), gloo or nccl."""
     timeout_s: float = 300.0
@@ -266,6 +271,10 @@ class Config:
         if p.zero and self.model.tie_embeddings:
             raise ConfigError("ZeRO shards each parameter once, so it cannot shard tied "
                               "embeddings; set tie_embeddings = false or --zero 0")
+        try:
+            compress.check(p.compress, p.zero)
+        except compress.CompressError as exc:
+            raise ConfigError(str(exc)) from None
         if p.offload and not p.zero:
             raise ConfigError("--offload moves ZeRO's sharded optimizer state to the CPU: it needs --zero 1, 2 or 3")
         if p.pp > 1:

@@ -31,7 +31,7 @@ from ..parallelize import parallelize
 from . import checkpoint, logs
 from . import data as D
 from .config import Config
-from .metrics import MetricsWriter, state_bytes, summary
+from .metrics import MetricsWriter, comm_metrics, state_bytes, summary
 from .nonfinite import NonFiniteGuard, culprits
 
 
@@ -222,7 +222,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
             result.state_bytes = _gather(state_bytes(run.engine.state_tensors()))
         record.update(step=step + 1, step_time_s=elapsed, tokens_per_s=record["tokens"] / elapsed,
                       mfu=flops * record["tokens"] / elapsed / peak if peak else None,
-                      **result.state_bytes[0])
+                      **result.state_bytes[0], **comm_metrics(run.engine))
         result.losses.append(record["loss"])
         last = step + 1 == cfg.train.steps
         evaluating = last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)

@@ -20,6 +20,16 @@ def state_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:
             "optim_bytes": storage_bytes(tensors["optim"])}
 
 
+def comm_metrics(engine) -> dict[str, float]:
+    """This step's gradient bytes sent by this rank (``comm_bytes``) and the compression
+    ratio against uncompressed all-reduces (``comm_ratio``), for engines that count them."""
+    pop = getattr(engine, "pop_comm_bytes", None)
+    if pop is None:
+        return {}
+    sent, dense = pop()
+    return {"comm_bytes": sent, "comm_ratio": dense / sent if sent else 1.0}
+
+
 class MetricsWriter:
     """Appends one strict-JSON object per line (a NaN or inf is written as null, which every
     JSON reader accepts); only the rank that owns it writes."""
@@ -71,6 +81,11 @@ def summary(records: list[dict[str, Any]], per_rank: list[dict[str, int]], wall_
     ]
     if evals:
         lines.append(f"val loss      {evals[-1]['val_loss']:.4f} (step {evals[-1]['step']})")
+    if "comm_bytes" in steps[-1]:
+        sent = sum(r["comm_bytes"] for r in steps) / len(steps)
+        dense = sum(r["comm_bytes"] * r["comm_ratio"] for r in steps) / len(steps)
+        lines.append(f"gradients     {human_bytes(sent)} sent per step and rank "
+                     f"(compression ratio {dense / max(sent, 1e-9):.1f}x)")
     lines += [f"throughput    {tok_s:,.0f} tokens/s", f"train time    {wall_s:.1f} s (the steps, evaluations and checkpoints)",
               "memory/rank   params / grads / optimizer state"]
     for rank, b in enumerate(per_rank):

@@ -39,6 +39,7 @@ from torch.distributed import ProcessGroup
 
 from ...accounting import storage_bytes
 from ...comm import collectives as C
+from ...comm.compress import CompressorSet, all_reduce_bytes, check
 from ...comm.ring import ring_all_gather
 from ..engine import MOMENTS, merge_stages, plain_name
 from ..tensor import TensorParallel
@@ -53,7 +54,8 @@ class ZeroDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group: ProcessGroup, stage: int, optim_cfg,
                  param_dtype: torch.dtype | None = None, offload: bool = False,
                  track_peak: bool = False, tp: TensorParallel | None = None,
-                 pp_group: ProcessGroup | None = None, reshard_after_forward: bool = True):
+                 pp_group: ProcessGroup | None = None, reshard_after_forward: bool = True,
+                 compress: str = "none"):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
@@ -77,6 +79,13 @@ class ZeroDataParallel(nn.Module):
                 unit.shard = unit.flat.own_slice(unit.flat.flat).clone()
                 unit.flat.free()
         self.optimizer = ShardedAdamW(self.units, optim_cfg, offload=offload)
+        # Stage 1 keeps each unit's full gradient, so it can be averaged by a compressor
+        # (comm/compress.py) instead of a reduce-scatter; stages 2/3 are refused by check().
+        self.compressors = CompressorSet(check(compress, stage), [
+            (list(zip(u.flat.offsets, [p.shape for p in u.flat.params])), u.flat.padded)
+            for u in self.units], device=self.units[0].flat.flat.device if self.units else None)
+        for unit, compressor in zip(self.units, self.compressors.items):
+            unit.compressor = compressor if compress != "none" else None
         # gloo's native reduce-scatter and all-gather are slower than its all-reduce and
         # than a ring on send/recv (see `paratrain bench comm`); NCCL's are not.
         self._gloo = dist.get_backend(group) == "gloo"
@@ -150,9 +159,19 @@ class ZeroDataParallel(nn.Module):
         if self.stage >= 2 and self._in_flight:
             self._in_flight.pop(0).finish_reduce()
         unit.start_reduce(self.group, by_all_reduce=self._gloo)
+        if unit.compressor is None:  # count what the plain reduction sends
+            compressor = self.compressors[self.units.index(unit)]
+            nbytes = all_reduce_bytes(unit.flat_grad.numel() * unit.flat_grad.element_size(), C.size(self.group))
+            compressor.sent_bytes += nbytes if self._gloo else nbytes // 2
+            compressor.dense_bytes += nbytes
         self._in_flight.append(unit)
         if self.stage == 3 and (self._sync or self.reshard_after_forward):
             unit.flat.free()  # kept otherwise: the next microbatch of the step needs it
+
+    def pop_comm_bytes(self) -> tuple[int, int]:
+        """Gradient bytes this rank sent since the last call, and what uncompressed
+        all-reduces would have sent (reduce-scatters count as all-reduces: an upper bound)."""
+        return self.compressors.pop_bytes()
 
     def start_grad_sync(self) -> None:
         """Launch the reduction of every unit not launched in this backward pass (e.g. one
@@ -267,11 +286,13 @@ class ZeroDataParallel(nn.Module):
             if self.tp is not None:
                 local = self.tp.full_state_dict(self.module, local=local)
             out[key] = merge_stages(local, self.pp_group)
-        return out
+        compress = self.compressors.gather_state()  # error-feedback residuals, PowerSGD's Q
+        return {**out, "compress": compress} if compress else out
 
     @torch.no_grad()
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Install this rank's slices of full moments (from any layout) after ``step`` steps."""
+        self.compressors.load_state(moments.get("compress", {}))
         state = self.optimizer.optimizer.state
         for unit, views in zip(self.units, self.optimizer.unit_views):
             slices = {}

@@ -60,6 +60,8 @@ class Unit:
     """Handle of the in-flight reduce-scatter."""
     gather_work: object | None = None
     """Handle of the in-flight all-gather (stage 3)."""
+    compressor: object | None = None
+    """Stage 1 with --compress: averages the full gradient (comm/compress.py)."""
 
     def __post_init__(self) -> None:
         self._offset_of = {id(p): o for p, o in zip(self.flat.params, self.flat.offsets)}
@@ -90,7 +92,9 @@ class Unit:
         same slice results, and gloo's all-reduce is faster than its reduce-scatter."""
         if self.flat_grad is None:  # no parameter of the unit got a gradient
             self.flat_grad = self.grad_shard.new_zeros(self.flat.padded)
-        if by_all_reduce:
+        if self.compressor is not None:  # the full average, compressed; the shard is a view of it
+            self.reduce_work = self.compressor.reduce(self.flat_grad, group)
+        elif by_all_reduce:
             self.reduce_work = C.all_reduce(self.flat_grad, group, op="avg", async_op=True)
         else:
             self.reduce_work = C.reduce_scatter(self.flat.own_slice(self.flat_grad), self.flat_grad,

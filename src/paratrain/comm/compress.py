@@ -1,0 +1,370 @@
+"""Gradient compression for data-parallel reduction, one bucket at a time.
+
+A ``Compressor`` owns one gradient bucket's compression state and averages that bucket
+over a group: ``reduce(bucket, group)`` launches the first collective at once (so it
+overlaps the rest of backward, as the plain all-reduce does) and returns a handle whose
+``wait()`` finishes the job, running a second collective where the method needs one,
+and leaves the average in ``bucket``.
+
+=========  ===================================================  ===========  =========
+method     what each rank sends                                 collectives  residual
+=========  ===================================================  ===========  =========
+none       the bucket (all-reduce, average)                     1            -
+fp16/bf16  the bucket cast to 16 bits (all-reduce, sum of x/p)  1            -
+int8       int8 chunks + one fp32 scale per chunk               2            yes
+topk:F     the largest F of the entries: values + indices       1            yes
+powersgd:R P = M Q and Q = M^T P of each matrix, rank R         2            yes
+=========  ===================================================  ===========  =========
+
+Error feedback (int8, topk, powersgd; ``:noef`` turns it off): each rank keeps the part of
+its gradient that was not sent (the residual) and adds it to the next step's gradient,
+so nothing is lost, only delayed. The invariant, over any number of steps:
+sum over ranks of (gradients + residual at start) = group size x average + residual now.
+
+int8 cannot overflow: no reduction ever runs on int8 values. Each rank quantizes its
+bucket in ``p`` chunks (a scale per chunk) and an all-to-all hands chunk k of every rank
+to rank k, which dequantizes and sums them in fp32 (a reduce-scatter in a wider type,
+done locally); the owner re-quantizes its averaged chunk and an all-gather of int8 chunks
+returns the result to everyone. The re-quantization error of chunk k goes into rank k's
+residual (times p, as it is an error of the average), so the invariant still holds. Each
+rank sends 2(p-1)/p bytes per entry: a quarter of an fp32 ring all-reduce.
+
+PowerSGD (Vogels et al. 2019): per parameter matrix M (the gradient plus residual, viewed
+as rows x columns, transposed so rows <= columns), P = M Q with the previous step's Q
+(warm start), all-reduce P, orthogonalize it, Q = M^T P, all-reduce Q; the average is
+P Q^T / p and the local residual is M - P (M^T P)^T. Vectors and matrices that rank R
+would not shrink by ``min_compression`` (biases, norms) are all-reduced uncompressed,
+in the first collective.
+
+Byte counts assume ring algorithms: an all-reduce of n bytes sends 2(p-1)/p n per rank,
+an all-gather (p-1) n, an all-to-all (p-1)/p n.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from . import collectives as C
+
+Method = Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"]
+METHODS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
+FORMS = "none, fp16, bf16, int8, topk:FRACTION, powersgd:RANK (append :noef to int8/topk/powersgd to drop error feedback)"
+
+
+class CompressError(ValueError):
+    """A compression setting that cannot run; the message says what to write instead."""
+
+
+@dataclass(frozen=True)
+class CompressSpec:
+    """A parsed ``--compress`` value."""
+
+    method: Method = "none"
+    """Which compression."""
+    fraction: float = 1.0
+    """top-k: share of a bucket's entries sent."""
+    rank: int = 0
+    """PowerSGD: rank of the approximation."""
+    error_feedback: bool = True
+    """Keep what was not sent and add it to the next gradient (int8, topk, powersgd)."""
+
+    @property
+    def text(self) -> str:
+        arg = {"topk": f":{self.fraction:g}", "powersgd": f":{self.rank}"}.get(self.method, "")
+        lossy = self.method in ("int8", "topk", "powersgd")
+        return self.method + arg + (":noef" if lossy and not self.error_feedback else "")
+
+
+def parse(text: str) -> CompressSpec:
+    """``'powersgd:4'`` -> CompressSpec; raises CompressError naming the field and the forms."""
+    parts = str(text).strip().lower().split(":")
+    method, args = parts[0], parts[1:]
+    bad = CompressError(f"compress={text!r} is not understood; write one of {FORMS}")
+    if method not in METHODS:
+        raise bad
+    ef = True
+    if args and args[-1] == "noef":
+        if method not in ("int8", "topk", "powersgd"):
+            raise CompressError(f"compress={text!r}: only int8, topk and powersgd keep a residual to turn off")
+        ef, args = False, args[:-1]
+    if method in ("topk", "powersgd") and len(args) != 1 or method not in ("topk", "powersgd") and args:
+        raise bad
+    if method == "topk":
+        try:
+            fraction = float(args[0])
+        except ValueError:
+            raise bad from None
+        if not 0 < fraction <= 1:
+            raise CompressError(f"compress={text!r}: the top-k fraction must be in (0, 1], e.g. topk:0.01")
+        return CompressSpec("topk", fraction=fraction, error_feedback=ef)
+    if method == "powersgd":
+        if not args[0].isdigit() or int(args[0]) < 1:
+            raise CompressError(f"compress={text!r}: the PowerSGD rank must be a positive integer, e.g. powersgd:4")
+        return CompressSpec("powersgd", rank=int(args[0]), error_feedback=ef)
+    return CompressSpec(method, error_feedback=ef)  # type: ignore[arg-type]
+
+
+def check(text: str, zero: int) -> CompressSpec:
+    """Parse ``text`` and refuse layouts it cannot compose with."""
+    spec = parse(text)
+    if spec.method != "none" and zero >= 2:
+        raise CompressError(f"compress={text!r} with zero={zero}: ZeRO-2/3 reduce-scatter every "
+                            f"microbatch's gradient into shards and keep no full gradient to "
+                            f"compress or to hold a residual for; use --zero 1 (or 0) with --compress")
+    return spec
+
+
+# ---- bytes on the wire (ring algorithms), per rank ------------------------------------------
+def all_reduce_bytes(nbytes: int, p: int) -> int:
+    return 2 * (p - 1) * nbytes // p
+
+
+def all_gather_bytes(nbytes_per_rank: int, p: int) -> int:
+    return (p - 1) * nbytes_per_rank
+
+
+def all_to_all_bytes(nbytes: int, p: int) -> int:
+    return (p - 1) * nbytes // p
+
+
+class Pending:
+    """A reduction in flight: its collective, then ``finish``, which may launch the next
+    collective and return its Pending (PowerSGD's Q, int8's all-gather)."""
+
+    def __init__(self, work, finish: Callable[[], "Pending | None"] | None = None):
+        self.work, self.finish = work, finish
+
+    def advance(self) -> None:
+        """Wait for the current collective and run what follows it, which may launch the
+        next one without waiting for it: advancing every bucket before waiting on any lets
+        their second collectives overlap."""
+        if self.work is not None:
+            self.work.wait()
+            nxt = self.finish() if self.finish is not None else None
+            self.work, self.finish = (nxt.work, nxt.finish) if isinstance(nxt, Pending) else (None, None)
+
+    def wait(self) -> bool:
+        while self.work is not None:
+            self.advance()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work is None
+
+
+# ---- the interface and the simple methods ---------------------------------------------------
+class Compressor:
+    """One bucket's compressed average and its state (residual, PowerSGD's Q)."""
+
+    def __init__(self, numel: int, error_feedback: bool = False, device: torch.device | None = None):
+        self.numel, self.device = numel, device or torch.device("cpu")
+        self.residual = torch.zeros(numel, device=self.device) if error_feedback else None
+        self.sent_bytes = 0
+        """Bytes this rank has sent for this bucket since the counter was last reset."""
+        self.dense_bytes = 0
+        """Bytes an uncompressed all-reduce of the same buckets would have sent."""
+
+    def reduce(self, bucket: torch.Tensor, group: ProcessGroup) -> Pending:
+        """Launch the average of ``bucket`` over ``group``; it is in ``bucket`` after wait()."""
+        self.dense_bytes += all_reduce_bytes(bucket.numel() * bucket.element_size(), C.size(group))
+        return self._reduce(bucket, group)
+
+    def _reduce(self, bucket: torch.Tensor, group: ProcessGroup) -> Pending:
+        raise NotImplementedError
+
+    def _with_residual(self, bucket: torch.Tensor) -> torch.Tensor:
+        """The bucket in fp32 plus what earlier steps did not send (a new tensor)."""
+        x = bucket.detach().to(torch.float32, copy=True)
+        if self.residual is not None:
+            x += self.residual
+        return x
+
+    def _sent(self, nbytes: int) -> None:
+        self.sent_bytes += nbytes
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors that a checkpoint must keep for the run to resume exactly."""
+        return {"residual": self.residual} if self.residual is not None else {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, value in state.items():
+            getattr(self, name).copy_(value)
+
+
+class NoCompression(Compressor):
+    """The plain average: one all-reduce of the bucket as it is."""
+
+    def _reduce(self, bucket, group):
+        self._sent(all_reduce_bytes(bucket.numel() * bucket.element_size(), C.size(group)))
+        return Pending(C.all_reduce(bucket, group, op="avg", async_op=True))
+
+
+class Cast(Compressor):
+    """Sum of bucket/p cast to fp16 or bf16 (exact where the values are representable)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device | None = None):
+        super().__init__(numel, device=device)
+        self.dtype = dtype
+
+    def _reduce(self, bucket, group):
+        p = C.size(group)
+        low = bucket.detach().div(p).to(self.dtype)  # divide first: the sum cannot overflow more than a gradient
+        self._sent(all_reduce_bytes(low.numel() * low.element_size(), p))
+        work = C.all_reduce(low, group, op="sum", async_op=True)
+        return Pending(work, lambda: bucket.copy_(low))
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` to int8 with one scale per row (max |x| maps to 127)."""
+    scale = x.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(x / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.to(torch.float32) * scale[:, None]
+
+
+def _pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 rows followed by their fp32 scale's four bytes: one message per row."""
+    return torch.cat([q, scale.contiguous().view(torch.int8).view(-1, 4)], dim=1)
+
+
+def _unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return packed[:, :-4], packed[:, -4:].contiguous().view(torch.float32).view(-1)
+
+
+class Int8(Compressor):
+    """int8 with a scale per chunk: all-to-all, fp32 sum, re-quantize, all-gather."""
+
+    def _reduce(self, bucket, group):
+        p, n = C.size(group), self.numel
+        chunk = math.ceil(n / p)
+        x = torch.zeros(p * chunk, device=bucket.device)
+        x[:n] = self._with_residual(bucket)
+        q, scale = _quantize(x.view(p, chunk))
+        if self.residual is not None:
+            self.residual.copy_((x - _dequantize(q, scale).view(-1))[:n])
+        send = _pack(q, scale)
+        recv = torch.empty_like(send)
+        self._sent(all_to_all_bytes(send.numel(), p))
+        work = C.all_to_all(recv, send, group, async_op=True)
+        return Pending(work, lambda: self._finish(bucket, recv, group, chunk))
+
+    def _finish(self, bucket, recv, group, chunk):
+        p, me, n = C.size(group), C.rank(group), self.numel
+        q, scale = _unpack(recv)
+        mean = _dequantize(q, scale).sum(dim=0, keepdim=True) / p  # fp32: cannot overflow
+        q2, scale2 = _quantize(mean)
+        if self.residual is not None:  # the error of the average, kept by the chunk's owner
+            lo, hi = me * chunk, min(n, (me + 1) * chunk)
+            if hi > lo:
+                self.residual[lo:hi] += p * (mean - _dequantize(q2, scale2))[0, :hi - lo]
+        send = _pack(q2, scale2)
+        out = torch.empty(p * send.numel(), dtype=torch.int8, device=send.device)
+        self._sent(all_gather_bytes(send.numel(), p))
+        work = C.all_gather(out, send.view(-1), group, async_op=True)
+
+        def unpack():
+            q_all, s_all = _unpack(out.view(p, -1))
+            bucket.copy_(_dequantize(q_all, s_all).view(-1)[:n])
+        return Pending(work, unpack)
+
+
+class TopK(Compressor):
+    """The largest ``fraction`` of entries by magnitude: values and indices all-gathered,
+    summed locally into the dense bucket."""
+
+    def __init__(self, numel: int, fraction: float, error_feedback: bool, device: torch.device | None = None):
+        super().__init__(numel, error_feedback, device)
+        self.k = max(1, min(numel, round(fraction * numel)))
+
+    def _reduce(self, bucket, group):
+        p = C.size(group)
+        x = self._with_residual(bucket)
+        index = x.abs().topk(self.k, sorted=False).indices
+        values = x[index]
+        if self.residual is not None:
+            x[index] = 0
+            self.residual.copy_(x)
+        payload = torch.cat([values, index.to(torch.int32).view(torch.float32)])  # one message
+        out = torch.empty(p * payload.numel(), dtype=payload.dtype, device=payload.device)
+        self._sent(all_gather_bytes(payload.numel() * 4, p))
+        work = C.all_gather(out, payload, group, async_op=True)
+        return Pending(work, lambda: self._finish(bucket, out.view(p, -1), p))
+
+    def _finish(self, bucket, out, p):
+        values = out[:, :self.k].reshape(-1)
+        index = out[:, self.k:].contiguous().view(torch.int32).reshape(-1).long()
+        total = torch.zeros(self.numel, device=out.device).index_add_(0, index, values)
+        bucket.copy_(total / p)
+        return None
+
+
+def make_compressor(spec: CompressSpec, views: list[tuple[int, torch.Size]], numel: int,
+                    seed: int = 0, device: torch.device | None = None) -> Compressor:
+    """The compressor for one bucket of ``numel`` entries holding parameters at
+    (offset, shape) ``views`` (PowerSGD compresses each matrix on its own)."""
+    if spec.method == "none":
+        return NoCompression(numel, device=device)
+    if spec.method in ("fp16", "bf16"):
+        return Cast(numel, torch.float16 if spec.method == "fp16" else torch.bfloat16, device)
+    if spec.method == "int8":
+        return Int8(numel, spec.error_feedback, device)
+    if spec.method == "topk":
+        return TopK(numel, spec.fraction, spec.error_feedback, device)
+    from .powersgd import PowerSGD
+
+    return PowerSGD(numel, views, spec.rank, spec.error_feedback, seed=seed, device=device)
+
+
+# ---- state for checkpoints ------------------------------------------------------------------
+class CompressorSet:
+    """The compressors of one engine's buckets, with byte counters and checkpoint state."""
+
+    def __init__(self, spec: CompressSpec, buckets: list[tuple[list[tuple[int, torch.Size]], int]],
+                 device: torch.device | None = None):
+        self.spec = spec
+        self.items = [make_compressor(spec, views, numel, seed=i, device=device)
+                      for i, (views, numel) in enumerate(buckets)]
+
+    def __getitem__(self, index: int) -> Compressor:
+        return self.items[index]
+
+    def pop_bytes(self) -> tuple[int, int]:
+        """(bytes sent, bytes an uncompressed all-reduce would have sent) since the last call."""
+        sent = sum(c.sent_bytes for c in self.items)
+        dense = sum(c.dense_bytes for c in self.items)
+        for c in self.items:
+            c.sent_bytes = c.dense_bytes = 0
+        return sent, dense
+
+    def _prefix(self) -> str:
+        return f"{self.spec.text}/world{dist.get_world_size()}"
+
+    def gather_state(self) -> dict[str, torch.Tensor]:
+        """Every rank's compression state under 'METHOD/worldW/rankR/bI.NAME' (collective
+        over the world; empty when the method keeps none)."""
+        mine = {f"b{i}.{k}": v.detach().cpu().clone() for i, c in enumerate(self.items)
+                for k, v in c.state_dict().items()}
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return {f"{self._prefix()}/rank{r}/{k}": v for r, state in enumerate(everyone) for k, v in state.items()}
+
+    def load_state(self, saved: dict[str, torch.Tensor]) -> bool:
+        """Install this rank's state from ``gather_state``'s output. A checkpoint of another
+        method, world or bucket layout leaves the state fresh (returns False)."""
+        prefix = f"{self._prefix()}/rank{dist.get_rank()}/"
+        wanted = [(c, k, v, saved.get(f"{prefix}b{i}.{k}")) for i, c in enumerate(self.items)
+                  for k, v in c.state_dict().items()]
+        if not wanted or any(s is None or s.shape != v.shape for _, _, v, s in wanted):
+            return False
+        for c, k, _, s in wanted:
+            c.load_state_dict({k: s})
+        return True
