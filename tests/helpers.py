@@ -129,6 +129,14 @@ def assert_same_run(got: dict, want: dict, rtol: float = RTOL, what: str = "") -
     assert_tensors_close(got["params"], want["params"], rtol, f"{what} parameters")
 
 
+def tail(run: dict, since: int = 0) -> dict:
+    """The part of a run after ``since`` steps: its later losses, validation losses and
+    gradient norms, and its final parameters. (First-step gradients are left out: a resumed
+    run's first step is the reference's step ``since + 1``.)"""
+    return {"losses": run["losses"][since:], "val": [v for v in run["val"] if v[0] > since],
+            "grad_norms": run["grad_norms"][since:], "grads": {}, "params": run["params"]}
+
+
 def assert_identical_runs(got: dict, want: dict, what: str = "") -> None:
     """Bit-for-bit the same run (where the arithmetic is the same, e.g. recompute vs none)."""
     for key in ("losses", "val", "grad_norms"):

@@ -10,21 +10,13 @@ import pytest
 from distributed import run_world
 from paratrain.train import checkpoint
 from paratrain.train.config import ConfigError
-from helpers import assert_same_run, tiny_config, train_runs
+from helpers import assert_same_run, tail, tiny_config, train_runs
 
 STEPS = 6
 
 
 def resume_config(tmp: str, nproc: int, resume: str = "", **overrides):
     return tiny_config(tmp, nproc=nproc, lr=1e-3, steps=STEPS, resume=resume, **overrides)
-
-
-def tail(run: dict, since: int = 0) -> dict:
-    """The part of a run after ``since`` steps: its later losses, validation losses and
-    gradient norms, and its final parameters. (First-step gradients are left out: a resumed
-    run's first step is the reference's step ``since + 1``.)"""
-    return {"losses": run["losses"][since:], "val": [v for v in run["val"] if v[0] > since],
-            "grad_norms": run["grad_norms"][since:], "grads": {}, "params": run["params"]}
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from paratrain.parallel.domain.halo import Halo, check_thickness
 from paratrain.parallel.domain.layers import conv_halo
 from paratrain.parallel.domain.measure import saved_activation_bytes
 from paratrain.train.config import ConfigError, load
-from test_ddp import assert_same_run, train_runs
+from helpers import assert_same_run, train_runs
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -97,8 +97,8 @@ def four_rank_checks(configs):
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("four"))
-    configs = [heat_config(tmp, domain="2", nproc=4, boundary="zeros"),  # dp2 x dom2
-               heat_config(tmp, domain="2x2", zero=1)]  # dom 2x2, ZeRO-1 over the grid
+    configs = {"dp2 x dom2": heat_config(tmp, domain="2", nproc=4, boundary="zeros"),
+               "dom2x2 zero1": heat_config(tmp, domain="2x2", zero=1)}  # ZeRO-1 over the grid
     return run_world(four_rank_checks, 4, configs, timeout_s=400)
 
 
@@ -133,7 +133,7 @@ def two_ranks(tmp_path_factory):
     """Domain 2 (periodic), saving a checkpoint at step 2."""
     tmp = str(tmp_path_factory.mktemp("two"))
     cfg = heat_config(tmp, domain="2", save_every=2)
-    return run_world(train_runs, 2, [cfg])[0], tmp
+    return run_world(train_runs, 2, {"dom2": cfg})[0]["dom2"], tmp
 
 
 @pytest.fixture(scope="module")
@@ -141,22 +141,21 @@ def one_rank(tmp_path_factory, two_ranks):
     """References for each boundary, and the domain-2 checkpoint resumed on one process."""
     tmp = str(tmp_path_factory.mktemp("one"))
     resume = f"{two_ranks[1]}/checkpoints/step-2"
-    configs = [heat_config(tmp, nproc=1), heat_config(tmp, nproc=1, boundary="zeros"),
-               heat_config(tmp, nproc=1, resume=resume)]
-    circular, zeros, resumed = run_world(train_runs, 1, configs)[0]
-    return {"circular": circular, "zeros": zeros, "resumed": resumed}
+    configs = {"circular": heat_config(tmp, nproc=1), "zeros": heat_config(tmp, nproc=1, boundary="zeros"),
+               "resumed": heat_config(tmp, nproc=1, resume=resume)}
+    return run_world(train_runs, 1, configs)[0]
 
 
 def test_domain2_trains_like_one_process(two_ranks, one_rank):
-    assert_same_run(two_ranks[0][0], one_rank["circular"])
+    assert_same_run(two_ranks[0], one_rank["circular"])
 
 
 def test_dp2_x_domain2_trains_like_one_process(four_ranks, one_rank):
-    assert_same_run(four_ranks[0][2][0], one_rank["zeros"])
+    assert_same_run(four_ranks[0][2]["dp2 x dom2"], one_rank["zeros"])
 
 
 def test_domain_2x2_with_zero1_trains_like_one_process(four_ranks, one_rank):
-    assert_same_run(four_ranks[0][2][1], one_rank["circular"])
+    assert_same_run(four_ranks[0][2]["dom2x2 zero1"], one_rank["circular"])
 
 
 def test_domain_checkpoint_resumes_on_one_process(one_rank):
