@@ -18,7 +18,7 @@ from paratrain.plan.models import from_gpt_config
 from paratrain.stages import check_pipeline_split, pipeline_split
 from paratrain.train import loop
 from paratrain.train.config import load
-from test_ddp import rel_error
+from helpers import rel_error
 
 RTOL = 1e-5
 
