@@ -27,7 +27,7 @@ from paratrain.models.gpt import GPT, PRESETS
 from paratrain.train import checkpoint, loop
 from paratrain.train.rundir import RunDirLock
 from paratrain.watchdog import HEARTBEAT, Watchdog
-from test_ddp import tiny_config
+from helpers import tiny_config
 
 TINY = ["--model", "tiny", "--seq-len", "32", "--eval-every", "0", "--no-progress", "--nproc", "2"]
 TIMEOUT_S = 4

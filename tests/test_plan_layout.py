@@ -9,7 +9,7 @@ from paratrain.plan.evaluate import evaluate_candidate, parse_layout
 from paratrain.plan.hardware import Cluster, gpu_preset
 from paratrain.plan.memory import rank_memory
 from paratrain.plan.models import PRESETS
-from test_plan_cli import plan
+from helpers import plan
 
 ARGS = ("--model", "llama3-70b", "--gpus", "64")
 
