@@ -28,6 +28,7 @@ def saved(tmp_path_factory):
     return tmp / "a" / "checkpoints" / "step-3", reference
 
 
+@pytest.mark.timeout(900)  # five worlds (two to save, three to resume): minutes on a loaded machine
 def test_resume_under_other_layouts_continues_the_run(saved, tmp_path):
     ckpt, reference = saved
     assert checkpoint.read_meta(ckpt)["step"] == 3

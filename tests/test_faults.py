@@ -59,8 +59,9 @@ def rank_pids(launcher: int) -> list[int]:
     children = []
     for task in os.listdir(f"/proc/{launcher}/task"):
         children += Path(f"/proc/{launcher}/task/{task}/children").read_text().split()
-    ranks = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    return sorted(ranks)
+    ranks = sorted(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+    assert len(ranks) == 2, ranks
+    return ranks
 
 
 def alive(pid: int) -> bool:
@@ -153,6 +154,7 @@ def test_ctrl_c_and_a_killed_launcher_leave_nothing_behind_and_runs_do_not_share
     assert not any(alive(pid) for pid in ranks) and not leftovers(tmp_path)
     assert not (run_dir / ".lock").exists()
 
+    (run_dir / "metrics.jsonl").unlink()  # wait for the second run's own steps
     second = start(tmp_path, run_dir, "--steps", "100000", ignore_sigint=True)
     wait_for_steps(second, run_dir / "metrics.jsonl", 2)
     ranks = rank_pids(second.pid)
