@@ -148,10 +148,11 @@ def check_model(meta: dict, model_cfg, directory: str | Path) -> None:
 
 def expected_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this model holds, and its shape (no memory used)."""
-    from ..models.gpt import GPT
+    from ..models.gpt import GPT, GPTConfig
+    from ..models.unet import UNet
 
     with torch.device("meta"):
-        model = GPT(model_cfg)
+        model = GPT(model_cfg) if isinstance(model_cfg, GPTConfig) else UNet(model_cfg)
     return {f"{kind}/{n}": tuple(p.shape) for kind in KINDS for n, p in model.named_parameters()}
 
 

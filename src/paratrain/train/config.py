@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from ..comm import compress
 from ..layout import Layout, LayoutError, parse_domain
+from ..models import hf
 from ..models.gpt import PRESETS, GPTConfig, preset
 from . import schema
 from .heat2d import Heat2DConfig
@@ -423,9 +424,10 @@ def _build(flat: dict[str, Any]) -> Config:
         tables[section][name] = value
     name = tables["model"].pop("preset", "small")
     problems = []
-    if name not in PRESETS:
+    if name not in PRESETS and not hf.is_model_dir(name):
         problems.append(f"model.preset: unknown preset {name!r}; known: "
-                        f"{', '.join(PRESETS)} {schema.where('model', 'preset')}")
+                        f"{', '.join(PRESETS)}, or a local Hugging Face model directory "
+                        f"(config.json + safetensors) {schema.where('model', 'preset')}")
     for section, cls in {"model": GPTConfig, **SECTIONS}.items():
         tables[section], found = schema.check(cls, tables[section], section)
         problems += found
