@@ -139,3 +139,17 @@ def test_every_sample_once_per_epoch_across_ranks():
         seen = [i for step in range(epoch * ranks[0].steps_per_epoch, (epoch + 1) * ranks[0].steps_per_epoch)
                 for s in ranks for i in s.local_indices(step) if i >= 0]
         assert sorted(seen) == list(range(n))
+
+
+def test_a_dataset_beyond_the_models_vocabulary_is_refused_before_launch(inputs, tmp_path):
+    from paratrain.train import preflight
+    from paratrain.train.config import ConfigError, load
+
+    root, files = inputs
+    prepare(files, str(root), str(tmp_path / "ds"), field="body", workers=1, progress=False)
+    cfg = load(None, {"preset": "tiny", "data": str(tmp_path / "ds"), "seq_len": 32,
+                      "global_batch": 8, "nproc": 1}).validate()  # tiny has 256 tokens, the BPE 300
+    with pytest.raises(ConfigError, match="model.vocab_size.*--vocab-size 300"):
+        preflight.check_data(cfg)
+    preflight.check_data(load(None, {"preset": "tiny", "vocab_size": 300, "data": str(tmp_path / "ds"),
+                                     "seq_len": 32, "global_batch": 8, "nproc": 1}).validate())

@@ -319,8 +319,6 @@ class Config:
         if self.data.corpus and not Path(self.data.corpus).is_file():
             raise ConfigError(f"data.corpus: corpus file {self.data.corpus!r} does not exist "
                               f"{schema.where('data', 'corpus')}")
-        if self.data.data:
-            _check_dataset(self)
         if t.resume:
             from .checkpoint import CheckpointError, check_model, read_meta
 
@@ -332,29 +330,6 @@ class Config:
             if meta["step"] >= t.steps:
                 raise ConfigError(f"the checkpoint is at step {meta['step']}, and steps={t.steps}: "
                                   f"raise --steps to train further")
-
-
-def _check_dataset(cfg: Config) -> None:
-    """A prepared dataset (--data): readable, within the model's vocabulary, a batch long."""
-    from ..data.dataset import read_meta
-    from ..data.prepare import DataError
-
-    d = cfg.data
-    if d.corpus:
-        raise ConfigError("data.data and data.corpus both given: train on a prepared dataset "
-                          "(--data) or on a text file's bytes (--corpus), not both")
-    try:
-        meta = read_meta(d.data)
-    except DataError as exc:
-        raise ConfigError(f"data.data: {exc}") from None
-    if meta.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size: the dataset's tokenizer has {meta.vocab_size} "
-                          f"tokens but the model only {cfg.model.vocab_size}; set "
-                          f"--vocab-size {meta.vocab_size} (or more)")
-    if meta.train_tokens // cfg.data.seq_len < cfg.train.global_batch:
-        raise ConfigError(f"data.data: {meta.train_tokens} training tokens make fewer than one "
-                          f"global batch of {cfg.train.global_batch} x {cfg.data.seq_len}; "
-                          f"prepare more text, or lower --global-batch or --seq-len")
 
 
 def _resolve_world(p: ParallelConfig, launcher: str = "local") -> ParallelConfig:

@@ -37,7 +37,8 @@ def check_data(cfg: Config) -> None:
     """The corpus gives at least one global batch of training samples, at least one
     validation sample when there is a validation set, and only tokens the model knows."""
     d, t = cfg.data, cfg.train
-    if d.data:  # a prepared dataset: its metadata was checked with the config (_check_dataset)
+    if d.data:  # a prepared dataset: its metadata says all we need
+        check_dataset(cfg)
         return
     try:
         if d.corpus and Path(d.corpus).stat().st_size == 0:
@@ -75,3 +76,26 @@ def advice(cfg: Config) -> list[str]:
         notes.append(f"steps={t.steps} is not above warmup_steps={o.warmup_steps}: the learning "
                      f"rate only warms up and never decays; lower --warmup-steps or raise --steps")
     return notes
+
+
+def check_dataset(cfg: Config) -> None:
+    """A prepared dataset (--data): readable, within the model's vocabulary, a batch long."""
+    from ..data.dataset import read_meta
+    from ..data.prepare import DataError
+
+    d = cfg.data
+    if d.corpus:
+        raise ConfigError("data.data and data.corpus both given: train on a prepared dataset "
+                          "(--data) or on a text file's bytes (--corpus), not both")
+    try:
+        meta = read_meta(d.data)
+    except DataError as exc:
+        raise ConfigError(f"data.data: {exc}") from None
+    if meta.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: the dataset's tokenizer has {meta.vocab_size} "
+                          f"tokens but the model only {cfg.model.vocab_size}; set "
+                          f"--vocab-size {meta.vocab_size} (or more)")
+    if meta.train_tokens // cfg.data.seq_len < cfg.train.global_batch:
+        raise ConfigError(f"data.data: {meta.train_tokens} training tokens make fewer than one "
+                          f"global batch of {cfg.train.global_batch} x {cfg.data.seq_len}; "
+                          f"prepare more text, or lower --global-batch or --seq-len")
