@@ -226,7 +226,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         result.losses.append(record["loss"])
         last = step + 1 == cfg.train.steps
         evaluating = last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)
-        if evaluating and cfg.data.val_fraction > 0:  # no validation set: no validation loss
+        if evaluating and len(run.val_data) > 0:  # no validation set: no validation loss
             record["val_loss"] = evaluate(run)
             result.val_losses.append((step + 1, record["val_loss"]))
         if last or (step + 1) % cfg.train.log_every == 0:  # same steps on every rank: collective
