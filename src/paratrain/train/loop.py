@@ -248,11 +248,18 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         sink.close()
     if run.recorder is not None:
         _save_timeline(run)
-    if run.is_logger:
+    return finish(cfg, run.engine, records, result, start, run.is_logger, keep_params)
+
+
+def finish(cfg: Config, engine, records: list[dict], result: RunResult, start: float,
+           is_logger: bool, keep_params: bool) -> RunResult:
+    """The closing summary on the logging rank; the final parameters when asked for
+    (collective: every rank calls this)."""
+    if is_logger:
         print(summary(records, result.state_bytes, time.perf_counter() - start), flush=True)
         print(f"metrics       {cfg.metrics_path}", flush=True)
     if keep_params:
-        result.params = {k: v.cpu() for k, v in run.engine.full_state_dict().items()}
+        result.params = {k: v.cpu() for k, v in engine.full_state_dict().items()}
     return result
 
 

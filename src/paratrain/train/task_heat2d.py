@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from ..comm import collectives as C
 from ..layout import LayoutError
@@ -32,12 +31,12 @@ from ..parallel.data import DataParallel
 from ..parallel.domain import Grid, apply_domain_parallel
 from ..parallel.engine import ReplicatedEngine
 from ..parallel.zero import ZeroDataParallel
-from . import checkpoint
+from . import checkpoint, logs
 from . import data as D
 from .config import Config, ConfigError
 from .heat2d import Fields, make_fields
-from .loop import RunResult
-from .metrics import MetricsWriter, state_bytes, summary
+from .loop import RunResult, finish
+from .metrics import MetricsWriter, state_bytes
 
 NORM_GROUPS = 4
 
@@ -205,8 +204,8 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     writer = MetricsWriter(cfg.metrics_path if is_logger else None)
     if is_logger:
         print(describe(run), flush=True)
-    bar = tqdm(total=cfg.train.steps, disable=not (is_logger and cfg.train.progress), unit="step",
-               dynamic_ncols=True, initial=run.start_step)
+    progress = logs.Progress(cfg.train.steps, run.start_step, is_logger and cfg.train.progress,
+                             cfg.train.log_every)
     start = time.perf_counter()
     for step in range(run.start_step, cfg.train.steps):
         t0 = time.perf_counter()
@@ -227,16 +226,10 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
             directory = Path(cfg.train.run_dir) / "checkpoints" / f"step-{step + 1}"
             checkpoint.save(directory, step + 1, run.engine, unet_config(cfg), cfg.layout.describe(),
                             is_writer=is_logger)
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", pts_s=f"{record['tokens_per_s']:,.0f}")
-    bar.close()
+        progress.update(record)
+    progress.close()
     writer.close()
-    if is_logger:
-        print(summary(records, result.state_bytes, time.perf_counter() - start), flush=True)
-        print(f"metrics       {cfg.metrics_path}", flush=True)
-    if keep_params:
-        result.params = {k: v.cpu() for k, v in run.engine.full_state_dict().items()}
-    return result
+    return finish(cfg, run.engine, records, result, start, is_logger, keep_params)
 
 
 def describe(run: Heat2DRun) -> str:
