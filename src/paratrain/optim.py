@@ -40,7 +40,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 @torch.no_grad()
 def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float,
                     groups: tuple[ProcessGroup, ...] = (),
-                    scale: list[torch.Tensor] | None = None) -> float:
+                    scale: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most ``max_norm`` (0: only measure it).
 
     ``grads`` are the gradients this rank owns; ``groups`` are the process groups across
@@ -49,7 +49,7 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float,
     the same global norm. A gradient replicated on several ranks must be passed by exactly
     one of them, or by all of them with no group over that axis. The clipping factor is
     applied to ``scale`` (default: ``grads``), which lets a rank clip gradients it does not
-    count. Returns the norm before clipping.
+    count. Returns the norm before clipping, on the device (reading it syncs the host).
     """
     grads = [g for g in grads if g is not None]
     scale = grads if scale is None else [g for g in scale if g is not None]
@@ -62,7 +62,7 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float,
 
 @torch.no_grad()
 def clip_by_squared_norm_(sq: torch.Tensor, max_norm: float, groups: tuple[ProcessGroup, ...],
-                          tensors: list[torch.Tensor]) -> float:
+                          tensors: list[torch.Tensor]) -> torch.Tensor:
     """Sum this rank's squared norm ``sq`` over ``groups`` and scale ``tensors`` so the
     global norm is at most ``max_norm`` (0: only measure). Returns the global norm."""
     for group in groups:
@@ -71,4 +71,4 @@ def clip_by_squared_norm_(sq: torch.Tensor, max_norm: float, groups: tuple[Proce
     if max_norm > 0 and tensors:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_(tensors, coef.to(tensors[0].dtype))
-    return float(norm)
+    return norm

@@ -15,7 +15,9 @@ from .parallel.context import apply_context_parallel
 from .parallel.data import DataParallel
 from .parallel.engine import ReplicatedEngine
 from .parallel.pipeline import split_model
+from .parallel.pipeline import Recorder
 from .parallel.recompute import apply_recompute
+from .parallel.step import StepPlan
 from .parallel.tensor import apply_tensor_parallel
 from .parallel.zero import ZeroDataParallel
 from .train.config import Config
@@ -40,10 +42,35 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
     blocks = [b for chunk in model for b in chunk.layers.values()] if p.pp > 1 else model.layers
     apply_recompute(blocks, cfg.train.recompute)
     group = mesh.group("dp-cp")
+    plan = step_plan(model, mesh, cfg)
     if p.zero:
         dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+        plan.act_dtype = dtype or plan.act_dtype
         return ZeroDataParallel(model, group, p.zero, cfg.optim, param_dtype=dtype,
                                 offload=p.offload, tp=tp, pp_group=pp_group,
-                                reshard_after_forward=cfg.reshard_after_forward, compress=p.compress)
+                                reshard_after_forward=cfg.reshard_after_forward, compress=p.compress,
+                                plan=plan)
     dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=p.compress)
-    return ReplicatedEngine(dp, cfg.optim, tp, pp_group)
+    return ReplicatedEngine(dp, cfg.optim, tp, pp_group, plan=plan)
+
+
+def step_plan(model: nn.Module, mesh: Mesh, cfg: Config) -> StepPlan:
+    """What every step of the run shares (see parallel/step.py). Under pipeline parallelism
+    ``model`` is the module list of this rank's chunks."""
+    p = cfg.parallel
+    local_seq = cfg.data.seq_len // p.cp  # context parallelism: this rank's share
+    stream_seq = local_seq // p.tp if p.sp else local_seq  # SP cuts the stream between stages
+    device = mesh.device
+    return StepPlan(
+        chunks=list(model) if p.pp > 1 else [model], device=device,
+        act_shape=(cfg.micro_batch, stream_seq, cfg.model.d_model),
+        act_dtype=next(model.parameters()).dtype,
+        schedule=p.schedule if p.pp > 1 else "1f1b",
+        pp_group=mesh.group("pp") if p.pp > 1 else None,
+        loss_groups=((mesh.group("pp"),) if p.pp > 1 else ()) + (mesh.group("dp-cp"),),
+        cp_group=mesh.group("cp") if p.cp > 1 else None,
+        positions=torch.arange(local_seq, device=device) if p.sp else None,
+        average_over=mesh.size("dp-cp"),
+        # bf16 over fp32 weights needs autocast; ZeRO holds bf16 weights (fp32 masters).
+        autocast_bf16=cfg.train.precision == "bf16" and not p.zero,
+        recorder=Recorder(rank=mesh.coord("pp")) if cfg.train.timeline and p.pp > 1 else None)

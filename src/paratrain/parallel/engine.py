@@ -1,21 +1,15 @@
-"""The interface the training loop drives, and its data-parallel (replicated) engine.
+"""The interface the training loop drives (``Engine``), and the data-parallel
+(replicated) engine.
 
 An engine owns the parallel wrapper *and* the optimizer, because sharded strategies
-(ZeRO) shard the optimizer too. Every engine provides:
-
-    engine(tokens, targets, positions=None) -> summed loss      forward
-    engine.no_sync()                 context: accumulate gradients without communicating
-    engine.finish_grad_sync()        wait for gradient reduction (after the last backward)
-    engine.zero_grad()
-    engine.clip_grad_norm_(max_norm) -> global norm (clips in place; 0 only measures)
-    engine.step(lr)                  optimizer step (and whatever it implies, e.g. all-gather)
-    engine.state_tensors()           {"params", "grads", "optim"}: tensors, for exact accounting
-    engine.full_state_dict()         unsharded parameters under their model names (collective)
+(ZeRO) shard the optimizer too; it also owns the step's forward and backward
+(``forward_backward``, parallel/step.py), so the loop reads the same whatever the layout.
 """
 
 from __future__ import annotations
 
 import re
+from typing import ContextManager, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,20 +18,65 @@ from torch.distributed import ProcessGroup
 
 from ..optim import build_adamw, clip_grad_norm_, set_lr
 from .data import DataParallel
+from .step import Batch, ScheduledStep, StepLoss, StepPlan
 from .tensor import TensorParallel
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's per-parameter state, as checkpoints store it
 
 
-class ReplicatedEngine(nn.Module):
+class Engine(Protocol):
+    """What the training loop needs of a parallel model and its optimizer."""
+
+    module: nn.Module
+    """The (parallelized) model: under pipeline parallelism, the list of this rank's chunks."""
+    plan: StepPlan
+    """What every step shares (parallel/step.py)."""
+
+    def forward_backward(self, batches: Sequence[Batch], loss_scale: float,
+                         training: bool = True) -> StepLoss:
+        """Forward and backward of a step's microbatches (forward only when not training);
+        gradients reduced on return."""
+
+    def no_sync(self) -> ContextManager[None]:
+        """Accumulate gradients without communicating (every backward but a step's last)."""
+
+    def finish_grad_sync(self) -> None:
+        """Wait for the gradient reduction started by the last backward."""
+
+    def zero_grad(self) -> None: ...
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm (on the device); clips in place (0: only measures)."""
+
+    def step(self, lr: float) -> None:
+        """Optimizer step at ``lr`` (and whatever it implies, e.g. ZeRO's all-gather)."""
+
+    def pop_comm_bytes(self) -> tuple[int, int]:
+        """Gradient bytes sent since the last call, and what plain all-reduces would send."""
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """{"params", "grads", "optim"}: this rank's tensors, for exact accounting."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters under the plain model's names (collective)."""
+
+    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Adam's moments, unsharded, under the plain model's names (collective)."""
+
+    def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        """Install this rank's share of full moments after ``step`` steps."""
+
+
+class ReplicatedEngine(ScheduledStep, nn.Module):
     """DDP: every rank holds the model and a full AdamW; gradients are averaged."""
 
     def __init__(self, dp: DataParallel, optim_cfg, tp: TensorParallel | None = None,
-                 pp_group: ProcessGroup | None = None):
+                 pp_group: ProcessGroup | None = None, plan: StepPlan | None = None):
         super().__init__()
         self.dp, self.tp, self.pp_group = dp, tp, pp_group
         self.module = dp.module
+        self.plan = plan or StepPlan.single(dp.module)
         self.optimizer = build_adamw([p for p in dp.module.parameters() if p.requires_grad], optim_cfg)
 
     def forward(self, *args, **kwargs):
@@ -54,7 +93,7 @@ class ReplicatedEngine(nn.Module):
     def zero_grad(self, set_to_none: bool = False) -> None:
         self.dp.zero_grad()
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         # Replicated over data-parallel ranks, so no dp reduction; over tensor-parallel ranks
         # each rank counts its shards and one rank counts each replicated parameter.
         # Pipeline stages own disjoint parameters: their squared norms add up over pp.

@@ -9,7 +9,6 @@ data- or context-parallel size, the accumulation steps or the padding.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -20,13 +19,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..comm import collectives as C
 from ..mesh import Mesh
 from ..models import hf
 from ..models.gpt import GPT
 from ..optim import lr_at
-from ..parallel.context import shard_batch
-from ..parallel.pipeline import Recorder, forward_schedule, gather_timeline, run_schedule, schedule
+from ..parallel.engine import Engine
+from ..parallel.pipeline import gather_timeline
 from ..parallelize import parallelize
 from . import checkpoint, logs
 from . import data as D
@@ -55,13 +53,11 @@ class Run:
 
     cfg: Config
     mesh: Mesh
-    engine: torch.nn.Module
-    """The parallel model and its optimizer (parallel/engine.py)."""
+    engine: Engine
+    """The parallel model, its optimizer and its step (parallel/engine.py)."""
     train_data: D.Samples
     val_data: D.Samples
     sampler: D.DistributedSampler
-    recorder: Recorder | None = None
-    """Collects this rank's pipeline timeline when ``train.timeline`` is set."""
     start_step: int = 0
     """Steps already taken (a resumed run starts there)."""
     run_id: str = ""
@@ -93,102 +89,46 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch,
                                    dp_rank=mesh.coord("dp"), dp_size=mesh.size("dp"),
                                    seed=cfg.train.seed, remainder=cfg.data.remainder)
-    recorder = Recorder(rank=mesh.coord("pp")) if cfg.train.timeline and cfg.parallel.pp > 1 else None
     return Run(cfg, mesh, engine, train_data, D.Samples(val_tokens, cfg.data.seq_len), sampler,
-               recorder, start_step, run_id, cfg.train.resume)
+               start_step, run_id, cfg.train.resume)
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
     """One optimizer step over a global batch; returns its loss, grad norm and lr."""
-    cfg, mesh, engine = run.cfg, run.mesh, run.engine
-    local = run.sampler.local_indices(step)
-    global_tokens = D.valid_tokens(run.sampler.global_indices(step), cfg.data.seq_len)
-    scale = mesh.size("dp-cp") / global_tokens
+    cfg, engine = run.cfg, run.engine
+    tokens = D.valid_tokens(run.sampler.global_indices(step), cfg.data.seq_len)
     engine.zero_grad()
-    micro = [local[i:i + cfg.micro_batch] for i in range(0, len(local), cfg.micro_batch)]
-    if cfg.parallel.pp > 1:
-        loss_sum = _pipeline(run, run.train_data, micro, scale, training=True)
-    else:
-        loss_sum = _accumulate(run, micro, scale)
-    engine.finish_grad_sync()
-    local_loss = loss_sum.clone()  # names the rank if the total turns out not finite
-    _sum_loss(loss_sum, mesh)
+    loss = engine.forward_backward(_microbatches(run, run.train_data, run.sampler.local_indices(step)),
+                                   loss_scale=1 / tokens)
     grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
+    loss_sum, norm = torch.stack([loss.total, grad_norm.float()]).tolist()  # the one host sync
     lr = lr_at(step, cfg.train.steps, cfg.optim)
-    record = {"loss": loss_sum.item() / global_tokens, "grad_norm": grad_norm, "lr": lr,
-              "tokens": global_tokens}
-    if not (math.isfinite(record["loss"]) and math.isfinite(grad_norm)):
-        return {**record, "nonfinite_ranks": culprits(local_loss)}  # no update: the loop decides
+    record = {"loss": loss_sum / tokens, "grad_norm": norm, "lr": lr, "tokens": tokens}
+    if not (math.isfinite(loss_sum) and math.isfinite(norm)):
+        return {**record, "nonfinite_ranks": culprits(loss.local)}  # no update: the loop decides
     engine.step(lr)
     return record
 
 
-def _accumulate(run: Run, micro: list[list[int]], scale: float) -> torch.Tensor:
-    """Forward and backward of each microbatch in turn; gradients accumulate."""
-    loss_sum = torch.zeros((), device=run.mesh.device)
-    for i, indices in enumerate(micro):
-        tokens, targets, positions = _local_batch(run.train_data, indices, run.mesh)
-        last = i == len(micro) - 1
-        # Only the last microbatch's backward reduces gradients; the context must cover
-        # backward, which is where the reduction is launched.
-        with contextlib.nullcontext() if last else run.engine.no_sync():
-            with _autocast(run.cfg, run.mesh):
-                loss = run.engine(tokens, targets, positions)
-            (loss * scale).backward()
-        loss_sum += loss.detach().float()
-    return loss_sum
-
-
-def _pipeline(run: Run, samples: D.Samples, micro: list[list[int]], scale: float,
-              training: bool) -> torch.Tensor:
-    """This rank's part of the pipeline schedule over the microbatches (forward only when
-    not training); the summed loss is non-zero on the last stage only."""
-    cfg, mesh = run.cfg, run.mesh
-    p = cfg.parallel
-    batches = [_local_batch(samples, indices, mesh) for indices in micro]
-    seq = batches[0][0].shape[1]
-    positions = batches[0][2]
-    if p.sp:  # the stream between stages is cut along the sequence; attention sees all of it
-        positions = positions if positions is not None else torch.arange(seq, device=mesh.device)
-        seq //= p.tp
-    tables = (schedule(p.schedule, p.pp, len(micro), p.virtual_stages) if training
-              else forward_schedule(p.pp, len(micro), p.virtual_stages))
-    dtype = next(run.engine.module.parameters()).dtype
-    return run_schedule(tables[mesh.coord("pp")], list(run.engine.module),
-                        [(t, y) for t, y, _ in batches], mesh.group("pp"), scale, mesh.device,
-                        act_shape=(cfg.micro_batch, seq, cfg.model.d_model), act_dtype=dtype,
-                        no_sync=run.engine.no_sync if training else None, positions=positions,
-                        recorder=run.recorder if training else None,
-                        autocast=lambda: _autocast(cfg, mesh)).detach().float()
-
-
-def _sum_loss(loss_sum: torch.Tensor, mesh: Mesh) -> None:
-    """Total loss over the pipeline (only its last stage has it) and the dp x cp ranks."""
-    C.all_reduce(loss_sum, mesh.group("pp"))
-    C.all_reduce(loss_sum, mesh.group("dp-cp"))
+def _microbatches(run: Run, samples: D.Samples, indices: list[int]) -> list[tuple[torch.Tensor, ...]]:
+    """This data-parallel rank's samples ``indices``, cut into microbatches."""
+    size = run.cfg.micro_batch
+    return [samples.batch(indices[i:i + size], run.mesh.device) for i in range(0, len(indices), size)]
 
 
 @torch.no_grad()
 def evaluate(run: Run) -> float:
     """Mean loss over the first ``eval_batches`` global batches of validation data."""
     cfg, mesh = run.cfg, run.mesh
-    total = torch.zeros((), device=mesh.device)
-    count = 0
+    total, count = 0.0, 0
     share = cfg.train.global_batch // mesh.size("dp")
     for b in range(cfg.train.eval_batches):
         indices = D.eval_indices(len(run.val_data), cfg.train.global_batch, b)
         count += D.valid_tokens(indices, cfg.data.seq_len)
         mine = indices[mesh.coord("dp") * share:(mesh.coord("dp") + 1) * share]
-        micro = [mine[i:i + cfg.micro_batch] for i in range(0, share, cfg.micro_batch)]
-        if cfg.parallel.pp > 1:
-            total += _pipeline(run, run.val_data, micro, 1.0, training=False)
-            continue
-        for indices_mb in micro:
-            tokens, targets, positions = _local_batch(run.val_data, indices_mb, mesh)
-            with _autocast(cfg, mesh):
-                total += run.engine.module(tokens, targets, positions).float()
-    _sum_loss(total, mesh)
-    return total.item() / max(count, 1)
+        total += run.engine.forward_backward(_microbatches(run, run.val_data, mine), 1.0,
+                                             training=False).total.item()
+    return total / max(count, 1)
 
 
 def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
@@ -215,8 +155,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     for step in range(run.start_step, cfg.train.steps):
         profiler.before(step + 1)
         t0 = time.perf_counter()
-        record = train_step(run, step)
-        _sync(mesh)
+        record = train_step(run, step)  # its host read of the loss waits for the device
         elapsed = time.perf_counter() - t0
         if not result.state_bytes:  # after the first step run: optimizer state exists
             result.state_bytes = _gather(state_bytes(run.engine.state_tensors()))
@@ -246,7 +185,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     progress.close()
     for sink in [writer, *sinks]:
         sink.close()
-    if run.recorder is not None:
+    if run.engine.plan.recorder is not None:
         _save_timeline(run)
     return finish(cfg, run.engine, records, result, start, run.is_logger, keep_params)
 
@@ -299,7 +238,7 @@ def _save(run: Run, step: int) -> None:
 def _save_timeline(run: Run) -> None:
     """Gather the pipeline's recorded steps (collective over pp) and save them."""
     p = run.cfg.parallel
-    timeline = gather_timeline(run.recorder, run.mesh.group("pp"), p.schedule, run.cfg.accumulation,
+    timeline = gather_timeline(run.engine.plan.recorder, run.mesh.group("pp"), p.schedule, run.cfg.accumulation,
                                p.virtual_stages)
     if run.is_logger:
         path = Path(run.cfg.train.run_dir) / "timeline.json"
@@ -327,27 +266,6 @@ def _offload_note(run: Run) -> str:
     if run.mesh.device.type != "cuda":
         return "\noffload: this run computes on the CPU already, so --offload has no effect"
     return "\noffload: optimizer state (fp32 masters, Adam moments) kept in CPU memory"
-
-
-def _local_batch(samples: D.Samples, indices: list[int], mesh: Mesh):
-    """This rank's tokens, targets and their positions in the sequence: the whole
-    sequences, or under context parallelism this rank's load-balanced share of each."""
-    tokens, targets = samples.batch(indices, mesh.device)
-    if mesh.size("cp") == 1:
-        return tokens, targets, None
-    return shard_batch(tokens, targets, mesh.coord("cp"), mesh.size("cp"))
-
-
-def _autocast(cfg: Config, mesh: Mesh):
-    # bf16 under plain DDP: autocast over fp32 weights. Under ZeRO the weights themselves
-    # are bf16 (with fp32 masters in the sharded optimizer) and need no autocast.
-    enabled = cfg.train.precision == "bf16" and not cfg.parallel.zero
-    return torch.autocast(mesh.device.type, dtype=torch.bfloat16, enabled=enabled)
-
-
-def _sync(mesh: Mesh) -> None:
-    if mesh.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _gather(mine: dict[str, int]) -> list[dict[str, int]]:

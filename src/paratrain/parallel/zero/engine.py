@@ -42,24 +42,26 @@ from ...comm import collectives as C
 from ...comm.compress import CompressorSet, all_reduce_bytes, check
 from ...comm.ring import ring_all_gather
 from ..engine import MOMENTS, merge_stages, plain_name
+from ..step import ScheduledStep, StepPlan
 from ..tensor import TensorParallel
 from .flat import build_unit, group_units
 from .optim import ShardedAdamW
 from .units import Unit, default_units
 
 
-class ZeroDataParallel(nn.Module):
+class ZeroDataParallel(ScheduledStep, nn.Module):
     """Shards optimizer state (stage 1), gradients (2) and parameters (3) over ``group``."""
 
     def __init__(self, module: nn.Module, group: ProcessGroup, stage: int, optim_cfg,
                  param_dtype: torch.dtype | None = None, offload: bool = False,
                  track_peak: bool = False, tp: TensorParallel | None = None,
                  pp_group: ProcessGroup | None = None, reshard_after_forward: bool = True,
-                 compress: str = "none"):
+                 compress: str = "none", plan: StepPlan | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
         self.module, self.group, self.stage, self.tp = module, group, stage, tp
+        self.plan = plan or StepPlan.single(module)
         self.pp_group = pp_group  # pipeline stages own disjoint parameters
         self.reshard_after_forward = reshard_after_forward
         self.accumulate_full = pp_group is not None  # see the module docstring
@@ -216,7 +218,7 @@ class ZeroDataParallel(nn.Module):
 
     # ---- optimizer -------------------------------------------------------------------------
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm from the shards (summed over the group); clip in place."""
         groups = (self.group,) + ((self.pp_group,) if self.pp_group is not None else ())
         if self.tp is None:

@@ -56,7 +56,7 @@ class ShardedAdamW:
             self._bind_grads(lambda g: None)  # free the fp32 copies of the gradients
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, groups: tuple, not_owned: set[int] = frozenset()) -> float:
+    def clip_grad_norm_(self, max_norm: float, groups: tuple, not_owned: set[int] = frozenset()) -> torch.Tensor:
         """Global norm of the gradient shards, summed over ``groups``; parameters whose id is
         in ``not_owned`` (replicated ones another rank counts) are left out of the sum."""
         grads = [u.grad_shard for u in self.units]
