@@ -6,15 +6,16 @@ the same way: build, then step, then report; metrics, progress bar, evaluation a
 layout-independent checkpoints work as they do for the GPT. A grid point plays the part of
 a token in the metrics (``tokens``, ``tokens_per_s``).
 
-Loss normalisation: each rank sums the squared error over its block of its samples and
-scales it by ``dp * dom / points_in_global_batch``; the average of gradients over the
-dp x dom group is then the gradient of the mean squared error over the whole global batch,
-what one process computes, whatever the grid (even blocks of unequal size).
+The step is the engine's, as for the GPT (parallel/step.py): the U-Net and its squared
+error are the one chunk of a one-stage schedule. Loss normalisation: each rank sums the
+squared error over its block of its samples and scales it by ``dp * dom /
+points_in_global_batch``; the average of gradients over the dp x dom group is then the
+gradient of the mean squared error over the whole global batch, what one process
+computes, whatever the grid (even blocks of unequal size).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,8 @@ from ..models.unet import UNet, UNetConfig
 from ..optim import lr_at
 from ..parallel.data import DataParallel
 from ..parallel.domain import Grid, apply_domain_parallel
-from ..parallel.engine import ReplicatedEngine
+from ..parallel.engine import Engine, ReplicatedEngine
+from ..parallel.step import StepPlan
 from ..parallel.zero import ZeroDataParallel
 from . import checkpoint, logs
 from . import data as D
@@ -124,7 +126,7 @@ class Heat2DRun:
 
     cfg: Config
     mesh: Mesh
-    engine: torch.nn.Module
+    engine: Engine
     grid: Grid
     train_data: Fields
     val_data: Fields
@@ -144,8 +146,10 @@ def build(cfg: Config, mesh: Mesh) -> Heat2DRun:
     if mesh.size("dom") > 1:
         apply_domain_parallel(model, grid)
     group = mesh.group("dp-dom")  # every rank of the grid holds the same weights
-    engine = (ZeroDataParallel(model, group, p.zero, cfg.optim) if p.zero else
-              ReplicatedEngine(DataParallel(model, group, bucket_mb=p.bucket_mb), cfg.optim))
+    plan = StepPlan([SquaredError(model)], mesh.device, (), torch.float32, loss_groups=(group,),
+                    average_over=C.size(group))
+    engine = (ZeroDataParallel(model, group, p.zero, cfg.optim, plan=plan) if p.zero else
+              ReplicatedEngine(DataParallel(model, group, bucket_mb=p.bucket_mb), cfg.optim, plan=plan))
     if state is not None:
         engine.load_optimizer_state(state, start_step)
     train_data, val_data = make_fields(cfg.heat2d, cfg.train.seed)
@@ -161,40 +165,43 @@ def _batch(run: Heat2DRun, fields: Fields, indices: list[int]) -> tuple[torch.Te
     return run.grid.local(x).contiguous().to(dev), run.grid.local(y).contiguous().to(dev)
 
 
+class SquaredError(torch.nn.Module):
+    """The model and its loss as one chunk: the summed squared error of its prediction."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, positions: None = None) -> torch.Tensor:
+        return (self.model(x) - y).pow(2).sum()
+
+
+def _microbatches(run: Heat2DRun, fields: Fields, indices: list[int]) -> list:
+    size = run.cfg.micro_batch
+    return [_batch(run, fields, indices[i:i + size]) for i in range(0, len(indices), size)]
+
+
 def train_step(run: Heat2DRun, step: int) -> dict[str, float]:
     """One optimizer step over a global batch; returns its loss, grad norm and lr."""
-    cfg, mesh, engine = run.cfg, run.mesh, run.engine
+    cfg, engine = run.cfg, run.engine
     points = cfg.train.global_batch * cfg.heat2d.grid_size**2
-    scale = mesh.size("dp-dom") / points
-    local = run.sampler.local_indices(step)
-    micro = [local[i:i + cfg.micro_batch] for i in range(0, len(local), cfg.micro_batch)]
     engine.zero_grad()
-    loss_sum = torch.zeros((), device=mesh.device)
-    for i, indices in enumerate(micro):
-        x, y = _batch(run, run.train_data, indices)
-        with contextlib.nullcontext() if i == len(micro) - 1 else engine.no_sync():
-            sse = (engine(x) - y).pow(2).sum()
-            (sse * scale).backward()
-        loss_sum += sse.detach()
-    engine.finish_grad_sync()
+    loss = engine.forward_backward(_microbatches(run, run.train_data, run.sampler.local_indices(step)),
+                                   loss_scale=1 / points)
     grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
+    loss_sum, norm = torch.stack([loss.total, grad_norm.float()]).tolist()  # the one host sync
     lr = lr_at(step, cfg.train.steps, cfg.optim)
     engine.step(lr)
-    C.all_reduce(loss_sum, mesh.group("dp-dom"))
-    return {"loss": loss_sum.item() / points, "grad_norm": grad_norm, "lr": lr, "tokens": points}
+    return {"loss": loss_sum / points, "grad_norm": norm, "lr": lr, "tokens": points}
 
 
 @torch.no_grad()
 def evaluate(run: Heat2DRun) -> float:
     """Mean squared error over the validation fields."""
-    cfg, mesh = run.cfg, run.mesh
+    mesh = run.mesh
     mine = list(range(mesh.coord("dp"), len(run.val_data), mesh.size("dp")))
-    total = torch.zeros((), device=mesh.device)
-    for i in range(0, len(mine), cfg.micro_batch):
-        x, y = _batch(run, run.val_data, mine[i:i + cfg.micro_batch])
-        total += (run.engine.module(x) - y).pow(2).sum()
-    C.all_reduce(total, mesh.group("dp-dom"))
-    return total.item() / (len(run.val_data) * cfg.heat2d.grid_size**2)
+    total = run.engine.forward_backward(_microbatches(run, run.val_data, mine), 1.0, training=False)
+    return total.total.item() / (len(run.val_data) * run.cfg.heat2d.grid_size**2)
 
 
 def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
