@@ -45,7 +45,6 @@ def test_ranks_along_contains_the_rank():
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(dp=0), "positive integer"),
-    (dict(zero=4), "ZeRO stage"),
     (dict(order="tp-dp"), "exactly once"),
     (dict(order="tp-cp-pp-xx"), "unknown axis"),
 ])
@@ -59,21 +58,6 @@ def test_world_size_mismatch_names_the_fix():
         Layout(dp=2, tp=2).check_world(8)
 
 
-@pytest.mark.parametrize("layout, shape, words", [
-    (Layout(tp=3), dict(n_heads=4, n_kv_heads=4, n_layers=2, seq_len=64), "divide the 4 attention heads"),
-    (Layout(tp=4), dict(n_heads=8, n_kv_heads=3, n_layers=2, seq_len=64), "KV heads"),
-    (Layout(pp=5), dict(n_heads=4, n_kv_heads=4, n_layers=4, seq_len=64), "4 layers cannot be split"),
-    (Layout(cp=4), dict(n_heads=4, n_kv_heads=4, n_layers=4, seq_len=60), "multiple of 8"),
-])
-def test_model_checks_name_the_fix(layout, shape, words):
-    with pytest.raises(LayoutError, match=words):
-        layout.check_model(**shape)
-
-
-def test_model_check_accepts_replicated_kv_heads():
-    Layout(tp=4).check_model(n_heads=8, n_kv_heads=2, n_layers=2, seq_len=64)
-
-
 def test_describe():
-    assert Layout(dp=2, tp=2, zero=1).describe() == "dp2xtp2 (world 4, zero1)"
+    assert Layout(dp=2, tp=2).describe() == "dp2xtp2 (world 4)"
     assert Layout().describe() == "single (world 1)"

@@ -7,7 +7,7 @@ import pytest
 from paratrain.plan.candidate import Training
 from paratrain.plan.hardware import Cluster, gpu_preset
 from paratrain.plan.models import PRESETS, ModelSpec
-from paratrain.layout import Layout
+from paratrain import rules
 from paratrain.plan.search import search
 
 
@@ -17,9 +17,8 @@ def _assert_valid(result, model, training, cluster):
         assert c.n_gpus == cluster.n_gpus
         assert c.tp <= cluster.node_size
         assert training.global_batch == c.dp * c.micro_batch * c.microbatches
-        Layout(dp=c.dp, pp=c.pp, cp=c.cp, tp=c.tp).check_model(
-            n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers,
-            seq_len=training.seq_len, virtual_stages=c.virtual_stages)
+        rules.check_split(rules.Shape(model.n_heads, model.n_kv_heads, model.n_layers, model.ffn_hidden),
+                          rules.Split(c.tp, c.cp, c.pp, c.virtual_stages, training.seq_len))
         assert plan.memory.total <= cluster.memory_limit
         if c.schedule == "interleaved":
             assert c.microbatches % c.pp == 0 and c.virtual_stages > 1

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_world
-from paratrain.layout import Layout, LayoutError
+from paratrain import rules
+from paratrain.layout import LayoutError
 from paratrain.mesh import Mesh
 from paratrain.models.gpt import GPT, PRESETS as GPT_PRESETS
 from paratrain.parallel.pipeline import split_model
@@ -43,9 +44,8 @@ def test_one_rule_refuses_empty_stages():
     with pytest.raises(ValueError, match="at least one layer"):
         check_pipeline_split(4, 5)
     with pytest.raises(LayoutError, match="at least one layer"):
-        Layout(pp=3).check_model(n_heads=4, n_kv_heads=4, n_layers=5, seq_len=32,
-                                 virtual_stages=2)
-    Layout(pp=3).check_model(n_heads=4, n_kv_heads=4, n_layers=7, seq_len=32)  # uneven: fine
+        rules.pipeline_split(5, pp=3, virtual_stages=2)
+    rules.pipeline_split(7, pp=3)  # uneven: fine
 
 
 def config(tmp: str, n_layers: int, **parallel):

@@ -37,6 +37,13 @@ def run_config(tmp_dir: str, nproc: int, preset: str, zero: int, precision: str)
                        "eval_batches": 1, "progress": False, "run_dir": tmp_dir}).validate()
 
 
+def _cand(cfg) -> Candidate:
+    """The planner's description of a training config's layout."""
+    p = cfg.parallel
+    return Candidate(p.dp, p.tp, p.pp, p.cp, p.zero, cfg.micro_batch, cfg.accumulation,
+                     virtual_stages=p.virtual_stages)
+
+
 def measured_state_bytes(configs) -> list[list[dict[str, int]]]:
     """Train each config one step; every rank's parameter, gradient and optimizer bytes."""
     return [train(cfg, Mesh.build(cfg.layout)).state_bytes for cfg in configs]
@@ -48,7 +55,7 @@ def test_state_bytes_equal_the_planners(nproc, tmp_path):
     measured = run_world(measured_state_bytes, nproc, configs)[0]
     for cfg, (preset, zero, precision), per_rank in zip(configs, LAYOUTS[nproc], measured):
         spec = from_gpt_config(cfg.model, preset)
-        predicted = paratrain_state_bytes(spec, cfg.layout, precision)
+        predicted = paratrain_state_bytes(spec, _cand(cfg), precision)
         assert len(per_rank) == nproc
         for rank, got in enumerate(per_rank):
             assert got == predicted, (preset, f"dp{nproc} zero{zero} {precision} rank {rank}")
@@ -75,7 +82,7 @@ def test_model_parallel_state_bytes_equal_the_planners(tmp_path):
         spec = from_gpt_config(cfg.model, "tiny")
         for rank, got in enumerate(per_rank):
             stage = cfg.layout.coords(rank)["pp"]
-            predicted = paratrain_state_bytes(spec, cfg.layout, cfg.train.precision, stage=stage)
+            predicted = paratrain_state_bytes(spec, _cand(cfg), cfg.train.precision, stage=stage)
             assert got == predicted, (layout, f"rank {rank}")
 
 

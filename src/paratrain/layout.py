@@ -1,4 +1,5 @@
-"""Layout: how a world of ranks is cut into parallel axes. Pure rank math, no processes.
+"""Layout: how a world of ranks is cut into parallel axes. Pure rank math, no processes:
+topology only (what a model shape or a strategy allows is in ``rules.py``).
 
 A world of ``dp * pp * cp * tp`` ranks is laid out as a 4-D grid. The ``order`` string
 lists the axes from fastest- to slowest-varying rank index, so with the default
@@ -25,8 +26,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Iterable
-
-from .stages import PipelineSplitError, check_pipeline_split
 
 AXES = ("dp", "pp", "cp", "tp")
 DEFAULT_ORDER = "tp-cp-pp-dp"
@@ -71,8 +70,6 @@ class Layout:
     """Context-parallel ranks (each holds a slice of the sequence)."""
     tp: int = 1
     """Tensor-parallel ranks (each holds a slice of every weight matrix)."""
-    zero: int = 0
-    """ZeRO stage on the data-parallel axis: 0 (plain DDP), 1, 2 or 3."""
     order: str = DEFAULT_ORDER
     """Axes from fastest- to slowest-varying rank index, joined by '-'."""
     domh: int = 1
@@ -85,8 +82,6 @@ class Layout:
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise LayoutError(f"{axis}={size!r}: every axis size must be a positive integer")
-        if self.zero not in (0, 1, 2, 3):
-            raise LayoutError(f"zero={self.zero!r}: the ZeRO stage must be 0, 1, 2 or 3")
         named = _as_axes(self.order)
         if sorted(a for a in named if a in AXES) != sorted(AXES) or len(set(named)) != len(named):
             raise LayoutError(
@@ -181,56 +176,10 @@ class Layout:
                 f"dp*pp*cp*tp*domain equal {world_size}"
             )
 
-    def check_model(
-        self,
-        *,
-        n_heads: int,
-        n_kv_heads: int,
-        n_layers: int,
-        seq_len: int,
-        virtual_stages: int = 1,
-        cp_method: str = "ring",
-    ) -> None:
-        """Raise ``LayoutError`` if this layout cannot split a model of this shape."""
-        if n_heads % self.tp:
-            raise LayoutError(
-                f"tp={self.tp} must divide the {n_heads} attention heads; "
-                f"pick tp from {_divisors(n_heads)}"
-            )
-        if n_kv_heads % self.tp and self.tp % n_kv_heads:
-            raise LayoutError(
-                f"tp={self.tp} and the {n_kv_heads} KV heads must divide one another "
-                f"(KV heads are split when kv_heads >= tp, replicated otherwise)"
-            )
-        try:  # uneven splits are balanced (paratrain.stages); each chunk needs a layer
-            check_pipeline_split(n_layers, self.pp, virtual_stages)
-        except PipelineSplitError as err:
-            raise LayoutError(str(err)) from None
-        if self.cp > 1 and cp_method == "ring" and seq_len % (2 * self.cp):
-            raise LayoutError(
-                f"ring attention with cp={self.cp} splits the sequence into 2*cp="
-                f"{2 * self.cp} chunks for causal load balance, but seq_len={seq_len} is "
-                f"not divisible by {2 * self.cp}; use a multiple of {2 * self.cp}"
-            )
-        if self.cp > 1 and cp_method == "ulysses":
-            local_heads, local_kv = n_heads // self.tp, max(n_kv_heads // self.tp, 1)
-            if local_heads % self.cp or local_kv % self.cp or seq_len % (2 * self.cp):
-                raise LayoutError(
-                    f"Ulysses with cp={self.cp} needs the per-tp-rank heads ({local_heads}) and "
-                    f"KV heads ({local_kv}) divisible by cp, and seq_len ({seq_len}) by 2*cp "
-                    f"(the load-balanced sequence layout); "
-                    f"use --cp-method ring or a cp from {_divisors(local_kv)}"
-                )
-
     def describe(self) -> str:
         """Short human form such as ``dp2xtp2 (world 4)``."""
         parts = [f"{a}{getattr(self, a)}" for a in AXES if getattr(self, a) > 1]
         if self.dom > 1:
             parts.append(f"dom{self.domh}x{self.domw}" if self.domw > 1 else f"dom{self.domh}")
         parts = parts or ["single"]
-        zero = f", zero{self.zero}" if self.zero else ""
-        return f"{'x'.join(parts)} (world {self.world_size}{zero})"
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+        return f"{'x'.join(parts)} (world {self.world_size})"

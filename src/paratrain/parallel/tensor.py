@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from .. import rules
 from ..comm import collectives as C
 from ..models.gpt import GPT
 from .sequence import DeferredWeightGradLinear, Regions
@@ -259,23 +260,10 @@ class TensorParallel:
 
 
 def _check_model(model: GPT, t: int) -> None:
-    cfg = model.cfg
     if isinstance(model.tok_embeddings, VocabParallelEmbedding):
         raise ValueError("apply_tensor_parallel was already applied to this model")
-    problems = []
-    if cfg.n_heads % t:
-        problems.append(f"n_heads={cfg.n_heads} is not divisible by tp={t}")
-    kv = cfg.kv_heads
-    if kv >= t and kv % t:
-        problems.append(f"n_kv_heads={kv} is not divisible by tp={t}")
-    if kv < t and t % kv:
-        problems.append(f"tp={t} is not a multiple of n_kv_heads={kv} (each rank must need "
-                        f"exactly one replicated KV head)")
-    if cfg.ffn_dim % t:
-        problems.append(f"ffn_dim={cfg.ffn_dim} is not divisible by tp={t}")
-    if problems:
-        raise ValueError("cannot split the model over tp=%d: %s; choose a tp that divides the "
-                         "head counts and the MLP width" % (t, "; ".join(problems)))
+    rules.heads(model.cfg.n_heads, model.cfg.kv_heads, t)
+    rules.mlp_width(model.cfg.ffn_dim, t)
 
 
 def _kv_split(kv_heads: int, t: int, rank: int) -> tuple[int, int, int]:

@@ -86,8 +86,7 @@ class Candidate:
         return self.dp * self.cp
 
     def layout(self) -> Layout:
-        return Layout(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, zero=self.zero,
-                      order=DEFAULT_ORDER)
+        return Layout(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, order=DEFAULT_ORDER)
 
     def sizes(self) -> dict[str, int]:
         return {"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp}

@@ -3,7 +3,7 @@ predicted step time.
 
 The space is (tp, cp, pp, dp) with tp·cp·pp·dp = GPUs, then the schedule (1F1B or
 interleaved with v chunks), ZeRO stage, recompute policy and microbatch size. Validity is
-``Layout.check_model`` (heads, KV heads, layers, sequence) plus batch divisibility. The
+``rules.check_split`` (heads, KV heads, MLP width, layers, sequence) plus batch divisibility. The
 search prunes what cannot win, so a 405B model on 16,384 GPUs takes well under a second:
 
 * tp stays inside a node: its collectives sit on the critical path of every block, and
@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from ..layout import Layout, LayoutError
+from .. import rules
+from ..layout import LayoutError
 from .candidate import RECOMPUTE, Candidate, Training
 from .cost import StepTime, step_flops, step_time
 from .hardware import GiB, Cluster
@@ -174,7 +175,7 @@ def layout_problems(model: ModelSpec, training: Training, cluster: Cluster,
 
 
 def _shapes(problem: _Problem, result: SearchResult):
-    """(tp, cp, pp, dp) splits of the world that pass ``Layout.check_model``."""
+    """(tp, cp, pp, dp) splits of the world that pass ``rules.check_split``."""
     n, node = problem.cluster.n_gpus, problem.cluster.node_size
     batch = problem.training.global_batch
     for tp in divisors(n):
@@ -204,10 +205,9 @@ def _valid(problem: _Problem, cand: Candidate, v: int, label: str,
 
 
 def _check_model(model: ModelSpec, seq_len: int, cand: Candidate, v: int) -> None:
-    """``Layout.check_model``, the rule ``train`` applies (the ZeRO stage is not its part)."""
-    Layout(dp=cand.dp, pp=cand.pp, cp=cand.cp, tp=cand.tp).check_model(
-        n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, n_layers=model.n_layers,
-        seq_len=seq_len, virtual_stages=v)
+    """``rules.check_split``: the rules ``train`` and the strategies apply."""
+    rules.check_split(rules.Shape(model.n_heads, model.n_kv_heads, model.n_layers, model.ffn_hidden),
+                      rules.Split(cand.tp, cand.cp, cand.pp, v, seq_len))
 
 
 def _schedules(problem: _Problem, shape: Candidate, result: SearchResult):

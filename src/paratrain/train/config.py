@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .. import rules
 from ..comm import compress
 from ..layout import Layout, LayoutError, parse_domain
 from ..models import hf
@@ -194,7 +195,12 @@ class Config:
     def layout(self) -> Layout:
         p = self.parallel
         domh, domw = parse_domain(p.domain)
-        return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero, order=p.order, domh=domh, domw=domw)
+        return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, order=p.order, domh=domh, domw=domw)
+
+    def describe_layout(self) -> str:
+        """The layout and the ZeRO stage, e.g. ``dp2xtp2 (world 4), zero1``."""
+        zero = f", zero{self.parallel.zero}" if self.parallel.zero else ""
+        return self.layout.describe() + zero
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -237,11 +243,14 @@ class Config:
         return cfg
 
     def _check(self) -> None:
+        m, p = self.model, self.parallel
         try:
-            self.layout.check_model(n_heads=self.model.n_heads, n_kv_heads=self.model.kv_heads,
-                                    n_layers=self.model.n_layers, seq_len=self.data.seq_len,
-                                    virtual_stages=self.parallel.virtual_stages,
-                                    cp_method=self.parallel.cp_method)
+            rules.check_split(rules.Shape(m.n_heads, m.kv_heads, m.n_layers, m.ffn_dim),
+                              rules.Split(p.tp, p.cp, p.pp, p.virtual_stages, self.data.seq_len,
+                                          p.cp_method))
+            rules.sequence_parallel(p.sp, p.tp, p.cp, self.data.seq_len)
+            rules.tied_embeddings(m.tie_embeddings, p.pp, p.zero)
+            rules.virtual_stages(p.virtual_stages, p.schedule)
         except LayoutError as exc:
             raise ConfigError(str(exc)) from None
         self._check_strategies()
@@ -262,16 +271,6 @@ class Config:
 
     def _check_strategies(self) -> None:
         p = self.parallel
-        if p.sp and p.tp == 1:
-            raise ConfigError("--sp shards the sequence over the tensor-parallel group: it needs --tp > 1")
-        if p.sp and (self.data.seq_len // p.cp) % p.tp:
-            raise ConfigError(f"sequence parallelism splits each rank's {self.data.seq_len // p.cp} "
-                              f"tokens over tp={p.tp}; use a seq_len divisible by {p.tp * p.cp}")
-        if self.model.ffn_dim % p.tp:
-            raise ConfigError(f"tp={p.tp} must divide the MLP width ffn_hidden={self.model.ffn_dim}")
-        if p.zero and self.model.tie_embeddings:
-            raise ConfigError("ZeRO shards each parameter once, so it cannot shard tied "
-                              "embeddings; set tie_embeddings = false or --zero 0")
         try:
             compress.check(p.compress, p.zero)
         except compress.CompressError as exc:
@@ -285,11 +284,6 @@ class Config:
         from ..parallel.pipeline import ScheduleError, check
 
         p = self.parallel
-        if self.model.tie_embeddings:
-            raise ConfigError("tied embeddings would live on the first and the last pipeline "
-                              "stage at once; set tie_embeddings = false to use --pp")
-        if p.virtual_stages > 1 and p.schedule != "interleaved":
-            raise ConfigError(f"--virtual-stages {p.virtual_stages} needs --schedule interleaved")
         try:
             check(p.schedule, p.pp, self.accumulation, p.virtual_stages)
         except ScheduleError as exc:

@@ -204,7 +204,7 @@ def finish(cfg: Config, engine, records: list[dict], result: RunResult, start: f
 
 def _sinks(cfg: Config) -> list:
     names = logs.parse_sinks(cfg.train.log)
-    config = {"layout": cfg.layout.describe(), "model": cfg.model_preset, "seed": cfg.train.seed}
+    config = {"layout": cfg.describe_layout(), "model": cfg.model_preset, "seed": cfg.train.seed}
     return logs.make_sinks(names, Path(cfg.train.run_dir), config)
 
 
@@ -230,7 +230,7 @@ def _save(run: Run, step: int) -> None:
             "global_batch": cfg.train.global_batch, **dataclasses.asdict(cfg.data)}
     run_meta = {"run": {"id": run.run_id, "seed": cfg.train.seed, "config": dataclasses.asdict(cfg)},
                 "data": data}
-    checkpoint.save(directory, step, run.engine, cfg.model, cfg.layout.describe(),
+    checkpoint.save(directory, step, run.engine, cfg.model, cfg.describe_layout(),
                     is_writer=run.is_logger, run_meta=run_meta)
     run.last_checkpoint = str(directory)
 
@@ -251,7 +251,7 @@ def describe(run: Run) -> str:
     cfg, s = run.cfg, run.sampler
     remainder = ("pad: the last batch of each epoch is padded and masked" if cfg.data.remainder == "pad"
                  else f"drop: {s.dropped_per_epoch} samples per epoch that do not fill a global batch are skipped")
-    return (f"paratrain: {cfg.layout.describe()}, model {cfg.model_preset} "
+    return (f"paratrain: {cfg.describe_layout()}, model {cfg.model_preset} "
             f"({cfg.model.num_params() / 1e6:.2f}M params), {cfg.train.global_batch} x "
             f"{cfg.data.seq_len} tokens per step, micro-batch {cfg.micro_batch} x "
             f"{cfg.accumulation} {'pipeline microbatches' if cfg.parallel.pp > 1 else 'accumulation'}, "

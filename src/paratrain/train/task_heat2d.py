@@ -231,7 +231,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         records.append(record)
         if cfg.train.save_every and (last or (step + 1) % cfg.train.save_every == 0):
             directory = Path(cfg.train.run_dir) / "checkpoints" / f"step-{step + 1}"
-            checkpoint.save(directory, step + 1, run.engine, unet_config(cfg), cfg.layout.describe(),
+            checkpoint.save(directory, step + 1, run.engine, unet_config(cfg), cfg.describe_layout(),
                             is_writer=is_logger)
         progress.update(record)
     progress.close()
@@ -242,7 +242,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
 def describe(run: Heat2DRun) -> str:
     cfg, h = run.cfg, run.cfg.heat2d
     G, (gh, gw) = h.grid_size, run.grid.shape
-    return (f"paratrain: {cfg.layout.describe()}, task heat2d, U-Net "
+    return (f"paratrain: {cfg.describe_layout()}, task heat2d, U-Net "
             f"({unet_config(cfg).num_params() / 1e6:.3f}M params), {cfg.train.global_batch} fields "
             f"of {G}x{G} per step, each rank's block {G // gh}x{G // gw}, micro-batch "
             f"{cfg.micro_batch} x {cfg.accumulation} accumulation, boundary {h.boundary}\n"

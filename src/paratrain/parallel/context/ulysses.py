@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ... import rules
 from ...comm import collectives as C
 from ...models.gpt import CausalAttention
 from .ring import check_qkv
@@ -92,12 +93,9 @@ class HeadsToSeq(torch.autograd.Function):
 
 
 def check_heads(heads: int, kv_heads: int, cp_size: int) -> None:
-    """Raise ValueError unless Ulysses can split ``heads`` and ``kv_heads`` over cp ranks."""
-    if heads % cp_size or kv_heads % cp_size:
-        raise ValueError(
-            f"Ulysses splits attention heads over cp={cp_size} ranks, but this rank holds "
-            f"{heads} query heads and {kv_heads} KV heads, which cp does not both divide; "
-            f"use --cp-method ring, or a cp that divides {kv_heads} (and {heads})")
+    """Raise LayoutError (a ValueError) unless Ulysses can split this rank's ``heads`` and
+    ``kv_heads`` over cp ranks (the rule is ``rules.context``)."""
+    rules.context(cp_size, "ulysses", 0, heads, kv_heads)
 
 
 class UlyssesAttention(nn.Module):

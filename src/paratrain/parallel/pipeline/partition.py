@@ -18,7 +18,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ...layout import Layout, LayoutError
+from ... import rules
+from ...layout import LayoutError
 from ...models.gpt import GPT
 from ...stages import head_costs, pipeline_split, split_layers  # noqa: F401 - re-exported
 
@@ -87,16 +88,11 @@ def split_model(model: GPT, pp_rank: int, pp_size: int, virtual_stages: int = 1,
     c * pp_size + pp_rank). The model is consumed: parameters of other ranks' stages are
     released (their storage freed) and only the returned chunks remain usable."""
     cfg = model.cfg
-    Layout(pp=pp_size).check_model(n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads,
-                                   n_layers=cfg.n_layers, seq_len=cfg.max_seq_len,
-                                   virtual_stages=virtual_stages)
+    rules.pipeline_split(cfg.n_layers, pp_size, virtual_stages)
+    rules.tied_embeddings(cfg.tie_embeddings, pp_size, zero=0)
     if not 0 <= pp_rank < pp_size:
         raise LayoutError(f"pp_rank={pp_rank} is outside a pipeline of {pp_size} ranks")
     num_stages = pp_size * virtual_stages
-    if cfg.tie_embeddings and pp_size > 1:
-        raise LayoutError("tie_embeddings shares the embedding (first stage) with the output "
-                          "projection (last stage), which live on different pipeline ranks; "
-                          "set tie_embeddings = false to use pp > 1")
     if layer_costs is None and not embed_cost and not head_cost:  # train's rule (stages.py)
         d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
         block = 2 * d + 2 * d * d + 2 * d * kv + 3 * d * cfg.ffn_dim

@@ -1,0 +1,131 @@
+"""Which model shapes a layout can split, and which strategies combine: every rule once.
+
+``train``'s config check, the planner's search and the strategies themselves call these
+functions, so a rule is changed in one place and its wording is the same wherever it
+fires. Each raises ``LayoutError`` naming the numbers and the fix.
+
+``check_split`` applies every shape rule to a model and a layout; the strategies call
+the one rule that concerns them, at the moment they would otherwise fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layout import LayoutError
+from .stages import PipelineSplitError, check_pipeline_split
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the rules need to know of a model."""
+
+    n_heads: int
+    """Attention (query) heads."""
+    n_kv_heads: int
+    """Key/value heads."""
+    n_layers: int
+    """Transformer blocks."""
+    ffn: int
+    """Hidden width of the MLP."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """What the rules need to know of a layout and its strategies."""
+
+    tp: int = 1
+    """Tensor-parallel ranks."""
+    cp: int = 1
+    """Context-parallel ranks."""
+    pp: int = 1
+    """Pipeline ranks."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank."""
+    seq_len: int = 0
+    """Tokens per sequence (0: not known yet, sequence rules skipped)."""
+    cp_method: str = "ring"
+    """'ring' or 'ulysses'."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def heads(n_heads: int, n_kv_heads: int, tp: int) -> None:
+    """Tensor parallelism gives each rank whole query heads, and whole KV heads (split
+    when there are at least tp of them, one replicated head per rank otherwise)."""
+    valid = [t for t in divisors(n_heads) if n_kv_heads % t == 0 or t % n_kv_heads == 0]
+    if n_heads % tp:
+        raise LayoutError(f"tp={tp} must divide the {n_heads} attention heads; pick tp from {valid}")
+    if n_kv_heads % tp and tp % n_kv_heads:
+        raise LayoutError(f"tp={tp} and the {n_kv_heads} KV heads must divide one another "
+                          f"(KV heads are split when kv_heads >= tp, replicated otherwise); "
+                          f"pick tp from {valid}")
+
+
+def mlp_width(ffn: int, tp: int) -> None:
+    """Tensor parallelism splits the MLP's hidden units evenly."""
+    if ffn % tp:
+        raise LayoutError(f"tp={tp} must divide the MLP width ffn_hidden={ffn}; "
+                          f"pick tp from {[t for t in divisors(ffn) if t <= 64]}")
+
+
+def pipeline_split(n_layers: int, pp: int, virtual_stages: int = 1) -> None:
+    """Every virtual stage holds at least one block (uneven splits are balanced)."""
+    try:
+        check_pipeline_split(n_layers, pp, virtual_stages)
+    except PipelineSplitError as err:
+        raise LayoutError(str(err)) from None
+
+
+def virtual_stages(v: int, schedule: str) -> None:
+    """Several chunks per pipeline rank only make sense for the interleaved schedule."""
+    if v > 1 and schedule != "interleaved":
+        raise LayoutError(f"virtual_stages={v} needs --schedule interleaved (not {schedule})")
+
+
+def tied_embeddings(tied: bool, pp: int, zero: int) -> None:
+    """A tied embedding is one tensor used at both ends of the model."""
+    if tied and pp > 1:
+        raise LayoutError("tied embeddings would live on the first and the last pipeline stage "
+                          "at once; set tie_embeddings = false to use pp > 1")
+    if tied and zero:
+        raise LayoutError("ZeRO shards each parameter once, so it cannot shard tied embeddings; "
+                          "set tie_embeddings = false or zero = 0")
+
+
+def context(cp: int, method: str, seq_len: int, local_heads: int, local_kv: int) -> None:
+    """Ring attention cuts each sequence into 2 cp chunks (causal load balance); Ulysses
+    also splits this rank's heads over cp."""
+    if cp == 1:
+        return
+    if seq_len and seq_len % (2 * cp):
+        raise LayoutError(f"context parallelism with cp={cp} cuts the sequence into 2*cp={2 * cp} "
+                          f"chunks for causal load balance, but seq_len={seq_len} is not "
+                          f"divisible by {2 * cp}; use a multiple of {2 * cp}")
+    if method == "ulysses" and (local_heads % cp or local_kv % cp):
+        raise LayoutError(f"Ulysses splits attention heads over cp={cp} ranks, but each rank "
+                          f"holds {local_heads} query heads and {local_kv} KV heads, which cp "
+                          f"does not both divide; use --cp-method ring, or a cp from "
+                          f"{divisors(local_kv)}")
+
+
+def sequence_parallel(sp: bool, tp: int, cp: int, seq_len: int) -> None:
+    """Megatron-SP cuts each rank's tokens over the tensor-parallel group."""
+    if sp and tp == 1:
+        raise LayoutError("sequence parallelism shards the sequence over the tensor-parallel "
+                          "group: it needs --tp > 1")
+    if sp and (seq_len // cp) % tp:
+        raise LayoutError(f"sequence parallelism splits each rank's {seq_len // cp} tokens over "
+                          f"tp={tp}; use a seq_len divisible by {tp * cp}")
+
+
+def check_split(shape: Shape, split: Split) -> None:
+    """Every rule about cutting a model of ``shape`` over ``split``."""
+    t = split.tp
+    heads(shape.n_heads, shape.n_kv_heads, t)
+    mlp_width(shape.ffn, t)
+    pipeline_split(shape.n_layers, split.pp, split.virtual_stages)
+    context(split.cp, split.cp_method, split.seq_len, shape.n_heads // t,
+            max(shape.n_kv_heads // t, 1))
