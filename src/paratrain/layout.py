@@ -27,10 +27,18 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-AXES = ("dp", "pp", "cp", "tp")
-DEFAULT_ORDER = "tp-cp-pp-dp"
-DOMAIN_AXES = ("domh", "domw")
+# Axis names: code names an axis (or a combination, for a group spanning several) by
+# these constants, never by a free string.
+DP, PP, CP, TP = "dp", "pp", "cp", "tp"
+DOMH, DOMW = "domh", "domw"
+AXES = (DP, PP, CP, TP)
+DOMAIN_AXES = (DOMH, DOMW)
 ALL_AXES = AXES + DOMAIN_AXES
+DP_CP = (DP, CP)
+"""Ranks holding the same weights and seeing different tokens: gradients average over them."""
+DP_DOM = (DP, *DOMAIN_AXES)
+"""Ranks holding the same weights under domain parallelism."""
+DEFAULT_ORDER = "tp-cp-pp-dp"
 
 
 class LayoutError(ValueError):

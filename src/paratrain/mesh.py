@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .layout import DOMAIN_AXES, Layout, _as_axes
+from .layout import CP, DOMAIN_AXES, DOMH, DOMW, DP, DP_CP, DP_DOM, PP, TP, Layout, _as_axes
 
 # Groups every run needs: one per axis, plus dp x cp, over which gradients are reduced
 # (context-parallel ranks hold the same weights but different tokens). Domain parallelism
 # adds its rows and columns of ranks, the whole domain, and dp x dom for its gradients; with
 # no domain axis these are groups already made (or one-rank groups) and cost nothing new.
-MESH_AXES = ("tp", "cp", "pp", "dp", ("dp", "cp"), "domh", "domw", DOMAIN_AXES, ("dp", *DOMAIN_AXES))
+MESH_AXES = (TP, CP, PP, DP, DP_CP, DOMH, DOMW, DOMAIN_AXES, DP_DOM)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from .parallel.step import StepPlan
 from .parallel.tensor import apply_tensor_parallel
 from .parallel.zero import ZeroDataParallel
 from .train.config import Config
+from .layout import CP, DP_CP, PP, TP
 
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
@@ -32,16 +33,16 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
     see different tokens, exactly like data-parallel replicas.
     """
     p = cfg.parallel
-    tp = apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=p.sp) if p.tp > 1 else None
+    tp = apply_tensor_parallel(model, mesh.group(TP), sequence_parallel=p.sp) if p.tp > 1 else None
     if p.cp > 1:
-        apply_context_parallel(model, mesh.group("cp"), p.cp_method)
+        apply_context_parallel(model, mesh.group(CP), p.cp_method)
     pp_group = None
     if p.pp > 1:
-        model = nn.ModuleList(split_model(model, mesh.coord("pp"), p.pp, p.virtual_stages))
-        pp_group = mesh.group("pp")
+        model = nn.ModuleList(split_model(model, mesh.coord(PP), p.pp, p.virtual_stages))
+        pp_group = mesh.group(PP)
     blocks = [b for chunk in model for b in chunk.layers.values()] if p.pp > 1 else model.layers
     apply_recompute(blocks, cfg.train.recompute)
-    group = mesh.group("dp-cp")
+    group = mesh.group(DP_CP)
     plan = step_plan(model, mesh, cfg)
     if p.zero:
         dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
@@ -66,11 +67,11 @@ def step_plan(model: nn.Module, mesh: Mesh, cfg: Config) -> StepPlan:
         act_shape=(cfg.micro_batch, stream_seq, cfg.model.d_model),
         act_dtype=next(model.parameters()).dtype,
         schedule=p.schedule if p.pp > 1 else "1f1b",
-        pp_group=mesh.group("pp") if p.pp > 1 else None,
-        loss_groups=((mesh.group("pp"),) if p.pp > 1 else ()) + (mesh.group("dp-cp"),),
-        cp_group=mesh.group("cp") if p.cp > 1 else None,
+        pp_group=mesh.group(PP) if p.pp > 1 else None,
+        loss_groups=((mesh.group(PP),) if p.pp > 1 else ()) + (mesh.group(DP_CP),),
+        cp_group=mesh.group(CP) if p.cp > 1 else None,
         positions=torch.arange(local_seq, device=device) if p.sp else None,
-        average_over=mesh.size("dp-cp"),
+        average_over=mesh.size(DP_CP),
         # bf16 over fp32 weights needs autocast; ZeRO holds bf16 weights (fp32 masters).
         autocast_bf16=cfg.train.precision == "bf16" and not p.zero,
-        recorder=Recorder(rank=mesh.coord("pp")) if cfg.train.timeline and p.pp > 1 else None)
+        recorder=Recorder(rank=mesh.coord(PP)) if cfg.train.timeline and p.pp > 1 else None)

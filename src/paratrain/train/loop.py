@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..layout import DP, PP
 from ..mesh import Mesh
 from ..models import hf
 from ..models.gpt import GPT
@@ -87,7 +88,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     train_tokens, val_tokens = D.load_tokens(cfg.data)
     train_data = D.Samples(train_tokens, cfg.data.seq_len)
     sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch,
-                                   dp_rank=mesh.coord("dp"), dp_size=mesh.size("dp"),
+                                   dp_rank=mesh.coord(DP), dp_size=mesh.size(DP),
                                    seed=cfg.train.seed, remainder=cfg.data.remainder)
     return Run(cfg, mesh, engine, train_data, D.Samples(val_tokens, cfg.data.seq_len), sampler,
                start_step, run_id, cfg.train.resume)
@@ -121,11 +122,11 @@ def evaluate(run: Run) -> float:
     """Mean loss over the first ``eval_batches`` global batches of validation data."""
     cfg, mesh = run.cfg, run.mesh
     total, count = 0.0, 0
-    share = cfg.train.global_batch // mesh.size("dp")
+    share = cfg.train.global_batch // mesh.size(DP)
     for b in range(cfg.train.eval_batches):
         indices = D.eval_indices(len(run.val_data), cfg.train.global_batch, b)
         count += D.valid_tokens(indices, cfg.data.seq_len)
-        mine = indices[mesh.coord("dp") * share:(mesh.coord("dp") + 1) * share]
+        mine = indices[mesh.coord(DP) * share:(mesh.coord(DP) + 1) * share]
         total += run.engine.forward_backward(_microbatches(run, run.val_data, mine), 1.0,
                                              training=False).total.item()
     return total / max(count, 1)
@@ -238,7 +239,7 @@ def _save(run: Run, step: int) -> None:
 def _save_timeline(run: Run) -> None:
     """Gather the pipeline's recorded steps (collective over pp) and save them."""
     p = run.cfg.parallel
-    timeline = gather_timeline(run.engine.plan.recorder, run.mesh.group("pp"), p.schedule, run.cfg.accumulation,
+    timeline = gather_timeline(run.engine.plan.recorder, run.mesh.group(PP), p.schedule, run.cfg.accumulation,
                                p.virtual_stages)
     if run.is_logger:
         path = Path(run.cfg.train.run_dir) / "timeline.json"

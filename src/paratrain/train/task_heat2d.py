@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives as C
-from ..layout import LayoutError
+from ..layout import DOMAIN_AXES, DP, DP_DOM, LayoutError
 from ..mesh import Mesh
 from ..models.unet import UNet, UNetConfig
 from ..optim import lr_at
@@ -143,9 +143,9 @@ def build(cfg: Config, mesh: Mesh) -> Heat2DRun:
     if state is not None:
         model.load_state_dict(state["param"])
     grid = Grid.from_mesh(mesh)
-    if mesh.size("dom") > 1:
+    if mesh.size(DOMAIN_AXES) > 1:
         apply_domain_parallel(model, grid)
-    group = mesh.group("dp-dom")  # every rank of the grid holds the same weights
+    group = mesh.group(DP_DOM)  # every rank of the grid holds the same weights
     plan = StepPlan([SquaredError(model)], mesh.device, (), torch.float32, loss_groups=(group,),
                     average_over=C.size(group))
     engine = (ZeroDataParallel(model, group, p.zero, cfg.optim, plan=plan) if p.zero else
@@ -153,8 +153,8 @@ def build(cfg: Config, mesh: Mesh) -> Heat2DRun:
     if state is not None:
         engine.load_optimizer_state(state, start_step)
     train_data, val_data = make_fields(cfg.heat2d, cfg.train.seed)
-    sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch, dp_rank=mesh.coord("dp"),
-                                   dp_size=mesh.size("dp"), seed=cfg.train.seed)
+    sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch, dp_rank=mesh.coord(DP),
+                                   dp_size=mesh.size(DP), seed=cfg.train.seed)
     return Heat2DRun(cfg, mesh, engine, grid, train_data, val_data, sampler, start_step)
 
 
@@ -199,7 +199,7 @@ def train_step(run: Heat2DRun, step: int) -> dict[str, float]:
 def evaluate(run: Heat2DRun) -> float:
     """Mean squared error over the validation fields."""
     mesh = run.mesh
-    mine = list(range(mesh.coord("dp"), len(run.val_data), mesh.size("dp")))
+    mine = list(range(mesh.coord(DP), len(run.val_data), mesh.size(DP)))
     total = run.engine.forward_backward(_microbatches(run, run.val_data, mine), 1.0, training=False)
     return total.total.item() / (len(run.val_data) * run.cfg.heat2d.grid_size**2)
 

@@ -41,7 +41,7 @@ def apply_context_parallel(model: GPT, cp_group: ProcessGroup, method: str = "ri
     * normalise the loss by the token count of the *global* batch over all dp × cp ranks:
       ``loss_sum * (dp·cp / global_tokens)`` before backward, so that averaging gradients
       over dp × cp yields the full-batch mean gradient;
-    * reduce gradients over dp × cp (``DataParallel(model, mesh.group("dp-cp"))``): cp
+    * reduce gradients over dp × cp (``DataParallel(model, mesh.group(DP_CP))``): cp
       ranks hold the same weights but see different tokens.
     """
     if method not in METHODS:

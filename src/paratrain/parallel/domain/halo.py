@@ -31,6 +31,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ...comm import collectives as C
+from ...layout import DOMAIN_AXES, DOMH, DOMW
 
 Offset = tuple[int, int]
 DIRECTIONS: tuple[Offset, ...] = tuple((dh, dw) for dh in (-1, 0, 1) for dw in (-1, 0, 1)
@@ -71,10 +72,10 @@ class Grid:
     @classmethod
     def from_mesh(cls, mesh) -> "Grid":
         layout = mesh.layout
-        coords = [layout.coords(r) for r in mesh.ranks("dom")]  # group order = sorted ranks
+        coords = [layout.coords(r) for r in mesh.ranks(DOMAIN_AXES)]  # group order = sorted ranks
         positions = {(c.get("domh", 0), c.get("domw", 0)): i for i, c in enumerate(coords)}
-        return cls((layout.domh, layout.domw), (mesh.coord("domh"), mesh.coord("domw")),
-                   positions, mesh.group("dom"))
+        return cls((layout.domh, layout.domw), (mesh.coord(DOMH), mesh.coord(DOMW)),
+                   positions, mesh.group(DOMAIN_AXES))
 
     def neighbour(self, offset: Offset, circular: bool) -> int | None:
         """Group position of the rank at ``offset`` from this one; across a true edge the
