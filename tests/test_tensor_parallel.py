@@ -239,7 +239,7 @@ def norm_saved_bytes(group, sp: bool) -> int:
 
 
 def check_errors(group) -> None:
-    with pytest.raises(ValueError, match="n_heads=3 is not divisible"):
+    with pytest.raises(ValueError, match="must divide the 3 attention heads"):
         apply_tensor_parallel(GPT(GPTConfig(vocab_size=64, d_model=48, n_heads=3, n_layers=1)), group)
     model = reference()
     apply_tensor_parallel(model, group, sequence_parallel=True)
@@ -305,3 +305,28 @@ def test_sequence_parallel_shards_norm_activations(world):
     for r in world:
         plain, sharded = r["saved"]
         assert plain == r["t"] * sharded, (plain, sharded)
+
+
+def _region_with_other_uses() -> dict:
+    """A region whose entered input also feeds something besides its column layers (as a
+    third model family may do): its gradient must still reach the input, exactly."""
+    from paratrain.parallel.sequence import Regions
+    from paratrain.parallel.tensor import ColumnParallelLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 6, bias=True)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    (linear(x).pow(2).sum() + x.pow(3).sum()).backward()
+    want = {"x": x.grad.clone(), "w": linear.weight.grad.clone(), "b": linear.bias.grad.clone()}
+
+    column = ColumnParallelLinear(linear, dist.group.WORLD)
+    x2 = x.detach().clone().requires_grad_()
+    entered = Regions(dist.group.WORLD, sequence_parallel=False).enter_overlapped(x2, [column])
+    (column(entered).pow(2).sum() + entered.pow(3).sum()).backward()
+    got = {"x": x2.grad, "w": column.weight.grad, "b": column.bias.grad}
+    return {k: torch.equal(got[k], want[k]) or rel_error(got[k], want[k]) for k in want}
+
+
+def test_region_entry_keeps_gradients_of_other_uses():
+    (result,) = run_world(_region_with_other_uses, 1)
+    assert all(v is True or v < 1e-6 for v in result.values()), result

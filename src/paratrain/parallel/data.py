@@ -32,9 +32,9 @@ class Bucket:
     """Parameters whose gradients are views into ``buffer``."""
     buffer: torch.Tensor
     """The flat gradients, reduced as one tensor."""
-    offsets: dict[int, int]
-    """Start of each parameter's gradient in ``buffer``, by ``id(param)``."""
-    ready: set[int] = field(default_factory=set)
+    offsets: dict[torch.Tensor, int]
+    """Start of each parameter's gradient in ``buffer``, by ``param``."""
+    ready: set[torch.Tensor] = field(default_factory=set)
     """ids of the parameters whose gradient this backward pass has produced."""
     work: object | None = None
     """Handle of the in-flight all-reduce, if launched."""
@@ -61,7 +61,7 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
         offsets, offset = {}, 0
         for p in group:
             p.grad = buffer[offset:offset + p.numel()].view_as(p)
-            offsets[id(p)] = offset
+            offsets[p] = offset
             offset += p.numel()
         buckets.append(Bucket(group, buffer, offsets))
     return buckets
@@ -86,10 +86,10 @@ class DataParallel(nn.Module):
                 for tensor in [*params, *module.buffers()]:
                     C.broadcast(tensor, src=0, group=group)
         self.buckets = make_buckets(params[::-1], max(1, int(bucket_mb * 2**20)))
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
         # One compressor per bucket (comm/compress.py); "none" is the plain average.
         self.compressors = CompressorSet(parse(compress), [
-            ([(b.offsets[id(p)], p.shape) for p in b.params], b.buffer.numel()) for b in self.buckets],
+            ([(b.offsets[p], p.shape) for p in b.params], b.buffer.numel()) for b in self.buckets],
             device=self.buckets[0].buffer.device if self.buckets else None)
         for bucket, compressor in zip(self.buckets, self.compressors.items):
             bucket.compressor = compressor
@@ -109,7 +109,7 @@ class DataParallel(nn.Module):
             self._sync = previous
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        bucket = self._bucket_of[id(param)]
+        bucket = self._bucket_of[param]
         self._keep_in_bucket(param, bucket)
         if not self._sync:
             return
@@ -117,14 +117,14 @@ class DataParallel(nn.Module):
             raise RuntimeError("a backward pass produced gradients for a bucket that is already "
                                "being reduced: call finish_grad_sync() after each synced "
                                "backward, and run accumulation backwards inside no_sync()")
-        bucket.ready.add(id(param))
+        bucket.ready.add(param)
         if len(bucket.ready) == len(bucket.params):
             self.start_grad_sync(bucket)
 
     def _keep_in_bucket(self, param: nn.Parameter, bucket: Bucket) -> None:
         """If something replaced ``param.grad`` (e.g. ``zero_grad(set_to_none=True)``),
         move the gradient back into the bucket so it is reduced."""
-        offset = bucket.offsets[id(param)]
+        offset = bucket.offsets[param]
         view = bucket.buffer[offset:offset + param.numel()].view_as(param)
         if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)

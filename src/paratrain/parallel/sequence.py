@@ -20,8 +20,9 @@ sync_replicated_grads`` sums them over the group after backward.
 Overlap: the backward collective at a region's entry (f's all-reduce, or SP's
 reduce-scatter) needs the sum of the input gradients of the column-parallel layers that
 read the region's input, and nothing downstream can run before it. Their *weight*
-gradients are not needed by it, so ``EnterColumnParallel`` launches the collective first
-and computes them while it runs (``DeferredWeightGradLinear`` leaves them to it).
+gradients are not needed by it, so ``EnterColumnParallel``, which computes the entry and
+those layers' GEMMs as one Function, launches the collective first and computes the
+weight gradients while it runs.
 """
 
 from __future__ import annotations
@@ -36,66 +37,55 @@ from torch.distributed import ProcessGroup
 from ..comm import autograd as A
 
 
-class DeferredWeightGradLinear(torch.autograd.Function):
-    """y = x W^T whose weight gradient is computed by the region's entry operator.
-
-    Forward: the matmul. Backward: the input gradient only; (grad_output, input) go to
-    ``pending`` so the entry can compute the weight gradient while its collective runs.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, pending: dict, key: int) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.pending, ctx.key = pending, key
-        return F.linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        ctx.pending[ctx.key] = (grad, x)
-        return grad @ weight.to(grad.dtype), None, None, None  # bf16 under autocast
-
-
 class EnterColumnParallel(torch.autograd.Function):
-    """Entry of a tensor-parallel region that also owns the weight gradients of the
-    column-parallel layers reading its output, so its backward collective overlaps them
-    (Megatron's asynchronous tensor-parallel all-reduce).
+    """Entry of a tensor-parallel region together with the GEMMs of the column-parallel
+    layers that read it, so that its backward collective overlaps their weight gradients
+    (Megatron's asynchronous tensor-parallel all-reduce) inside one Function.
 
-    Forward: f's identity (plain TP) or the all-gather along the sequence (SP). The output
-    carries a dict, ``tp_pending``, in which those layers leave (grad_output, input) in
-    backward instead of computing their weight gradient.
-    Backward: launch the all-reduce (TP) or reduce-scatter (SP) of the input gradient,
-    compute the layers' weight gradients while it is in flight, then wait.
+    Forward: f's identity (plain TP) or the all-gather along the sequence (SP) of ``x``,
+    then ``y_i = x W_i^T (+ b_i)`` for each layer. Returns the entered input and the ``y_i``.
+    Backward: the input gradient (the sum over the layers, plus any other use of the
+    entered input), launch its all-reduce (TP) or reduce-scatter (SP), compute the weights'
+    (and biases') gradients while it is in flight, then wait.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, regions: "Regions", pending: dict, keys: tuple,
-                *weights: torch.Tensor) -> torch.Tensor:
-        ctx.regions, ctx.pending, ctx.keys = regions, pending, keys
-        ctx.dtypes = [w.dtype for w in weights]
-        if regions.sequence_parallel:  # contiguous (b, s, h): the layers' matmuls read it as is
-            return A.gather_seq(x, regions.group).contiguous()
-        return x.view_as(x)
+    def forward(ctx, x: torch.Tensor, regions: "Regions", n: int, *params) -> tuple:
+        weights, biases = params[:n], params[n:]
+        ctx.regions, ctx.n = regions, n
+        ctx.has_bias = [b is not None for b in biases]
+        # contiguous (b, s, h): the layers' matmuls read it as is
+        entered = (A.gather_seq(x, regions.group).contiguous() if regions.sequence_parallel
+                   else x.view_as(x))
+        ctx.save_for_backward(entered, *weights)
+        return (entered, *(F.linear(entered, w, b) for w, b in zip(weights, biases)))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad_entered: torch.Tensor | None, *grads: torch.Tensor | None):
+        entered, *weights = ctx.saved_tensors
         group = ctx.regions.group
+        used = [(g, w) for g, w in zip(grads, weights) if g is not None]
+        grad_input = grad_entered
+        for g, w in used:  # bf16 under autocast: in the output's dtype, as autocast would
+            term = g @ w.to(g.dtype)
+            grad_input = term if grad_input is None else grad_input + term
+        if grad_input is None:
+            grad_input = torch.zeros_like(entered)
         if ctx.regions.sequence_parallel:
-            grad_input, work = A.start_reduce_scatter_seq(grad, group)
+            grad_input, work = A.start_reduce_scatter_seq(grad_input, group)
         else:
-            grad_input, work = A.start_all_reduce(grad, group)
-        weight_grads = []
-        for key, dtype in zip(ctx.keys, ctx.dtypes):
-            deferred, ctx.pending[key] = ctx.pending[key], None
-            if deferred is None:  # the layer was not used, or computed its own
+            grad_input, work = A.start_all_reduce(grad_input, group)
+        weight_grads, bias_grads = [], []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+            if g is None:
                 weight_grads.append(None)
+                bias_grads.append(None)
                 continue
-            grad_out, x = deferred
-            # in the output's dtype, as autocast's matmul would (bf16 under autocast)
-            g, x = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
-            weight_grads.append((g.t() @ x.to(g.dtype)).to(dtype))
+            flat_g, flat_x = g.reshape(-1, g.shape[-1]), entered.reshape(-1, entered.shape[-1])
+            weight_grads.append((flat_g.t() @ flat_x.to(g.dtype)).to(w.dtype))
+            bias_grads.append(flat_g.sum(0).to(w.dtype) if has_bias else None)
         work.wait()
-        return (grad_input, None, None, None, *weight_grads)
+        return (grad_input, None, None, *weight_grads, *bias_grads)
 
 
 class Regions:
@@ -123,15 +113,17 @@ class Regions:
         return A.reduce_from_tp_region(x, self.group)
 
     def enter_overlapped(self, x: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
-        """``enter``, with the weight gradients of ``layers`` (the column-parallel layers
-        reading the result) computed while the backward collective runs."""
+        """``enter``, with the outputs of ``layers`` (the column-parallel layers reading the
+        result) computed by the same Function, which overlaps their weight gradients with
+        the backward collective. Each layer is handed its output for this call
+        (``ColumnParallelLinear.take``) and returns it when called on the entered input."""
         if not self.overlap:
             return self.enter(x)
-        keys = tuple(id(layer) for layer in layers)
-        pending: dict = dict.fromkeys(keys)  # only these layers defer their weight gradient
-        out = EnterColumnParallel.apply(x, self, pending, keys, *(layer.weight for layer in layers))
-        out.tp_pending = pending  # per forward call: microbatches in flight do not mix
-        return out
+        entered, *outputs = EnterColumnParallel.apply(
+            x, self, len(layers), *(layer.weight for layer in layers), *(layer.bias for layer in layers))
+        for layer, out in zip(layers, outputs):
+            layer.hand_over(entered, out)
+        return entered
 
     # Module hooks, so the plain model's submodules keep their names (and the state dict
     # its keys): the first positional argument enters, the output exits.

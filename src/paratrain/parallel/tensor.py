@@ -29,7 +29,7 @@ from torch.distributed import ProcessGroup
 from .. import rules
 from ..comm import collectives as C
 from ..models.gpt import GPT
-from .sequence import DeferredWeightGradLinear, Regions
+from .sequence import Regions
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, padded_size, shard_rows
 
 
@@ -58,14 +58,19 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None
         if linear.bias is not None:
             self.bias = nn.Parameter(shard_rows(linear.bias, num_shards, shard, padded))
+        self._handed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def hand_over(self, entered: torch.Tensor, out: torch.Tensor) -> None:
+        """The region's entry computed this layer's output on ``entered`` (with the GEMMs
+        sharing that input, see ``sequence.EnterColumnParallel``): the next call on
+        ``entered`` returns it."""
+        self._handed = (entered, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The region's entry operator marks its output with the layers whose weight
-        # gradient it will compute; any other use is a plain linear.
-        pending = getattr(x, "tp_pending", None)
-        if pending is None or id(self) not in pending or self.bias is not None:
-            return F.linear(x, self.weight, self.bias)
-        return DeferredWeightGradLinear.apply(x, self.weight, pending, id(self))
+        handed, self._handed = self._handed, None
+        if handed is not None and handed[0] is x:
+            return handed[1]
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features} of {self.full_out_features}"
@@ -126,7 +131,7 @@ class TensorParallel:
     def __init__(self, group: ProcessGroup, sequence_parallel: bool):
         self.group = group
         self.sequence_parallel = sequence_parallel
-        self.specs: dict[int, ShardSpec] = {}  # by id(param); absent: replicated on all ranks
+        self.specs: dict[nn.Parameter, ShardSpec] = {}  # absent: replicated on all ranks
         self.hooks: list = []  # handles of the region hooks
         self.sharded_params: list[nn.Parameter] = []
         self.replicated_params: list[nn.Parameter] = []
@@ -134,12 +139,12 @@ class TensorParallel:
         self._hooked = False  # partial gradients summed by hooks during backward
 
     def shard(self, param: nn.Parameter, spec: ShardSpec) -> None:
-        self.specs[id(param)] = spec
+        self.specs[param] = spec
 
     def collect_replicated(self, model: nn.Module) -> None:
         """Sort the model's parameters into sharded and replicated ones."""
         for p in model.parameters():
-            spec = self.specs.get(id(p))
+            spec = self.specs.get(p)
             if spec is not None and spec.copies == 1:
                 self.sharded_params.append(p)
                 continue
@@ -151,7 +156,7 @@ class TensorParallel:
 
     def is_sharded(self, param: nn.Parameter) -> bool:
         """True if ``param`` holds a different slice on every rank of the group."""
-        spec = self.specs.get(id(param))
+        spec = self.specs.get(param)
         return spec is not None and spec.copies == 1
 
     def owned_params(self) -> list[nn.Parameter]:
@@ -161,7 +166,7 @@ class TensorParallel:
         rank = C.rank(self.group)
         owned = list(self.sharded_params)
         for p in self.replicated_params:
-            spec = self.specs.get(id(p))
+            spec = self.specs.get(p)
             if rank % (spec.copies if spec else C.size(self.group)) == 0:
                 owned.append(p)
         return owned
@@ -204,7 +209,7 @@ class TensorParallel:
     def _pack(self, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` flattened for the sum over the group. A replicated KV head goes to its
         own slot (zeros in the others), so only the ranks sharing that head add up."""
-        spec = self.specs.get(id(p))
+        spec = self.specs.get(p)
         if spec is None:
             return grad.flatten()
         t, rank = C.size(self.group), C.rank(self.group)
@@ -213,7 +218,7 @@ class TensorParallel:
         return slots.flatten()
 
     def _unpack(self, p: nn.Parameter, summed: torch.Tensor) -> torch.Tensor:
-        spec = self.specs.get(id(p))
+        spec = self.specs.get(p)
         if spec is None:
             return summed.view_as(p)
         return summed.view(-1, p.numel())[C.rank(self.group) // spec.copies].view_as(p)
@@ -231,7 +236,7 @@ class TensorParallel:
             value = local[name] if local is not None else (p.grad if grads else p)
             if value is None:
                 value = torch.zeros_like(p)
-            spec = self.specs.get(id(p))
+            spec = self.specs.get(p)
             if spec is None:
                 out[name] = value.detach().clone()
                 continue
@@ -247,7 +252,7 @@ class TensorParallel:
     def local_shard(self, param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``full``, a tensor shaped like the unsharded ``param`` (the
         inverse of ``full_state_dict`` for one tensor, e.g. an optimizer moment)."""
-        spec = self.specs.get(id(param))
+        spec = self.specs.get(param)
         if spec is None:
             return full.clone()
         distinct = C.size(self.group) // spec.copies

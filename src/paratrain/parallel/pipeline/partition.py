@@ -110,8 +110,8 @@ def split_model(model: GPT, pp_rank: int, pp_size: int, virtual_stages: int = 1,
 def _release_others(model: nn.Module, chunks: list[PipelineChunk]) -> None:
     """Free the storage of every parameter no local chunk uses: the caller may still
     hold the model, and memory must fall by ~pp all the same."""
-    kept = {id(p) for chunk in chunks for p in chunk.parameters()}
+    kept = {p for chunk in chunks for p in chunk.parameters()}
     for p in model.parameters():
-        if id(p) not in kept:
+        if p not in kept:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             p.grad = None

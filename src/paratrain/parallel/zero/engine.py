@@ -144,7 +144,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             unit.stash_grad(param)  # into the unit's temporary flat gradient; frees param.grad
         elif not self._sync:
             return
-        unit.ready.add(id(param))
+        unit.ready.add(param)
         if len(unit.ready) < len(unit.flat.params):
             return
         if self._sync or not self.accumulate_full:
@@ -223,8 +223,8 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         groups = (self.group,) + ((self.pp_group,) if self.pp_group is not None else ())
         if self.tp is None:
             return self.optimizer.clip_grad_norm_(max_norm, groups)
-        owned = {id(p) for p in self.tp.owned_params()}
-        not_owned = {id(p) for p in self.module.parameters() if id(p) not in owned}
+        owned = {p for p in self.tp.owned_params()}
+        not_owned = {p for p in self.module.parameters() if p not in owned}
         return self.optimizer.clip_grad_norm_(max_norm, groups + (self.tp.group,), not_owned)
 
     @torch.no_grad()

@@ -114,20 +114,20 @@ def group_units(model: nn.Module, unit_modules: list[tuple[str, list[nn.Module]]
     ``unit_modules`` lists (unit name, modules); every parameter of ``model`` must belong
     to exactly one unit, and a parameter shared between units (tied weights) is an error.
     """
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    owner: dict[int, str] = {}
+    name_of = {p: n for n, p in model.named_parameters()}
+    owner: dict[nn.Parameter, str] = {}
     units = []
     for unit_name, modules in unit_modules:
         named = []
         for module in modules:
             for p in module.parameters():
-                if id(p) in owner:
-                    raise ValueError(f"parameter {name_of[id(p)]} is shared by units {owner[id(p)]} "
+                if p in owner:
+                    raise ValueError(f"parameter {name_of[p]} is shared by units {owner[p]} "
                                      f"and {unit_name}; ZeRO shards each parameter once (untie it)")
-                owner[id(p)] = unit_name
-                named.append((name_of[id(p)], p))
+                owner[p] = unit_name
+                named.append((name_of[p], p))
         units.append((unit_name, named))
-    missing = [n for n, p in model.named_parameters() if id(p) not in owner]
+    missing = [n for n, p in model.named_parameters() if p not in owner]
     if missing:
         raise ValueError(f"parameters {missing} belong to no ZeRO unit")
     return units

@@ -56,8 +56,8 @@ class ShardedAdamW:
             self._bind_grads(lambda g: None)  # free the fp32 copies of the gradients
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, groups: tuple, not_owned: set[int] = frozenset()) -> torch.Tensor:
-        """Global norm of the gradient shards, summed over ``groups``; parameters whose id is
+    def clip_grad_norm_(self, max_norm: float, groups: tuple, not_owned: set = frozenset()) -> torch.Tensor:
+        """Global norm of the gradient shards, summed over ``groups``; parameters that are
         in ``not_owned`` (replicated ones another rank counts) are left out of the sum."""
         grads = [u.grad_shard for u in self.units]
         sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
@@ -65,7 +65,7 @@ class ShardedAdamW:
             start, end = unit.flat.shard_range
             for p, offset in zip(unit.flat.params, unit.flat.offsets):
                 lo, hi = max(offset, start), min(offset + p.numel(), end)
-                if id(p) in not_owned and lo < hi:
+                if p in not_owned and lo < hi:
                     sq -= unit.grad_shard[lo - start:hi - start].float().pow(2).sum()
         return clip_by_squared_norm_(sq, max_norm, groups, grads)
 

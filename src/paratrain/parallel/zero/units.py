@@ -49,7 +49,7 @@ class Unit:
     gradient being assembled during backward."""
     grad_shard: torch.Tensor | None = None
     """This rank's averaged gradient slice (stage 1: a view into flat_grad)."""
-    ready: set[int] = field(default_factory=set)
+    ready: set[torch.Tensor] = field(default_factory=set)
     """ids of parameters whose gradient this backward produced."""
     keeps_full_grad: bool = False
     """Stage 1: the full gradient persists and the shard is a view of it; stages 2/3
@@ -64,7 +64,7 @@ class Unit:
     """Stage 1 with --compress: averages the full gradient (comm/compress.py)."""
 
     def __post_init__(self) -> None:
-        self._offset_of = {id(p): o for p, o in zip(self.flat.params, self.flat.offsets)}
+        self._offset_of = {p: o for p, o in zip(self.flat.params, self.flat.offsets)}
 
     def setup_grads(self, stage: int) -> None:
         flat = self.flat
@@ -82,7 +82,7 @@ class Unit:
         (added, so that backwards under ``no_sync`` accumulate there)."""
         if self.flat_grad is None:
             self.flat_grad = self.grad_shard.new_zeros(self.flat.padded)
-        offset = self._offset_of[id(param)]
+        offset = self._offset_of[param]
         self.flat_grad[offset:offset + param.numel()].add_(param.grad.reshape(-1))
         param.grad = None
 
