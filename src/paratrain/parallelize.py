@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .mesh import Mesh
+from .models.description import describe
 from .parallel.context import apply_context_parallel
 from .parallel.data import DataParallel
 from .parallel.engine import ReplicatedEngine
@@ -33,15 +34,18 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
     see different tokens, exactly like data-parallel replicas.
     """
     p = cfg.parallel
-    tp = apply_tensor_parallel(model, mesh.group(TP), sequence_parallel=p.sp) if p.tp > 1 else None
+    desc = describe(model)
+    tp = (apply_tensor_parallel(model, mesh.group(TP), sequence_parallel=p.sp, description=desc)
+          if p.tp > 1 else None)
     if p.cp > 1:
-        apply_context_parallel(model, mesh.group(CP), p.cp_method)
+        apply_context_parallel(model, mesh.group(CP), p.cp_method, description=desc)
     pp_group = None
     if p.pp > 1:
         model = nn.ModuleList(split_model(model, mesh.coord(PP), p.pp, p.virtual_stages))
         pp_group = mesh.group(PP)
-    blocks = [b for chunk in model for b in chunk.layers.values()] if p.pp > 1 else model.layers
-    apply_recompute(blocks, cfg.train.recompute)
+    blocks = ([b for chunk in model for b in chunk.layers.values()] if p.pp > 1
+              else model.get_submodule(desc.blocks))
+    apply_recompute(blocks, cfg.train.recompute, core=desc.attention_core)
     group = mesh.group(DP_CP)
     plan = step_plan(model, mesh, cfg)
     if p.zero:

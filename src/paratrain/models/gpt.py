@@ -251,6 +251,12 @@ class GPT(nn.Module):
             else:
                 p.normal_(0.0, std)
 
+    def description(self):
+        """Where things are, for the strategies (models/description.py)."""
+        from .description import gpt_description
+
+        return gpt_description(self.cfg)
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(tokens)
 

@@ -29,9 +29,10 @@ def _recompute(module: nn.Module) -> None:
     module.forward = forward
 
 
-def apply_recompute(blocks: Iterable[nn.Module], policy: str) -> None:
-    """Make the blocks (or their attention cores) recompute their forward in backward."""
+def apply_recompute(blocks: Iterable[nn.Module], policy: str, core: str = "attn.core") -> None:
+    """Make the blocks (or their attention cores, at path ``core`` in each block: the
+    model description's ``attention_core``) recompute their forward in backward."""
     if policy not in POLICIES:
         raise ValueError(f"recompute policy {policy!r} is not one of {', '.join(POLICIES)}")
     for block in blocks if policy != "none" else []:
-        _recompute(block if policy == "full" else block.attn.core)
+        _recompute(block if policy == "full" else block.get_submodule(core))

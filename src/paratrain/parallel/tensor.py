@@ -1,4 +1,6 @@
-"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) for the plain GPT, after it is built.
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) for a plain model, after it is built,
+through its description (``models/description.py``): a table of (module path, style) per
+block and for the embedding and head, and the regions, applied by one loop.
 
 Every weight matrix of a transformer block is split across the ``t`` ranks of the
 tensor-parallel group so that each block needs one collective in forward and one in
@@ -28,7 +30,7 @@ from torch.distributed import ProcessGroup
 
 from .. import rules
 from ..comm import collectives as C
-from ..models.gpt import GPT
+from ..models.description import ModelDescription, Style, describe
 from .sequence import Regions
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, padded_size, shard_rows
 
@@ -264,11 +266,11 @@ class TensorParallel:
         return piece.transpose(0, spec.dim).contiguous().clone()
 
 
-def _check_model(model: GPT, t: int) -> None:
-    if isinstance(model.tok_embeddings, VocabParallelEmbedding):
+def _check_model(model: nn.Module, desc: ModelDescription, t: int) -> None:
+    if isinstance(model.get_submodule(desc.embedding), VocabParallelEmbedding):
         raise ValueError("apply_tensor_parallel was already applied to this model")
-    rules.heads(model.cfg.n_heads, model.cfg.kv_heads, t)
-    rules.mlp_width(model.cfg.ffn_dim, t)
+    rules.heads(desc.n_heads, desc.n_kv_heads, t)
+    rules.mlp_width(desc.ffn, t)
 
 
 def _kv_split(kv_heads: int, t: int, rank: int) -> tuple[int, int, int]:
@@ -281,62 +283,71 @@ def _kv_split(kv_heads: int, t: int, rank: int) -> tuple[int, int, int]:
     return kv_heads, rank // copies, copies
 
 
-def _split_block(block: nn.Module, tp: TensorParallel, regions: Regions,
-                 kv_split: tuple[int, int, int]) -> None:
-    """Attention and MLP of one transformer block: column-parallel in, row-parallel out,
-    the region operators at their entry and exit."""
-    group, (num_kv, kv_shard, copies) = tp.group, kv_split
-    attn, mlp = block.attn, block.mlp
-    attn.wq = ColumnParallelLinear(attn.wq, group)
-    attn.wk = ColumnParallelLinear(attn.wk, group, num_kv, kv_shard)
-    attn.wv = ColumnParallelLinear(attn.wv, group, num_kv, kv_shard)
-    attn.wo = RowParallelLinear(attn.wo, group)
-    mlp.w1 = ColumnParallelLinear(mlp.w1, group)
-    mlp.w3 = ColumnParallelLinear(mlp.w3, group)
-    mlp.w2 = RowParallelLinear(mlp.w2, group)
-    for linear, spec in ((attn.wq, ShardSpec(0, attn.wq.full_out_features)),
-                         (mlp.w1, ShardSpec(0, mlp.w1.full_out_features)),
-                         (mlp.w3, ShardSpec(0, mlp.w3.full_out_features)),
-                         (attn.wk, ShardSpec(0, attn.wk.full_out_features, copies)),
-                         (attn.wv, ShardSpec(0, attn.wv.full_out_features, copies))):
-        for param in (linear.weight, linear.bias):  # a bias is cut like its weight's rows
-            if param is not None:
-                tp.shard(param, spec)
-    for linear in (attn.wo, mlp.w2):
-        tp.shard(linear.weight, ShardSpec(1, linear.full_in_features))
-    for region, columns in ((attn, [attn.wq, attn.wk, attn.wv]), (mlp, [mlp.w1, mlp.w3])):
-        tp.hooks.append(region.register_forward_pre_hook(regions.enter_hook(columns)))
+def _parallel_module(module: nn.Module, style: Style, tp: TensorParallel, regions: Regions,
+                     desc: ModelDescription) -> tuple[nn.Module, list[tuple[nn.Parameter, ShardSpec]]]:
+    """The tensor-parallel replacement of ``module`` for ``style``, and how each of its
+    parameters is split."""
+    group, t = tp.group, C.size(tp.group)
+    if style == "vocab_embedding":
+        new = VocabParallelEmbedding(module, group, regions)
+        return new, [(new.weight, ShardSpec(0, desc.vocab_size))]
+    if style == "vocab_head":
+        new = ColumnParallelLinear(module, group, padded_out=padded_size(desc.vocab_size, t))
+        return new, [(new.weight, ShardSpec(0, desc.vocab_size))]
+    if style == "rowwise":
+        new = RowParallelLinear(module, group)
+        return new, [(new.weight, ShardSpec(1, new.full_in_features))]
+    num, shard, copies = (_kv_split(desc.n_kv_heads, t, C.rank(group)) if style == "colwise_kv"
+                          else (None, None, 1))
+    new = ColumnParallelLinear(module, group, num, shard)
+    spec = ShardSpec(0, new.full_out_features, copies)  # a bias is cut like its weight's rows
+    return new, [(p, spec) for p in (new.weight, new.bias) if p is not None]
+
+
+def _apply_plan(root: nn.Module, plan: list[tuple[str, Style]], tp: TensorParallel,
+                regions: Regions, desc: ModelDescription) -> None:
+    """Replace each module of ``plan`` (paths relative to ``root``) by its parallel form."""
+    for path, style in plan:
+        new, specs = _parallel_module(root.get_submodule(path), style, tp, regions, desc)
+        root.set_submodule(path, new)
+        for param, spec in specs:
+            tp.shard(param, spec)
+
+
+def _hook_region(region: nn.Module, columns: list[nn.Module], tp: TensorParallel,
+                 regions: Regions, exit: bool = True) -> None:
+    """The entry operator (with the column layers' GEMMs) before ``region``, the exit after."""
+    tp.hooks.append(region.register_forward_pre_hook(regions.enter_hook(columns)))
+    if exit:
         tp.hooks.append(region.register_forward_hook(regions.exit_hook))
 
 
-def apply_tensor_parallel(model: GPT, tp_group: ProcessGroup, sequence_parallel: bool = False,
-                          overlap_comm: bool = True) -> TensorParallel:
+def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, sequence_parallel: bool = False,
+                          overlap_comm: bool = True,
+                          description: ModelDescription | None = None) -> TensorParallel:
     """Split ``model`` in place over ``tp_group`` (Megatron TP, plus Megatron-SP when
-    ``sequence_parallel``). Afterwards ``model(tokens, targets)`` with the same full
-    (b, s) tokens and targets on every rank of the group returns the same summed loss
+    ``sequence_parallel``), following its description (``models/description.py``; default:
+    the model's own ``description()``). Afterwards ``model(tokens, targets)`` with the same
+    full (b, s) tokens and targets on every rank of the group returns the same summed loss
     as the unsharded model. ``overlap_comm`` computes the column-parallel layers' weight
-    gradients while the backward collective at each block's entry runs. Call before
+    gradients while the backward collective at each region's entry runs. Call before
     wrapping in DataParallel / ZeRO."""
-    t, rank = C.size(tp_group), C.rank(tp_group)
-    _check_model(model, t)
-    cfg = model.cfg
-    tied = model.output.weight is model.tok_embeddings.weight
+    desc = description or describe(model)
+    _check_model(model, desc, C.size(tp_group))
     regions = Regions(tp_group, sequence_parallel, overlap_comm)
     tp = TensorParallel(tp_group, sequence_parallel)
-    vocab = padded_size(cfg.vocab_size, t)
-
-    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, tp_group, regions)
-    tp.shard(model.tok_embeddings.weight, ShardSpec(0, cfg.vocab_size))
-    output = ColumnParallelLinear(model.output, tp_group, padded_out=vocab)
+    tied = model.get_submodule(desc.head).weight is model.get_submodule(desc.embedding).weight
+    _apply_plan(model, desc.model_plan(), tp, regions, desc)
+    head = model.get_submodule(desc.head)
     if tied:  # both are split over the vocabulary the same way: share the one shard
-        output.weight = model.tok_embeddings.weight
-    model.output = output
-    tp.shard(output.weight, ShardSpec(0, cfg.vocab_size))
-    tp.hooks.append(model.output.register_forward_pre_hook(regions.enter_hook([output])))
-    model.loss_fn = VocabParallelCrossEntropy(tp_group, cfg.vocab_size)
-
-    kv_split = _kv_split(cfg.kv_heads, t, rank)
-    for block in model.layers:
-        _split_block(block, tp, regions, kv_split)
+        tp.specs.pop(head.weight)
+        head.weight = model.get_submodule(desc.embedding).weight
+    _hook_region(head, [head], tp, regions, exit=False)  # the loss reads vocabulary shards
+    model.set_submodule(desc.loss, VocabParallelCrossEntropy(tp_group, desc.vocab_size))
+    for block in model.get_submodule(desc.blocks):
+        _apply_plan(block, desc.block_plan(), tp, regions, desc)
+        for region, columns in desc.block_regions():
+            _hook_region(block.get_submodule(region), [block.get_submodule(c) for c in columns],
+                         tp, regions)
     tp.collect_replicated(model)
     return tp

@@ -13,10 +13,11 @@ Both use the load-balanced layout of ``sharding.py``. Everything outside attenti
 
 from __future__ import annotations
 
+from torch import nn
 from torch.distributed import ProcessGroup
 
 from ...comm import collectives as C
-from ...models.gpt import GPT
+from ...models.description import ModelDescription, describe
 from .ring import RingAttention
 from .sharding import (chunk_ids, gather_sequence, positions_for, shard_batch, shard_sequence,
                        unshard_sequence)
@@ -29,11 +30,13 @@ __all__ = ["METHODS", "RingAttention", "UlyssesAttention", "apply_context_parall
            "unshard_sequence"]
 
 
-def apply_context_parallel(model: GPT, cp_group: ProcessGroup, method: str = "ring") -> None:
+def apply_context_parallel(model: nn.Module, cp_group: ProcessGroup, method: str = "ring",
+                           description: ModelDescription | None = None) -> None:
     """Make every attention block of ``model`` attend across the ranks of ``cp_group``.
 
-    Swaps ``block.attn.core`` in place (after any tensor parallelism: head counts are read
-    from the weights this rank holds). What the caller must do besides:
+    Swaps each block's attention core (``description.attention_core``; default: the
+    model's own description) in place, after any tensor parallelism: head counts are read
+    from the query and key weights this rank holds. What the caller must do besides:
 
     * feed each cp rank its shard: ``tokens, targets, positions = shard_batch(tokens,
       targets, cp_rank, cp_size)`` and call ``model(tokens, targets, positions)`` (the
@@ -46,9 +49,9 @@ def apply_context_parallel(model: GPT, cp_group: ProcessGroup, method: str = "ri
     """
     if method not in METHODS:
         raise ValueError(f"cp method {method!r} is not one of {', '.join(METHODS)}")
-    for block in model.layers:
-        attn = block.attn
+    desc = description or describe(model)
+    for block in model.get_submodule(desc.blocks):
         if method == "ulysses":  # fail at set-up, not in the first forward
-            check_heads(attn.wq.out_features // attn.head_dim,
-                        attn.wk.out_features // attn.head_dim, C.size(cp_group))
-        attn.core = METHODS[method](cp_group)
+            heads = [block.get_submodule(path).weight.shape[0] // desc.head_dim for path in (desc.q, desc.k)]
+            check_heads(*heads, C.size(cp_group))
+        block.set_submodule(desc.attention_core, METHODS[method](cp_group))

@@ -1,0 +1,111 @@
+"""Where things are in a model: the description the strategies act through.
+
+Tensor, sequence, context and pipeline parallelism and recomputation never import a model
+class. They read a ``ModelDescription``: the module paths of the blocks and, inside each
+block, of the attention projections, the MLP's layers and the attention core, plus the
+embedding, final norm, head and loss, and the shape numbers the rules need. The
+tensor-parallel split is then a table of (module path, style) and a list of regions,
+applied by one loop (``parallel/tensor.py``); the same description tells context
+parallelism which core to swap, recomputation what to wrap, and the pipeline what to cut.
+
+paratrain's GPT (and the Hugging Face Llama-family models loaded into it) is described by
+``gpt_description``; a model with other attribute names gets a description of its own
+(docs/models.md has a worked example).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Style = Literal["colwise", "colwise_kv", "rowwise", "vocab_embedding", "vocab_head"]
+"""How one module is split over the tensor-parallel group:
+
+- ``colwise``: output features (query heads, MLP hidden units) split; the input replicated.
+- ``colwise_kv``: like ``colwise`` over the KV heads; when there are fewer KV heads than
+  ranks, each rank keeps the one head its query heads use (replicated over ``tp /
+  kv_heads`` ranks).
+- ``rowwise``: input features split; the output is a partial sum the region's exit completes.
+- ``vocab_embedding`` / ``vocab_head``: split over the vocabulary (padded to a multiple
+  of tp); the head's loss is computed without gathering the logits.
+"""
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """A decoder-only transformer's layout, as module paths and shape numbers."""
+
+    n_heads: int
+    """Attention (query) heads."""
+    n_kv_heads: int
+    """Key/value heads."""
+    head_dim: int
+    """Width of one head."""
+    d_model: int
+    """Width of the residual stream (the activation passed between pipeline stages)."""
+    ffn: int
+    """Hidden width of the MLP."""
+    n_layers: int
+    """Transformer blocks."""
+    vocab_size: int
+    """Tokens in the vocabulary (before any padding for tensor parallelism)."""
+    blocks: str = "layers"
+    """The module list of transformer blocks."""
+    embedding: str = "tok_embeddings"
+    """The token embedding."""
+    final_norm: str = "norm"
+    """The norm after the last block."""
+    head: str = "output"
+    """The output projection to the vocabulary."""
+    loss: str = "loss_fn"
+    """The module computing the summed token loss from the logits and targets."""
+    attention: str = "attn"
+    """In a block: the attention sub-layer (a tensor-parallel region)."""
+    attention_core: str = "attn.core"
+    """In a block: softmax(QK^T)V on (batch, heads, seq, head_dim) q, k, v; context
+    parallelism replaces it and selective recomputation wraps it."""
+    q: str = "attn.wq"
+    """In a block: the query projection."""
+    k: str = "attn.wk"
+    """In a block: the key projection."""
+    v: str = "attn.wv"
+    """In a block: the value projection."""
+    o: str = "attn.wo"
+    """In a block: the attention output projection."""
+    mlp: str = "mlp"
+    """In a block: the MLP sub-layer (a tensor-parallel region)."""
+    mlp_in: tuple[str, ...] = ("mlp.w1", "mlp.w3")
+    """In a block: the MLP's input projections (gate and up for SwiGLU)."""
+    mlp_out: str = "mlp.w2"
+    """In a block: the MLP's output (down) projection."""
+
+    def block_plan(self) -> list[tuple[str, Style]]:
+        """The tensor-parallel split of one block: (path in the block, style)."""
+        return [(self.q, "colwise"), (self.k, "colwise_kv"), (self.v, "colwise_kv"),
+                (self.o, "rowwise"), *((path, "colwise") for path in self.mlp_in),
+                (self.mlp_out, "rowwise")]
+
+    def block_regions(self) -> list[tuple[str, tuple[str, ...]]]:
+        """A block's tensor-parallel regions: (region path, the column layers reading its
+        input). The entry collective runs before the region, the exit after it."""
+        return [(self.attention, (self.q, self.k, self.v)), (self.mlp, self.mlp_in)]
+
+    def model_plan(self) -> list[tuple[str, Style]]:
+        """The split outside the blocks: the embedding and the head, over the vocabulary."""
+        return [(self.embedding, "vocab_embedding"), (self.head, "vocab_head")]
+
+
+def gpt_description(cfg) -> ModelDescription:
+    """paratrain's GPT (models/gpt.py) with its config ``cfg``."""
+    return ModelDescription(n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                            d_model=cfg.d_model, ffn=cfg.ffn_dim, n_layers=cfg.n_layers,
+                            vocab_size=cfg.vocab_size)
+
+
+def describe(model) -> ModelDescription:
+    """``model.description()``: how a model tells the strategies where things are."""
+    describe_model = getattr(model, "description", None)
+    if describe_model is None:
+        raise TypeError(f"{type(model).__name__} has no description(): pass a ModelDescription "
+                        f"(models/description.py) saying where its blocks, projections and head are")
+    return describe_model()

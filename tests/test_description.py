@@ -1,0 +1,122 @@
+"""A model of a third shape, with attribute names of its own, is parallelized through its
+own ``ModelDescription``, with no change to ``parallel/``: tensor (+ sequence) and context
+parallelism and recomputation give the losses and gradients of the plain model."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed import run_world
+from helpers import rel_error, tiny_config
+from paratrain.mesh import Mesh
+from paratrain.models.description import ModelDescription
+from paratrain.models.gpt import CausalAttention, CrossEntropySum, GPTConfig, RMSNorm, apply_rope, rope_tables
+from paratrain.parallelize import parallelize
+
+D, HEADS, KV, FFN, LAYERS, VOCAB, SEQ = 64, 4, 2, 128, 2, 256, 32
+
+
+class Mixer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head_dim = D // HEADS
+        self.query = nn.Linear(D, D, bias=False)
+        self.key = nn.Linear(D, KV * self.head_dim, bias=False)
+        self.value = nn.Linear(D, KV * self.head_dim, bias=False)
+        self.proj = nn.Linear(D, D, bias=False)
+        self.inner = CausalAttention()
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape  # head counts from the weights: a tensor-parallel shard has fewer
+        q, k, v = (f(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for f in (self.query, self.key, self.value))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.proj(self.inner(q, k, v).transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(D, FFN, bias=False), nn.Linear(D, FFN, bias=False), nn.Linear(FFN, D, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre_mix, self.mixer, self.pre_ff, self.ff = RMSNorm(D, 1e-5), Mixer(), RMSNorm(D, 1e-5), FeedForward()
+
+    def forward(self, x, cos, sin):
+        x = x + self.mixer(self.pre_mix(x), cos, sin)
+        return x + self.ff(self.pre_ff(x))
+
+
+class OtherLM(nn.Module):
+    """Not paratrain's GPT: every attribute is named differently."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.trunk = nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.final = RMSNorm(D, 1e-5)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        self.criterion = CrossEntropySum()
+        cos, sin = rope_tables(GPTConfig(d_model=D, n_heads=HEADS, max_seq_len=SEQ))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def description(self) -> ModelDescription:
+        return ModelDescription(
+            n_heads=HEADS, n_kv_heads=KV, head_dim=D // HEADS, d_model=D, ffn=FFN, n_layers=LAYERS,
+            vocab_size=VOCAB, blocks="trunk", embedding="embed", final_norm="final", head="lm_head",
+            loss="criterion", attention="mixer", attention_core="mixer.inner", q="mixer.query",
+            k="mixer.key", v="mixer.value", o="mixer.proj", mlp="ff", mlp_in=("ff.gate", "ff.up"),
+            mlp_out="ff.down")
+
+    def forward(self, tokens, targets, positions=None):
+        if positions is None:
+            positions = torch.arange(tokens.shape[1])
+        cos, sin = self.cos[positions], self.sin[positions]
+        h = self.embed(tokens)
+        for layer in self.trunk:
+            h = layer(h, cos, sin)
+        return self.criterion(self.lm_head(self.final(h)), targets)
+
+
+LAYOUTS = {"tp2": dict(tp=2), "tp2 sp": dict(tp=2, sp=True), "cp2 ring": dict(cp=2),
+           "cp2 ulysses": dict(cp=2, cp_method="ulysses"), "tp2 selective": dict(tp=2, recompute="selective")}
+
+
+def _parity(tmp: str) -> dict:
+    from helpers import full_grads
+
+    torch.manual_seed(0)
+    plain = OtherLM()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.randint(0, VOCAB, (2, SEQ), generator=g))
+               for _ in range(2)]
+    tokens = 2 * 2 * SEQ
+    ref = copy.deepcopy(plain)
+    want_loss = sum(ref(t, y) for t, y in batches)
+    (want_loss / tokens).backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    errors = {}
+    for name, overrides in LAYOUTS.items():
+        cfg = tiny_config(tmp, nproc=2, seq_len=SEQ, micro_batch=2, **overrides)
+        engine = parallelize(copy.deepcopy(plain), Mesh.build(cfg.layout), cfg)
+        loss = engine.forward_backward(batches, 1 / tokens)
+        got = full_grads(engine)
+        errors[name] = max([abs(loss.total.item() - want_loss.item()) / want_loss.item()]
+                           + [rel_error(got[n], w) for n, w in want.items()])
+    return errors
+
+
+def test_a_third_model_family_parallelizes_through_its_description(tmp_path):
+    for errors in run_world(_parity, 2, str(tmp_path), timeout_s=300):
+        assert all(e < 1e-5 for e in errors.values()), errors
