@@ -1,6 +1,6 @@
 """A model of a third shape, with attribute names of its own, is parallelized through its
-own ``ModelDescription``, with no change to ``parallel/``: tensor (+ sequence) and context
-parallelism and recomputation give the losses and gradients of the plain model."""
+own ``ModelDescription``, with no change to ``parallel/``: tensor (+ sequence), context and
+pipeline parallelism and recomputation give the losses and gradients of the plain model."""
 
 from __future__ import annotations
 
@@ -79,10 +79,13 @@ class OtherLM(nn.Module):
             k="mixer.key", v="mixer.value", o="mixer.proj", mlp="ff", mlp_in=("ff.gate", "ff.up"),
             mlp_out="ff.down")
 
+    def rope(self, positions):
+        return self.cos[positions], self.sin[positions]
+
     def forward(self, tokens, targets, positions=None):
         if positions is None:
             positions = torch.arange(tokens.shape[1])
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = self.rope(positions)
         h = self.embed(tokens)
         for layer in self.trunk:
             h = layer(h, cos, sin)
@@ -90,7 +93,8 @@ class OtherLM(nn.Module):
 
 
 LAYOUTS = {"tp2": dict(tp=2), "tp2 sp": dict(tp=2, sp=True), "cp2 ring": dict(cp=2),
-           "cp2 ulysses": dict(cp=2, cp_method="ulysses"), "tp2 selective": dict(tp=2, recompute="selective")}
+           "cp2 ulysses": dict(cp=2, cp_method="ulysses"), "tp2 selective": dict(tp=2, recompute="selective"),
+           "pp2 1f1b": dict(pp=2), "pp2 full recompute": dict(pp=2, recompute="full")}
 
 
 def _parity(tmp: str) -> dict:

@@ -41,9 +41,10 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
         apply_context_parallel(model, mesh.group(CP), p.cp_method, description=desc)
     pp_group = None
     if p.pp > 1:
-        model = nn.ModuleList(split_model(model, mesh.coord(PP), p.pp, p.virtual_stages))
+        model = nn.ModuleList(split_model(model, mesh.coord(PP), p.pp, p.virtual_stages,
+                                          description=desc))
         pp_group = mesh.group(PP)
-    blocks = ([b for chunk in model for b in chunk.layers.values()] if p.pp > 1
+    blocks = ([b for chunk in model for b in chunk.blocks()] if p.pp > 1
               else model.get_submodule(desc.blocks))
     apply_recompute(blocks, cfg.train.recompute, core=desc.attention_core)
     group = mesh.group(DP_CP)

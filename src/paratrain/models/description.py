@@ -78,6 +78,10 @@ class ModelDescription:
     """In a block: the MLP's input projections (gate and up for SwiGLU)."""
     mlp_out: str = "mlp.w2"
     """In a block: the MLP's output (down) projection."""
+    block_args: str = "rope"
+    """The model's method giving, from the tokens' positions, the extra arguments every
+    block is called with after the residual stream (GPT: cos and sin of the rotary angles);
+    pipeline stages call it."""
 
     def block_plan(self) -> list[tuple[str, Style]]:
         """The tensor-parallel split of one block: (path in the block, style)."""
