@@ -99,7 +99,10 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             for p in unit.flat.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad_ready(u, p))
             if stage == 3:
-                unit.module.register_forward_pre_hook(lambda m, a, i=index: self._pre_forward(i))
+                # First of the unit's pre-hooks: others (a TP region's entry computes the
+                # column GEMMs) need the gathered weights.
+                unit.module.register_forward_pre_hook(lambda m, a, i=index: self._pre_forward(i),
+                                                      prepend=True)
                 unit.module.register_forward_hook(lambda m, a, out, i=index: self._post_forward(i, out))
 
     def forward(self, *args, **kwargs):
