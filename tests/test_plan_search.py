@@ -37,7 +37,9 @@ def test_405b_on_16384_gpus_under_5_seconds():
     _assert_valid(result, model, training, cluster)
     steps = [p.time.step for p in result.plans]
     assert float(f"{steps[0]:.3g}") == float(f"{min(steps):.3g}")  # ties: less memory first
-    assert 0.2 < result.plans[0].mfu < 0.5
+    # Llama 3 reports 38-41% MFU on its layout; the planner's rates are kernel ceilings
+    # (plan/compute.py), so its best plan is predicted higher, not beyond 65%.
+    assert 0.3 < result.plans[0].mfu < 0.65
     reasons = " | ".join(result.rejected)
     assert "model states exceed memory" in reasons and "activations exceed memory" in reasons
 

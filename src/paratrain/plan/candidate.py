@@ -70,6 +70,10 @@ class Candidate:
     sequence_parallel: bool = True
     """Sequence parallelism with tp > 1 (the search always uses it: same communication
     volume as plain TP, less memory); False describes a plain-TP run to compare with."""
+    shard_group: int = 0
+    """Ranks one ZeRO-3 shard spans: 0 for all dp x cp ranks; fewer is hybrid sharding
+    (HSDP: shard within the group, replicate across groups; planner only, ``train``
+    does not run it)."""
 
     @property
     def sp(self) -> bool:
@@ -85,6 +89,16 @@ class Candidate:
         """Ranks one ZeRO shard group and one gradient reduction span (dp x cp)."""
         return self.dp * self.cp
 
+    @property
+    def zero_shard(self) -> int:
+        """Ranks the ZeRO states are sharded over (the HSDP group, else ``shard``)."""
+        return self.shard_group or self.shard
+
+    @property
+    def hsdp(self) -> bool:
+        """Hybrid sharding: ZeRO-3 within groups smaller than dp x cp."""
+        return 0 < self.shard_group < self.shard
+
     def layout(self) -> Layout:
         return Layout(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, zero=self.zero,
                       order=DEFAULT_ORDER)
@@ -96,5 +110,6 @@ class Candidate:
         """Compact form such as ``dp8 tp8 pp2 cp1 z1 1f1b mb1 rc=sel``."""
         sched = "" if self.pp == 1 else (
             f" {self.schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} z{self.zero}{sched} "
+        hsdp = f"/hsdp{self.shard_group}" if self.hsdp else ""
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} z{self.zero}{hsdp}{sched} "
                 f"mb{self.micro_batch}x{self.microbatches} rc={self.recompute}")

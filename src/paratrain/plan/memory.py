@@ -165,7 +165,7 @@ def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: i
     weight, grad, k = bytes_per_param(training.precision, training.optimizer)
     psi = model.stage_params(cand.tp, cand.pp, stage, cand.virtual_stages)
     zero = cand.zero if cand.shard > 1 else 0
-    params, grads, opt = model_state_bytes(psi, cand.shard, zero, weight, grad, k)
+    params, grads, opt = model_state_bytes(psi, cand.zero_shard, zero, weight, grad, k)
     s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
     per_layer = layer_activation_bytes(model, s, b, cand.tp, cand.sp, cand.recompute, elem)
     inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,

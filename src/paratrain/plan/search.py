@@ -26,8 +26,8 @@ from functools import lru_cache
 
 from ..layout import Layout, LayoutError
 from .candidate import RECOMPUTE, Candidate, Training
-from .cost import StepTime, step_flops, step_time
-from .hardware import GiB, Cluster
+from .cost import ORDER, StepTime, step_flops, step_time
+from .hardware import GiB, Cluster, members_per_node
 from .memory import Memory, rank_memory
 from .models import ModelSpec
 
@@ -114,6 +114,12 @@ class _Problem:
     """Recompute policies to try, least recompute first."""
     model_flops: float
     """FLOPs of one step without recompute (for MFU)."""
+    context_parallel: bool = True
+    """Search cp > 1 (False: a framework without context parallelism)."""
+    sequence_parallel: bool = True
+    """Sequence parallelism with tp > 1 (False: a framework without it)."""
+    hsdp: bool = True
+    """Search hybrid sharding for ZeRO-3 across nodes (planner only)."""
 
     @property
     def paratrain(self) -> bool:
@@ -124,14 +130,19 @@ class _Problem:
 
 def search(model: ModelSpec, training: Training, cluster: Cluster,
            micro_batch: int | None = None, recompute: str | None = None,
-           zero: tuple[int, ...] = (0, 1, 2, 3)) -> SearchResult:
+           zero: tuple[int, ...] = (0, 1, 2, 3), context_parallel: bool = True,
+           sequence_parallel: bool = True, hsdp: bool = True) -> SearchResult:
     """Every valid layout of ``model`` on ``cluster``, ranked by predicted step time.
     ``micro_batch`` / ``recompute`` fix those choices instead of searching them; ``zero``
-    lists the ZeRO stages to consider."""
+    lists the ZeRO stages to consider; ``context_parallel``, ``sequence_parallel`` and
+    ``hsdp`` False leave those out (what a given framework cannot run). HSDP is never
+    searched on the local cluster: ``train`` does not run it."""
     start = time.perf_counter()
     result = SearchResult(plans=[])
     problem = _Problem(model, training, cluster, micro_batch,
-                       (recompute,) if recompute else RECOMPUTE, step_flops(model, training))
+                       (recompute,) if recompute else RECOMPUTE, step_flops(model, training),
+                       context_parallel, sequence_parallel,
+                       hsdp and cluster.kind != "local" and 3 in zero)
     for shape in _shapes(problem, result):
         for cand in _schedules(problem, shape, result):
             fitted: set = set()
@@ -140,9 +151,25 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
                 # ZeRO-2 and 3 only communicate more than the stage below: they are timed
                 # only where it did not fit.
                 fitted = _sweep(problem, staged, result, fitted if stage >= 2 else set())
+            for group in _hsdp_groups(problem, cand) if 3 in zero else ():
+                _sweep(problem, replace(cand, zero=3, shard_group=group), result, set())
     result.plans.sort(key=lambda p: rank_key(p.time.step, p.memory.total))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _hsdp_groups(problem: _Problem, cand: Candidate, most: int = 3) -> list[int]:
+    """HSDP shard groups worth timing for ``cand``: one node's dp x cp ranks, then two
+    and four nodes' (up to ``most``), while smaller than the whole dp x cp span."""
+    if not problem.hsdp:
+        return []
+    n = cand.shard
+    g = members_per_node(cand.sizes(), ORDER, ("cp", "dp"), problem.cluster.node_size)
+    groups = []
+    while g < n and n % g == 0 and len(groups) < most:
+        groups.append(g)
+        g *= 2
+    return groups
 
 
 def rank_key(step: float, memory: float) -> tuple[float, float]:
@@ -178,10 +205,11 @@ def _shapes(problem: _Problem, result: SearchResult):
     n, node = problem.cluster.n_gpus, problem.cluster.node_size
     batch = problem.training.global_batch
     for tp in divisors(n):
-        for cp in divisors(n // tp):
+        for cp in divisors(n // tp) if problem.context_parallel else (1,):
             for pp in divisors(n // (tp * cp)):
                 dp = n // (tp * cp * pp)
-                shape = Candidate(dp, tp, pp, cp, 0, 1, 1)
+                shape = Candidate(dp, tp, pp, cp, 0, 1, 1,
+                                  sequence_parallel=problem.sequence_parallel)
                 label = f"dp{dp} tp{tp} pp{pp} cp{cp}"
                 if tp > node:
                     result.reject(f"tp={tp} spans nodes of {node} GPUs", label,
@@ -275,7 +303,8 @@ def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...]
             return len(sizes)
         m = per_replica // mb
         trial = Candidate(cand.dp, cand.tp, cand.pp, cand.cp, cand.zero, mb, m, cand.schedule,
-                          cand.virtual_stages, cand.recompute)
+                          cand.virtual_stages, cand.recompute, cand.sequence_parallel,
+                          cand.shard_group)
         if trial.schedule == "interleaved" and m % trial.pp:
             result.reject("interleaved needs microbatches divisible by pp", trial.describe(),
                           lambda: f"{m} microbatches % pp={trial.pp} != 0 (Megatron's rule)")
