@@ -158,9 +158,11 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
     return result
 
 
-def _hsdp_groups(problem: _Problem, cand: Candidate, most: int = 3) -> list[int]:
-    """HSDP shard groups worth timing for ``cand``: one node's dp x cp ranks, then two
-    and four nodes' (up to ``most``), while smaller than the whole dp x cp span."""
+def _hsdp_groups(problem: _Problem, cand: Candidate, most: int = 1) -> list[int]:
+    """HSDP shard groups worth timing for ``cand``: one node's dp x cp ranks (FSDP's
+    HYBRID_SHARD), then ``most`` - 1 doublings (two, four nodes), while smaller than the
+    whole dp x cp span. One by default: each group is a full sweep, and the search has a
+    time budget (tests/test_plan_search.py)."""
     if not problem.hsdp:
         return []
     n = cand.shard
@@ -185,6 +187,9 @@ def layout_problems(model: ModelSpec, training: Training, cluster: Cluster,
     if cand.tp > cluster.node_size:
         problems.append(f"tp={cand.tp} spans nodes of {cluster.node_size} GPUs: tensor "
                         f"parallelism is kept inside a node")
+    if cand.shard_group and (cand.zero != 3 or cand.shard % cand.shard_group):
+        problems.append(f"hsdp{cand.shard_group}: hybrid sharding needs zero3 and a group "
+                        f"dividing dp x cp = {cand.shard}")
     if training.global_batch % cand.dp:
         problems.append(f"dp={cand.dp} does not divide the global batch {training.global_batch}")
     elif (training.global_batch // cand.dp) % cand.micro_batch:
