@@ -24,6 +24,10 @@ class Training:
     """``bf16`` (bf16 compute, fp32 master weights) or ``fp32``."""
     optimizer: str = "adam"
     """``adam`` (two fp32 states) or ``sgd`` (SGD with momentum: one fp32 state)."""
+    flash_attention: bool = True
+    """Attention runs in a fused FlashAttention-style kernel (no s x s scores in memory);
+    False: the unfused attention of software before 2022 (batched QK^T and softmax·V
+    GEMMs, the scores written and read by softmax and dropout)."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:

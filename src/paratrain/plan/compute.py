@@ -33,6 +33,10 @@ dimension 128), scaled by ``sat`` of the per-rank query length (short sequences 
 the kernel's tiles and SMs idle) and causal: the kernel skips the blocks above the
 diagonal, half of the FLOPs Megatron's count (``cost.step_flops``) includes.
 
+Without FlashAttention (``Training.flash_attention`` False: runs before 2022) the core
+is two batched GEMMs per head at the curve plus the s x s scores' HBM traffic
+(``unfused_attention_time``).
+
 Everything that is not a matmul (norms, residual adds, the MLP's activation, RoPE,
 dropout) is memory-bound: ``elementwise_bytes`` counts the bytes each block's forward
 reads and writes, timed at the HBM bandwidth; backward moves twice as many.
@@ -78,6 +82,22 @@ def attention_time(flops: float, s_q: int, rate: float, half_dim: float) -> floa
     queries are ``s_q`` tokens per sequence on this rank, at ``rate`` on long ones."""
     sat = s_q / (s_q + half_dim) if half_dim else 1.0
     return 0.5 * flops / (rate * sat)
+
+
+def unfused_attention_time(model: ModelSpec, b: int, s_q: int, s_kv: int, tp: int,
+                           rate: float, half_dim: float, gpu, elem: int) -> float:
+    """Seconds of one block's attention core forward without FlashAttention: QK^T and
+    softmax·V as batched GEMMs per head, (s_q, head_dim, s_kv) and (s_q, s_kv, head_dim),
+    at the GEMM curve, plus the scores' traffic at HBM bandwidth: QK^T writes them,
+    a fused scale-mask-softmax reads and writes them, softmax·V reads them, and with
+    dropout its kernel reads, writes and stores a 1-byte mask (no causal skipping: the
+    masked half is computed and moved too)."""
+    heads = b * model.n_heads // tp
+    d = model.head_dim
+    gemms = heads * (matmul_time(s_q, d, s_kv, rate, half_dim, gpu, elem)
+                     + matmul_time(s_q, s_kv, d, rate, half_dim, gpu, elem))
+    passes = 4 * elem + ((2 * elem + 1) if model.dropout else 0)
+    return gemms + heads * s_q * s_kv * passes / gpu.hbm_bw
 
 
 def elementwise_bytes(model: ModelSpec, tokens: int, tp: int, sp: bool, elem: int) -> float:

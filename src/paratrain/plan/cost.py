@@ -45,7 +45,7 @@ from functools import lru_cache
 
 from ..comm import cost as alpha_beta
 from .candidate import Candidate, Training
-from .compute import attention_time, elementwise_bytes, matmul_time
+from .compute import attention_time, elementwise_bytes, matmul_time, unfused_attention_time
 from .hardware import Cluster, Link, members_per_node
 from .models import ModelSpec
 
@@ -193,8 +193,12 @@ def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: i
     s_q = training.seq_len // cp
     tokens = b * s_q
     mm_fwd, mm_bwd = _gemm_times(layer_matmuls(model, tokens, tp), rate, half, gpu, elem)
-    attention = attention_time(attention_core_flops(model, b, s_q, training.seq_len, tp),
-                               s_q, att_rate, half)
+    if training.flash_attention:
+        attention = attention_time(attention_core_flops(model, b, s_q, training.seq_len, tp),
+                                   s_q, att_rate, half)
+    else:
+        attention = unfused_attention_time(model, b, s_q, training.seq_len, tp, rate, half,
+                                           gpu, elem)
     memory_bound = elementwise_bytes(model, tokens, tp, sp and tp > 1, elem) / gpu.hbm_bw
     head_fwd, head_bwd = _gemm_times(((tokens, model.d_model, model.vocab_size // tp),),
                                      rate, half, gpu, elem)

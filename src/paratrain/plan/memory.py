@@ -167,7 +167,8 @@ def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: i
     zero = cand.zero if cand.shard > 1 else 0
     params, grads, opt = model_state_bytes(psi, cand.zero_shard, zero, weight, grad, k)
     s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
-    per_layer = layer_activation_bytes(model, s, b, cand.tp, cand.sp, cand.recompute, elem)
+    per_layer = layer_activation_bytes(model, s, b, cand.tp, cand.sp, cand.recompute, elem,
+                                       training.flash_attention)
     inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,
                                      cand.virtual_stages, stage)
     acts = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages) * inflight
@@ -203,9 +204,10 @@ def _buffers(model: ModelSpec, training: Training, cand: Candidate, stage: int, 
     if stage == cand.pp - 1:  # vocab-parallel logits and their fp32 softmax
         total += s * b * model.vocab_size / cand.tp * (elem + 4) * logits_inflight(cand)
     if cand.recompute != "none":  # the layer being recomputed, briefly in full
-        full = layer_activation_bytes(model, s, b, cand.tp, cand.sp, "none", elem)
+        flash = training.flash_attention
+        full = layer_activation_bytes(model, s, b, cand.tp, cand.sp, "none", elem, flash)
         total += full - layer_activation_bytes(model, s, b, cand.tp, cand.sp,
-                                               cand.recompute, elem)
+                                               cand.recompute, elem, flash)
     return total
 
 

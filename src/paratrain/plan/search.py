@@ -120,6 +120,9 @@ class _Problem:
     """Sequence parallelism with tp > 1 (False: a framework without it)."""
     hsdp: bool = True
     """Search hybrid sharding for ZeRO-3 across nodes (planner only)."""
+    uneven_stages: bool = True
+    """Allow pipeline stages with unequal block counts (False: layers % pp == 0, as
+    Megatron-LM required before 2023)."""
 
     @property
     def paratrain(self) -> bool:
@@ -131,18 +134,20 @@ class _Problem:
 def search(model: ModelSpec, training: Training, cluster: Cluster,
            micro_batch: int | None = None, recompute: str | None = None,
            zero: tuple[int, ...] = (0, 1, 2, 3), context_parallel: bool = True,
-           sequence_parallel: bool = True, hsdp: bool = True) -> SearchResult:
+           sequence_parallel: bool = True, hsdp: bool = True,
+           uneven_stages: bool = True) -> SearchResult:
     """Every valid layout of ``model`` on ``cluster``, ranked by predicted step time.
     ``micro_batch`` / ``recompute`` fix those choices instead of searching them; ``zero``
-    lists the ZeRO stages to consider; ``context_parallel``, ``sequence_parallel`` and
-    ``hsdp`` False leave those out (what a given framework cannot run). HSDP is never
+    lists the ZeRO stages to consider; ``context_parallel``, ``sequence_parallel``,
+    ``hsdp`` and ``uneven_stages`` False leave those out (what a given framework cannot
+    run). HSDP is never
     searched on the local cluster: ``train`` does not run it."""
     start = time.perf_counter()
     result = SearchResult(plans=[])
     problem = _Problem(model, training, cluster, micro_batch,
                        (recompute,) if recompute else RECOMPUTE, step_flops(model, training),
                        context_parallel, sequence_parallel,
-                       hsdp and cluster.kind != "local" and 3 in zero)
+                       hsdp and cluster.kind != "local" and 3 in zero, uneven_stages)
     for shape in _shapes(problem, result):
         for cand in _schedules(problem, shape, result):
             fitted: set = set()
@@ -222,6 +227,9 @@ def _shapes(problem: _Problem, result: SearchResult):
                 elif batch % dp:
                     result.reject(f"dp={dp} does not divide the global batch", label,
                                   f"global batch {batch} % dp={dp} != 0")
+                elif not problem.uneven_stages and problem.model.n_layers % pp:
+                    result.reject(f"pp={pp} does not divide the layers (even stages only)",
+                                  label, f"{problem.model.n_layers} layers % pp={pp} != 0")
                 elif _valid(problem, shape, 1, label, result):
                     yield shape
 
