@@ -173,7 +173,7 @@ def _hsdp_groups(problem: _Problem, cand: Candidate, most: int = 1) -> list[int]
     n = cand.shard
     g = members_per_node(cand.sizes(), ORDER, ("cp", "dp"), problem.cluster.node_size)
     groups = []
-    while g < n and n % g == 0 and len(groups) < most:
+    while 1 < g < n and n % g == 0 and len(groups) < most:  # a group of 1 shards nothing
         groups.append(g)
         g *= 2
     return groups
