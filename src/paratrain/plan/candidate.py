@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..layout import DEFAULT_ORDER, Layout
+from .keys import cached_hash
 
 PRECISIONS = ("bf16", "fp32")
 OPTIMIZERS = ("adam", "sgd")
@@ -15,6 +16,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 @dataclass(frozen=True)
 class Training:
     """The part of a run every layout shares."""
+
+    def __hash__(self) -> int:  # a search cache key: hashed once (plan/keys.py)
+        return cached_hash(self)
 
     global_batch: int
     """Sequences per optimizer step, over all data-parallel replicas."""
@@ -51,6 +55,9 @@ class Training:
 class Candidate:
     """One way to run the step: a layout plus the schedule and memory choices."""
 
+    def __hash__(self) -> int:  # a search cache key: hashed once (plan/keys.py)
+        return cached_hash(self)
+
     dp: int
     """Data-parallel replicas."""
     tp: int
@@ -78,6 +85,13 @@ class Candidate:
     """Ranks one ZeRO-3 shard spans: 0 for all dp x cp ranks; fewer is hybrid sharding
     (HSDP: shard within the group, replicate across groups; planner only, ``train``
     does not run it)."""
+
+    def but(self, **changes) -> Candidate:
+        """A copy with ``changes``: ``dataclasses.replace`` without its per-call field
+        checks (the search makes tens of thousands)."""
+        values = {name: getattr(self, name) for name in _CANDIDATE_FIELDS}
+        values.update(changes)
+        return Candidate(**values)
 
     @property
     def sp(self) -> bool:
@@ -117,3 +131,6 @@ class Candidate:
         hsdp = f"/hsdp{self.shard_group}" if self.hsdp else ""
         return (f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} z{self.zero}{hsdp}{sched} "
                 f"mb{self.micro_batch}x{self.microbatches} rc={self.recompute}")
+
+
+_CANDIDATE_FIELDS = tuple(f.name for f in fields(Candidate))

@@ -185,9 +185,23 @@ def _gemm_times(shapes, rate: float, half: float, gpu, elem: int) -> tuple[float
     return fwd, bwd
 
 
-@lru_cache(maxsize=1 << 14)
-def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: int, cp: int,
-                   pp: int, b: int, recompute: str, v: int = 1, sp: bool = True) -> _Micro:
+@dataclass(frozen=True)
+class _Block:
+    """Seconds of one block's parts per microbatch on one rank (no pipeline, no recompute)."""
+
+    matmul_fwd: float
+    matmul_bwd: float
+    attention: float
+    """Forward attention core."""
+    memory_bound: float
+    """Forward elementwise passes."""
+    head_fwd: float
+    head_bwd: float
+
+
+@lru_cache(maxsize=1 << 12)
+def _block(model: ModelSpec, training: Training, cluster: Cluster, tp: int, cp: int, b: int,
+           sp: bool) -> _Block:
     gpu, elem = cluster.gpu, training.act_bytes
     rate, att_rate, half = _rates(training, cluster)
     s_q = training.seq_len // cp
@@ -202,16 +216,24 @@ def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: i
     memory_bound = elementwise_bytes(model, tokens, tp, sp and tp > 1, elem) / gpu.hbm_bw
     head_fwd, head_bwd = _gemm_times(((tokens, model.d_model, model.vocab_size // tp),),
                                      rate, half, gpu, elem)
+    return _Block(mm_fwd, mm_bwd, attention, memory_bound, head_fwd, head_bwd)
+
+
+@lru_cache(maxsize=1 << 14)
+def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: int, cp: int,
+                   pp: int, b: int, recompute: str, v: int = 1, sp: bool = True) -> _Micro:
+    blk = _block(model, training, cluster, tp, cp, b, sp)
+    attention, memory_bound = blk.attention, blk.memory_bound
     rerun = {"none": 0.0, "selective": attention,
-             "full": mm_fwd + attention + memory_bound}[recompute]
-    fixed = gpu.layer_overhead / 3  # per block pass; backward has twice forward's operators
-    block_fwd = mm_fwd + attention + memory_bound + fixed
-    block_bwd = mm_bwd + 2 * (attention + memory_bound + fixed) + rerun + (
+             "full": blk.matmul_fwd + attention + memory_bound}[recompute]
+    fixed = cluster.gpu.layer_overhead / 3  # per block pass; backward has twice forward's
+    block_fwd = blk.matmul_fwd + attention + memory_bound + fixed
+    block_bwd = blk.matmul_bwd + 2 * (attention + memory_bound + fixed) + rerun + (
         fixed if recompute == "full" else 0.0)
 
     def stage(layers: int, last: bool) -> tuple[float, float]:
-        return (layers * block_fwd + (head_fwd if last else 0.0),
-                layers * block_bwd + (head_bwd if last else 0.0))
+        return (layers * block_fwd + (blk.head_fwd if last else 0.0),
+                layers * block_bwd + (blk.head_bwd if last else 0.0))
 
     # The slowest stage sets the pace: the last (it runs the logits) or, with uneven
     # stages, one holding more blocks.

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
+from .keys import cached_hash
+
 GiB = 2**30
 GB = 10**9
 
@@ -31,6 +33,9 @@ GB = 10**9
 @dataclass(frozen=True)
 class GpuSpec:
     """One accelerator type and the links of the nodes it usually comes in."""
+
+    def __hash__(self) -> int:  # a search cache key: hashed once (plan/keys.py)
+        return cached_hash(self)
 
     name: str
     """Preset name, e.g. ``h100-80g``."""
@@ -126,6 +131,9 @@ class Link:
 @dataclass(frozen=True)
 class Cluster:
     """The machines a job runs on."""
+
+    def __hash__(self) -> int:  # a search cache key: hashed once (plan/keys.py)
+        return cached_hash(self)
 
     gpu: GpuSpec
     """Accelerator type (for ``--cluster local``: one CPU process, see ``local_cluster``)."""

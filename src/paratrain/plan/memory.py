@@ -160,6 +160,19 @@ def rank_memory(model: ModelSpec, training: Training, cand: Candidate,
     return max((count(model, training, cand, s) for s in stages), key=lambda m: m.total)
 
 
+def rank_states(model: ModelSpec, training: Training, cand: Candidate,
+                paratrain: bool = False) -> float:
+    """Bytes of parameters, gradients and optimizer states on the fullest rank: the
+    ``states`` of ``rank_memory`` without counting activations (the search's first test)."""
+    if paratrain:
+        return rank_memory(model, training, cand, paratrain).states
+    weight, grad, k = bytes_per_param(training.precision, training.optimizer)
+    zero = cand.zero if cand.shard > 1 else 0
+    psi = max(model.stage_params(cand.tp, cand.pp, s, cand.virtual_stages)
+              for s in {0, min(1, cand.pp - 1), cand.pp - 1})
+    return sum(model_state_bytes(psi, cand.zero_shard, zero, weight, grad, k))
+
+
 def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: int) -> Memory:
     """Peak bytes of one rank of pipeline ``stage``."""
     weight, grad, k = bytes_per_param(training.precision, training.optimizer)

@@ -28,7 +28,7 @@ from ..layout import Layout, LayoutError
 from .candidate import RECOMPUTE, Candidate, Training
 from .cost import ORDER, StepTime, step_flops, step_time
 from .hardware import GiB, Cluster, members_per_node
-from .memory import Memory, rank_memory
+from .memory import Memory, rank_memory, rank_states
 from .models import ModelSpec
 
 
@@ -152,12 +152,12 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
         for cand in _schedules(problem, shape, result):
             fitted: set = set()
             for stage in zero if cand.shard > 1 else (0,):
-                staged = replace(cand, zero=stage)
+                staged = cand.but(zero=stage)
                 # ZeRO-2 and 3 only communicate more than the stage below: they are timed
                 # only where it did not fit.
                 fitted = _sweep(problem, staged, result, fitted if stage >= 2 else set())
             for group in _hsdp_groups(problem, cand) if 3 in zero else ():
-                _sweep(problem, replace(cand, zero=3, shard_group=group), result, set())
+                _sweep(problem, cand.but(zero=3, shard_group=group), result, set())
     result.plans.sort(key=lambda p: rank_key(p.time.step, p.memory.total))
     result.seconds = time.perf_counter() - start
     return result
@@ -279,21 +279,21 @@ def _sweep(problem: _Problem, cand: Candidate, result: SearchResult,
     first = 0
     for policy in problem.policies:
         result.dominated += first
-        first = _sweep_microbatch(problem, replace(cand, recompute=policy), sizes, first, result,
+        first = _sweep_microbatch(problem, cand.but(recompute=policy), sizes, first, result,
                                   skip, fitted)
     return fitted
 
 
 def _states_fit(problem: _Problem, cand: Candidate, count: int, result: SearchResult) -> bool:
     """Whether parameters, gradients and optimizer states alone fit (any microbatch)."""
-    probe = replace(cand, micro_batch=1, microbatches=1, recompute="full")
-    memory = rank_memory(problem.model, problem.training, probe, problem.paratrain)
+    probe = cand.but(micro_batch=1, microbatches=1, recompute="full")
+    states = rank_states(problem.model, problem.training, probe, problem.paratrain)
     limit = problem.cluster.memory_limit
-    if memory.states <= limit:
+    if states <= limit:
         return True
     result.reject("model states exceed memory", cand.describe().rsplit(" mb", 1)[0],
-                  f"parameters+gradients+optimizer need {memory.states / GiB:.2f} GiB of "
-                  f"{limit / GiB:.2f} GiB usable", count=count, overflow=memory.states - limit)
+                  f"parameters+gradients+optimizer need {states / GiB:.2f} GiB of "
+                  f"{limit / GiB:.2f} GiB usable", count=count, overflow=states - limit)
     return False
 
 
