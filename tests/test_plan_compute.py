@@ -5,7 +5,8 @@ import pytest
 
 from paratrain.plan.calibrate import fit_curve
 from paratrain.plan.candidate import Candidate, Training
-from paratrain.plan.compute import elementwise_bytes, gemm_efficiency, matmul_time
+from paratrain.plan.compute import (elementwise_bytes, gemm_efficiency, matmul_time,
+                                    unfused_attention_time)
 from paratrain.plan.cost import prefetched, step_time, zero3_links
 from paratrain.plan.evaluate import parse_layout
 from paratrain.plan.export import config_tables, trainable
@@ -54,6 +55,15 @@ def test_unfused_attention_costs_more_than_flash():
     flash = step_time(model, Training(1, 2048), cluster, cand).compute
     unfused = step_time(model, Training(1, 2048, flash_attention=False), cluster, cand).compute
     assert unfused > 1.05 * flash
+    # Beyond its two batched GEMMs per head, the unfused core moves the scores through
+    # HBM: written, read and written by softmax, read by softmax·V (2 bytes each), and
+    # dropout's read, write and 1-byte mask.
+    heads, s, d = 96 // 8, 2048, 128
+    rate = A100.peak_flops * A100.efficiency
+    gemms = heads * (matmul_time(s, d, s, rate, A100.half_dim, A100, 2)
+                     + matmul_time(s, s, d, rate, A100.half_dim, A100, 2))
+    core = unfused_attention_time(model, 1, s, s, 8, rate, A100.half_dim, A100, 2)
+    assert core - gemms == pytest.approx(heads * s * s * (4 * 2 + 5) / A100.hbm_bw)
 
 
 def test_prefetch_hides_all_but_the_first_gather():

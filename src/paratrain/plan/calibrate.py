@@ -70,9 +70,9 @@ def _best_time(call: Callable[[], object], budget_s: float = 0.15, repeats: int 
 
 
 def matmul_times(dtype_name: str) -> list[tuple[int, float]]:
-    """(smallest dimension d, FLOP/s) of one thread's GEMMs with d as each of M, K and N
-    in turn (the others ``CURVE_OTHER``), for every d in ``CURVE_DIMS``: total FLOPs over
-    total time per d."""
+    """(smallest dimension d, FLOP/s) of one thread's ``F.linear`` GEMMs with d as each of
+    M, K and N in turn (the others ``CURVE_OTHER``), for every d in ``CURVE_DIMS``: total
+    FLOPs over total time per d."""
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -81,8 +81,11 @@ def matmul_times(dtype_name: str) -> list[tuple[int, float]]:
     for d in CURVE_DIMS:
         flops = seconds = 0.0
         for m, k, n in ((d, big, big), (big, d, big), (big, big, d)):
-            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-            seconds += _best_time(functools.partial(torch.mm, a, b), budget_s=0.06, repeats=3)
+            # F.linear, as the model's layers run (on CPU its bf16 path is several
+            # times faster than torch.mm's).
+            a, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+            call = functools.partial(torch.nn.functional.linear, a, w)
+            seconds += _best_time(call, budget_s=0.06, repeats=3)
             flops += 2 * m * k * n
         out.append((d, flops / seconds))
     return out
