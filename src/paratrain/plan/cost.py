@@ -7,10 +7,12 @@ full recompute adds one forward of every block, selective recompute one forward 
 attention core. For the standard GPT block this is exactly Megatron's
 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) with full recompute; without recompute it is the
 72·… formula plus 1.5·B·s·h·V (that formula scales the logits term by 3/4 too, although
-the logits are never recomputed). Each matmul runs at ``efficiency`` x peak unless it is
-too small to be compute-bound: its time is max(FLOPs / achievable, bytes / HBM bandwidth).
-CPU processes (the local cluster) also pay a measured fixed cost per block and
-microbatch, ``GpuSpec.layer_overhead``: eager operator dispatch (0 on GPUs).
+the logits are never recomputed). Their *time* comes from the per-rank shapes
+(``plan/compute.py``): each GEMM, forward and both backward products, at the rate of its
+shape on the GPU's measured curve, or its bytes over HBM bandwidth; the attention core
+at a FlashAttention rate (or unfused, scores through HBM); norms, adds and activations
+as memory-bound passes. CPU processes (the local cluster) also pay a measured fixed cost
+per block and microbatch, ``GpuSpec.layer_overhead``: eager operator dispatch (0 on GPUs).
 
 **Communication** uses the α-β ring costs of ``paratrain.comm.cost`` on the link the
 axis's groups cross (``Cluster.link``, ranks ordered tp, cp, pp, dp from fastest), or
@@ -25,8 +27,10 @@ model chunk. TP and PP time is exposed (on the critical path).
 **Overlap of DP/ZeRO.** Gradient reduction starts while backward runs, bucket by bucket,
 so it hides behind one microbatch's backward on the stage: DDP's all-reduce and ZeRO-1's
 reduce-scatter once per step (gradients accumulate locally), ZeRO-2's reduce-scatter
-after every microbatch (gradients are sharded, so they cannot accumulate), ZeRO-3's
-parameter all-gather behind each microbatch's forward and backward. The updated
+after every microbatch (gradients are sharded, so they cannot accumulate). ZeRO-3
+gathers and reduces unit by unit with a prefetch of one unit (``_zero3_time``: the first
+gather is exposed, later ones where longer than their unit's compute; across nodes one
+NIC per rank), and HSDP adds a once-per-step all-reduce across its replicas. The updated
 parameters' all-gather of ZeRO-1/2 hides behind the next step's first forward.
 The part longer than the compute it overlaps is exposed, and the hidden part is not
 free either: communication kernels take SMs and memory bandwidth from the compute they
