@@ -160,10 +160,10 @@ def main() -> None:
     configs = [build_config(args, "unused", nproc, overrides) for _, nproc, overrides in LAYOUTS]
     predicted = [predicted_step_time(cfg, calibration) for cfg in configs]
 
-    report(args, calibration.cores, predicted, measured, load)
+    report(args, calibration, predicted, measured, load)
 
 
-def report(args: argparse.Namespace, cores: int, predicted: list[float],
+def report(args: argparse.Namespace, calibration, predicted: list[float],
            measured: list[float], load: float) -> None:
     """The table, the summary line, and the JSON line (last)."""
     errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
@@ -171,7 +171,10 @@ def report(args: argparse.Namespace, cores: int, predicted: list[float],
     width = max(len(label) for label, _, _ in LAYOUTS)
     print(f"\n{args.model}, global batch {args.global_batch} x {args.seq_len} tokens, "
           f"median of {args.rounds} x {args.steps - 1} steps per layout; calibration "
-          f"{args.calibration or DEFAULT_CALIBRATION}\nload average {load:.1f} on {cores} "
+          f"{args.calibration or DEFAULT_CALIBRATION}\ncompute: the shape-aware matmul curve "
+          f"(plan/compute.py), fp32 {calibration.matmul_flops['fp32'] / 1e9:.1f} GFLOP/s "
+          f"asymptotic, half at d = {calibration.matmul_half_dim.get('fp32', 0):.0f}"
+          f"\nload average {load:.1f} on {calibration.cores} "
           f"cores while measuring (other work slows the measured times; the predictions "
           f"are for an idle machine)\n")
     print(f"{'layout':<{width}}  predicted ms  measured ms   error")
@@ -186,6 +189,8 @@ def report(args: argparse.Namespace, cores: int, predicted: list[float],
         "metric": "paratrain: median |relative error| of the predicted step time; "
                   "ratio: Spearman correlation of predicted and measured",
         "model": args.model, "load_average": round(load, 2),
+        "compute_model": "shape-aware matmul curve",
+        "matmul_half_dim": calibration.matmul_half_dim,
         "layouts": {label: {"predicted_s": round(p, 5), "measured_s": round(m, 5)}
                     for (label, _, _), p, m in zip(LAYOUTS, predicted, measured)}}))
 

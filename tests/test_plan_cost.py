@@ -40,7 +40,9 @@ def test_flops_close_to_six_n_per_token():
 
 
 def test_bloom_layout_predicts_its_published_step_time():
-    # Not a fit: the presets' constants are set from several public runs; within 20%.
+    # No constant is fitted to a run: the compute rates are measured kernel ceilings
+    # (plan/compute.py), and BLOOM's 2022 software stored and re-read attention scores
+    # (no FlashAttention), so the prediction is optimistic, by less than 25%.
     cluster = Cluster(gpu_preset("a100-80g"), 384)
     cand = Candidate(dp=8, tp=4, pp=12, cp=1, zero=1, micro_batch=2, microbatches=128,
                      schedule="1f1b", recompute="full")
@@ -48,8 +50,8 @@ def test_bloom_layout_predicts_its_published_step_time():
     # run 6 blocks each, as the stages of a 72-block model do.
     model = ModelSpec("bloom-72", 72, 14336, 112, 112, 4 * 14336, 250880, tie_embeddings=True,
                       gated_mlp=False, bias=True, norm="layernorm")
-    assert step_time(model, Training(2048, 2048), cluster, cand).step == pytest.approx(
-        104.70, rel=0.2)
+    predicted = step_time(model, Training(2048, 2048), cluster, cand).step
+    assert 0.75 * 104.70 < predicted < 104.70
 
 
 @pytest.mark.parametrize("p,m,v", [(4, 8, 1), (8, 32, 1), (8, 32, 4), (2, 1, 1)])

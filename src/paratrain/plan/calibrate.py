@@ -3,13 +3,12 @@
 What the local cluster's time model needs, measured the way training ranks run (one
 thread per process, ``torch.set_num_threads(1)``):
 
-* **matmul rate**, fp32 and bf16: FLOP/s over the GEMM shapes a small GPT's forward and
-  backward run (activations times weights, and the weight-gradient products with the
-  tokens as inner dimension); total FLOPs over total time, so each shape weighs what
-  it costs.
+* **matmul curve**, fp32 and bf16: FLOP/s of GEMMs whose smallest dimension d runs from
+  16 to 512 (as M, K and N in turn), fitted to the planner's saturating curve
+  rate(d) = R·d/(d + half_dim) (``plan/compute.py``; ``fit_curve``).
 * **eager costs**, per precision: a forward and backward of paratrain's ``small`` GPT
-  at microbatches of 1 and 4 sequences. The time per extra sequence, against its FLOPs
-  counted as the planner counts them (``cost.step_flops``) at the matmul rate, gives the
+  at microbatches of 1 and 4 sequences. The time per extra sequence, against the time
+  the planner counts for it at the matmul curve (``cost.step_time``), gives the
   efficiency (an eager block also runs norms, SwiGLU, RoPE, the attention kernel and,
   under autocast, casts that FLOP counts leave out); what a microbatch costs beyond its
   sequences is the fixed dispatch cost of its operators, per block.
@@ -35,10 +34,11 @@ from pathlib import Path
 
 from .hardware import DEFAULT_CALIBRATION, Calibration
 
-MATMUL_TOKENS = (256, 1024)
-"""Rows (tokens per microbatch) of the timed GEMMs."""
-MATMUL_SHAPES = ((192, 192), (192, 512), (512, 192), (192, 256))
-"""(in, out) features of the timed GEMMs: the ``small`` preset's projections and head."""
+CURVE_DIMS = (16, 32, 64, 128, 256, 512)
+"""Smallest dimension d of the timed GEMMs: the range a small model's per-rank shapes
+span on CPU (tp-split widths, short microbatches)."""
+CURVE_OTHER = 512
+"""The other two dimensions of the timed GEMMs."""
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
 """What data parallelism and ZeRO run; gloo's all-gather and reduce-scatter do not cost
 the half of an all-reduce that ring algorithms would, so each gets its own fit."""
@@ -69,20 +69,65 @@ def _best_time(call: Callable[[], object], budget_s: float = 0.15, repeats: int 
     return min(times)
 
 
-def matmul_rate(dtype_name: str) -> float:
-    """FLOP/s of one thread over ``MATMUL_SHAPES`` x ``MATMUL_TOKENS``: forward products
-    (tokens x in) @ (in x out) and weight-gradient products (out x tokens) @ (tokens x in)."""
+def matmul_times(dtype_name: str) -> list[tuple[int, float]]:
+    """(smallest dimension d, FLOP/s) of one thread's ``F.linear`` GEMMs with d as each of
+    M, K and N in turn (the others ``CURVE_OTHER``), for every d in ``CURVE_DIMS``: total
+    FLOPs over total time per d."""
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    flops = seconds = 0.0
-    for tokens in MATMUL_TOKENS:
-        for k, n in MATMUL_SHAPES:
-            for m, inner, out in ((tokens, k, n), (n, tokens, k)):
-                a, b = torch.randn(m, inner, dtype=dtype), torch.randn(inner, out, dtype=dtype)
-                seconds += _best_time(functools.partial(torch.mm, a, b))
-                flops += 2 * m * inner * out
-    return flops / seconds
+    big = CURVE_OTHER
+    out = []
+    for d in CURVE_DIMS:
+        flops = seconds = 0.0
+        for m, k, n in ((d, big, big), (big, d, big), (big, big, d)):
+            # F.linear, as the model's layers run (on CPU its bf16 path is several
+            # times faster than torch.mm's).
+            a, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+            call = functools.partial(torch.nn.functional.linear, a, w)
+            seconds += _best_time(call, budget_s=0.06, repeats=3)
+            flops += 2 * m * k * n
+        out.append((d, flops / seconds))
+    return out
+
+
+def fit_curve(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(asymptotic FLOP/s, half_dim) of the saturating curve rate(d) = R·d/(d + half_dim)
+    (``plan/compute.py``) through (d, rate) samples: the least-squares line of 1/rate
+    against 1/d, whose intercept is 1/R and slope half_dim/R. A negative slope (no
+    saturation measured) gives half_dim 0 and the mean rate."""
+    xs = [1 / d for d, _ in samples]
+    ys = [1 / r for _, r in samples]
+    n = len(samples)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    intercept = my - slope * mx
+    if slope <= 0 or intercept <= 0:
+        return n / sum(ys), 0.0
+    return 1 / intercept, slope / intercept
+
+
+def matmul_curve(dtype_name: str) -> tuple[float, float]:
+    """(asymptotic FLOP/s, half_dim) of one thread's GEMMs in ``dtype_name``."""
+    return fit_curve(matmul_times(dtype_name))
+
+
+def _planned_compute(precision: str, rate: float, half_dim: float, b: int) -> float:
+    """Seconds the planner counts for the ``small`` GPT's forward and backward on ``b``
+    sequences at the curve (rate, half_dim), with efficiency 1 and no dispatch cost."""
+    from ..models.gpt import PRESETS
+    from .candidate import Candidate, Training
+    from .cost import step_time
+    from .hardware import Calibration, local_cluster
+    from .models import from_gpt_config
+
+    curve = Calibration(matmul_flops={"fp32": rate, "bf16": rate}, cores=1, alpha=0.0,
+                        beta=1.0, memory=1 << 30,
+                        matmul_half_dim={"fp32": half_dim, "bf16": half_dim})
+    model = from_gpt_config(PRESETS["small"], "small")
+    return step_time(model, Training(b, EFFICIENCY_SEQ, precision), local_cluster(1, curve),
+                     Candidate(1, 1, 1, 1, 0, b, 1)).compute
 
 
 def _model_step(precision: str, b: int) -> tuple[Callable[[], None], float]:
@@ -111,18 +156,20 @@ def _model_step(precision: str, b: int) -> tuple[Callable[[], None], float]:
     return step, flops
 
 
-def eager_costs(precision: str, matmul_flops: float) -> tuple[float, float]:
+def eager_costs(precision: str, rate: float, half_dim: float = 0.0) -> tuple[float, float]:
     """(efficiency, fixed seconds per block and microbatch) of the ``small`` GPT's
     forward and backward: the step time at 1 and ``EFFICIENCY_BATCH`` sequences is a
-    line, its slope the per-sequence cost (efficiency = FLOP-counted time at the matmul
-    rate over it), its intercept the per-microbatch dispatch cost, spread over the
-    blocks."""
-    times, flops = [], 0.0
+    line, its slope the per-sequence cost (efficiency = the planner's time per sequence
+    at the matmul curve over it), its intercept the per-microbatch dispatch cost, spread
+    over the blocks."""
+    times = []
     for b in (1, EFFICIENCY_BATCH):
-        step, flops = _model_step(precision, b)
+        step, _ = _model_step(precision, b)
         times.append(_best_time(step, budget_s=1.0, repeats=3))
     per_sequence = max((times[1] - times[0]) / (EFFICIENCY_BATCH - 1), 1e-9)
-    efficiency = min(1.0, flops / EFFICIENCY_BATCH / matmul_flops / per_sequence)
+    planned = (_planned_compute(precision, rate, half_dim, EFFICIENCY_BATCH)
+               - _planned_compute(precision, rate, half_dim, 1)) / (EFFICIENCY_BATCH - 1)
+    efficiency = min(1.0, planned / per_sequence)
     from ..models.gpt import PRESETS
 
     return efficiency, max(0.0, times[0] - per_sequence) / PRESETS["small"].n_layers
@@ -208,9 +255,12 @@ def calibrate(worlds: tuple[int, ...] = (2, 4), log: Callable[[str], None] = pri
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every training rank runs
     try:
-        rates = {p: matmul_rate(p) for p in ("fp32", "bf16")}
-        log("matmul, 1 thread  " + ", ".join(f"{p} {r / 1e9:.1f} GFLOP/s" for p, r in rates.items()))
-        costs = {p: eager_costs(p, rates[p]) for p in rates}
+        curves = {p: matmul_curve(p) for p in ("fp32", "bf16")}
+        rates = {p: rate for p, (rate, _) in curves.items()}
+        halves = {p: round(half, 2) for p, (_, half) in curves.items()}
+        log("matmul, 1 thread  " + ", ".join(
+            f"{p} {r / 1e9:.1f} GFLOP/s, half at d={halves[p]:.0f}" for p, r in rates.items()))
+        costs = {p: eager_costs(p, rates[p], halves[p]) for p in rates}
         eff = {p: round(e, 4) for p, (e, _) in costs.items()}
         overhead = costs["fp32"][1]
         log("model efficiency  " + ", ".join(f"{p} {e:.0%}" for p, e in eff.items())
@@ -232,7 +282,8 @@ def calibrate(worlds: tuple[int, ...] = (2, 4), log: Callable[[str], None] = pri
     return Calibration(matmul_flops=rates, cores=cores, alpha=comm[first]["all-reduce"][0],
                        beta=comm[first]["all-reduce"][1], memory=total_memory(), world_size=worlds[0],
                        torch_version=torch.__version__, comm=comm, optimizer_rate=adam,
-                       compute_efficiency=eff, layer_overhead=overhead)
+                       compute_efficiency=eff, layer_overhead=overhead,
+                       matmul_half_dim=halves)
 
 
 def write_calibration(calibration: Calibration, path: str | Path | None = None) -> Path:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..layout import DEFAULT_ORDER, Layout
+from .keys import cached_hash
 
 PRECISIONS = ("bf16", "fp32")
 OPTIMIZERS = ("adam", "sgd")
@@ -16,6 +17,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 class Training:
     """The part of a run every layout shares."""
 
+    def __hash__(self) -> int:  # a search cache key: hashed once (plan/keys.py)
+        return cached_hash(self)
+
     global_batch: int
     """Sequences per optimizer step, over all data-parallel replicas."""
     seq_len: int
@@ -24,6 +28,10 @@ class Training:
     """``bf16`` (bf16 compute, fp32 master weights) or ``fp32``."""
     optimizer: str = "adam"
     """``adam`` (two fp32 states) or ``sgd`` (SGD with momentum: one fp32 state)."""
+    flash_attention: bool = True
+    """Attention runs in a fused FlashAttention-style kernel (no s x s scores in memory);
+    False: the unfused attention of software before 2022 (batched QK^T and softmax·V
+    GEMMs, the scores written and read by softmax and dropout)."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:
@@ -46,6 +54,9 @@ class Training:
 @dataclass(frozen=True)
 class Candidate:
     """One way to run the step: a layout plus the schedule and memory choices."""
+
+    def __hash__(self) -> int:  # a search cache key: hashed once (plan/keys.py)
+        return cached_hash(self)
 
     dp: int
     """Data-parallel replicas."""
@@ -70,6 +81,17 @@ class Candidate:
     sequence_parallel: bool = True
     """Sequence parallelism with tp > 1 (the search always uses it: same communication
     volume as plain TP, less memory); False describes a plain-TP run to compare with."""
+    shard_group: int = 0
+    """Ranks one ZeRO-3 shard spans: 0 for all dp x cp ranks; fewer is hybrid sharding
+    (HSDP: shard within the group, replicate across groups; planner only, ``train``
+    does not run it)."""
+
+    def but(self, **changes) -> Candidate:
+        """A copy with ``changes``: ``dataclasses.replace`` without its per-call field
+        checks (the search makes tens of thousands)."""
+        values = {name: getattr(self, name) for name in _CANDIDATE_FIELDS}
+        values.update(changes)
+        return Candidate(**values)
 
     @property
     def sp(self) -> bool:
@@ -85,6 +107,16 @@ class Candidate:
         """Ranks one ZeRO shard group and one gradient reduction span (dp x cp)."""
         return self.dp * self.cp
 
+    @property
+    def zero_shard(self) -> int:
+        """Ranks the ZeRO states are sharded over (the HSDP group, else ``shard``)."""
+        return self.shard_group or self.shard
+
+    @property
+    def hsdp(self) -> bool:
+        """Hybrid sharding: ZeRO-3 within groups smaller than dp x cp."""
+        return 0 < self.shard_group < self.shard
+
     def layout(self) -> Layout:
         return Layout(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, order=DEFAULT_ORDER)
 
@@ -95,5 +127,9 @@ class Candidate:
         """Compact form such as ``dp8 tp8 pp2 cp1 z1 1f1b mb1 rc=sel``."""
         sched = "" if self.pp == 1 else (
             f" {self.schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} z{self.zero}{sched} "
+        hsdp = f"/hsdp{self.shard_group}" if self.hsdp else ""
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} z{self.zero}{hsdp}{sched} "
                 f"mb{self.micro_batch}x{self.microbatches} rc={self.recompute}")
+
+
+_CANDIDATE_FIELDS = tuple(f.name for f in fields(Candidate))

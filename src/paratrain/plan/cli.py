@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         _suggest_batches(model, training, cluster, micro, recompute)
         return 1
     if args.out:
-        export.write_config(args.out, result.plans[0], model, training)
+        export.write_config(args.out, export.trainable(result.plans), model, training)
         print(f"wrote {args.out}: run it with `paratrain train --config {args.out}`", file=log)
     if args.plot:
         try:

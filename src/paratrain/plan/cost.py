@@ -7,10 +7,12 @@ full recompute adds one forward of every block, selective recompute one forward 
 attention core. For the standard GPT block this is exactly Megatron's
 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) with full recompute; without recompute it is the
 72·… formula plus 1.5·B·s·h·V (that formula scales the logits term by 3/4 too, although
-the logits are never recomputed). Each matmul runs at ``efficiency`` x peak unless it is
-too small to be compute-bound: its time is max(FLOPs / achievable, bytes / HBM bandwidth).
-CPU processes (the local cluster) also pay a measured fixed cost per block and
-microbatch, ``GpuSpec.layer_overhead``: eager operator dispatch (0 on GPUs).
+the logits are never recomputed). Their *time* comes from the per-rank shapes
+(``plan/compute.py``): each GEMM, forward and both backward products, at the rate of its
+shape on the GPU's measured curve, or its bytes over HBM bandwidth; the attention core
+at a FlashAttention rate (or unfused, scores through HBM); norms, adds and activations
+as memory-bound passes. CPU processes (the local cluster) also pay a measured fixed cost
+per block and microbatch, ``GpuSpec.layer_overhead``: eager operator dispatch (0 on GPUs).
 
 **Communication** uses the α-β ring costs of ``paratrain.comm.cost`` on the link the
 axis's groups cross (``Cluster.link``, ranks ordered tp, cp, pp, dp from fastest), or
@@ -25,8 +27,10 @@ model chunk. TP and PP time is exposed (on the critical path).
 **Overlap of DP/ZeRO.** Gradient reduction starts while backward runs, bucket by bucket,
 so it hides behind one microbatch's backward on the stage: DDP's all-reduce and ZeRO-1's
 reduce-scatter once per step (gradients accumulate locally), ZeRO-2's reduce-scatter
-after every microbatch (gradients are sharded, so they cannot accumulate), ZeRO-3's
-parameter all-gather behind each microbatch's forward and backward. The updated
+after every microbatch (gradients are sharded, so they cannot accumulate). ZeRO-3
+gathers and reduces unit by unit with a prefetch of one unit (``_zero3_time``: the first
+gather is exposed, later ones where longer than their unit's compute; across nodes one
+NIC per rank), and HSDP adds a once-per-step all-reduce across its replicas. The updated
 parameters' all-gather of ZeRO-1/2 hides behind the next step's first forward.
 The part longer than the compute it overlaps is exposed, and the hidden part is not
 free either: communication kernels take SMs and memory bandwidth from the compute they
@@ -45,7 +49,8 @@ from functools import lru_cache
 
 from ..comm import cost as alpha_beta
 from .candidate import Candidate, Training
-from .hardware import Cluster, Link
+from .compute import attention_time, elementwise_bytes, matmul_time, unfused_attention_time
+from .hardware import Cluster, Link, members_per_node
 from .models import ModelSpec
 
 ORDER = ("tp", "cp", "pp", "dp")  # Layout's default order, fastest first
@@ -131,8 +136,12 @@ class StepTime:
 def max_stage_params(model: ModelSpec, cand: Candidate) -> int:
     """Parameters on the fullest pipeline rank: the first or last (embedding, head) or,
     with uneven stages, the second (the most blocks)."""
-    return max(model.stage_params(cand.tp, cand.pp, s, cand.virtual_stages)
-               for s in {0, min(1, cand.pp - 1), cand.pp - 1})
+    return _max_stage_params(model, cand.tp, cand.pp, cand.virtual_stages)
+
+
+@lru_cache(maxsize=1 << 12)
+def _max_stage_params(model: ModelSpec, tp: int, pp: int, v: int) -> int:
+    return max(model.stage_params(tp, pp, s, v) for s in {0, min(1, pp - 1), pp - 1})
 
 
 def max_layers(model: ModelSpec, cand: Candidate) -> int:
@@ -143,10 +152,6 @@ def max_layers(model: ModelSpec, cand: Candidate) -> int:
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     """Idle fraction of a pipeline step: (p - 1)/(v·m + p - 1)."""
     return (p - 1) / (v * m + p - 1)
-
-
-def _matmul_time(m: int, k: int, n: int, flops: float, hbm: float, elem: int) -> float:
-    return max(2 * m * k * n / flops, elem * (m * k + k * n + m * n) / hbm)
 
 
 @dataclass(frozen=True)
@@ -161,33 +166,83 @@ class _Micro:
     """Forward attention-core time of one block (what CP's exchange overlaps)."""
 
 
-@lru_cache(maxsize=1 << 14)
-def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: int, cp: int,
-                   pp: int, b: int, recompute: str, v: int = 1) -> _Micro:
-    gpu, elem = cluster.gpu, training.act_bytes
+def _rates(training: Training, cluster: Cluster) -> tuple[float, float, float]:
+    """(large-GEMM FLOP/s, long-sequence attention FLOP/s, half_dim) of the precision."""
+    gpu = cluster.gpu
     if training.precision == "bf16":
-        flops = gpu.peak_flops * gpu.efficiency
+        peak, eff, half = gpu.peak_flops, gpu.efficiency, gpu.half_dim
     else:
-        flops = gpu.peak_flops_fp32 * (gpu.efficiency_fp32 or gpu.efficiency)
+        peak = gpu.peak_flops_fp32
+        eff = gpu.efficiency_fp32 or gpu.efficiency
+        half = gpu.half_dim_fp32 or gpu.half_dim
+    return peak * eff, peak * (gpu.attention_efficiency or eff), half
+
+
+def _gemm_times(shapes, rate: float, half: float, gpu, elem: int) -> tuple[float, float]:
+    """(forward, backward) seconds of GEMMs (M, K, N): forward X·W, backward the input
+    gradient (M, N, K) and the weight gradient (K, M, N), each at its own shape's rate."""
+    fwd = bwd = 0.0
+    for m, k, n in shapes:
+        fwd += matmul_time(m, k, n, rate, half, gpu, elem)
+        bwd += matmul_time(m, n, k, rate, half, gpu, elem) + matmul_time(k, m, n, rate, half,
+                                                                          gpu, elem)
+    return fwd, bwd
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Seconds of one block's parts per microbatch on one rank (no pipeline, no recompute)."""
+
+    matmul_fwd: float
+    matmul_bwd: float
+    attention: float
+    """Forward attention core."""
+    memory_bound: float
+    """Forward elementwise passes."""
+    head_fwd: float
+    head_bwd: float
+
+
+@lru_cache(maxsize=1 << 12)
+def _block(model: ModelSpec, training: Training, cluster: Cluster, tp: int, cp: int, b: int,
+           sp: bool) -> _Block:
+    gpu, elem = cluster.gpu, training.act_bytes
+    rate, att_rate, half = _rates(training, cluster)
     s_q = training.seq_len // cp
     tokens = b * s_q
-    matmuls = sum(_matmul_time(m, k, n, flops, gpu.hbm_bw, elem)
-                  for m, k, n in layer_matmuls(model, tokens, tp))
-    attention = attention_core_flops(model, b, s_q, training.seq_len, tp) / flops
-    logits = _matmul_time(tokens, model.d_model, model.vocab_size // tp, flops,
-                          gpu.hbm_bw, elem)
-    rerun = {"none": 0.0, "selective": attention, "full": matmuls + attention}[recompute]
-    fixed = gpu.layer_overhead / 3  # per block pass; backward has twice forward's operators
+    mm_fwd, mm_bwd = _gemm_times(layer_matmuls(model, tokens, tp), rate, half, gpu, elem)
+    if training.flash_attention:
+        attention = attention_time(attention_core_flops(model, b, s_q, training.seq_len, tp),
+                                   s_q, att_rate, half)
+    else:
+        attention = unfused_attention_time(model, b, s_q, training.seq_len, tp, rate, half,
+                                           gpu, elem)
+    memory_bound = elementwise_bytes(model, tokens, tp, sp and tp > 1, elem) / gpu.hbm_bw
+    head_fwd, head_bwd = _gemm_times(((tokens, model.d_model, model.vocab_size // tp),),
+                                     rate, half, gpu, elem)
+    return _Block(mm_fwd, mm_bwd, attention, memory_bound, head_fwd, head_bwd)
 
-    def stage(layers: int, head: float) -> tuple[float, float]:
-        fwd = layers * (matmuls + attention + fixed) + head
-        return fwd, 2 * fwd + layers * (rerun + (fixed if recompute == "full" else 0.0))
+
+@lru_cache(maxsize=1 << 14)
+def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: int, cp: int,
+                   pp: int, b: int, recompute: str, v: int = 1, sp: bool = True) -> _Micro:
+    blk = _block(model, training, cluster, tp, cp, b, sp)
+    attention, memory_bound = blk.attention, blk.memory_bound
+    rerun = {"none": 0.0, "selective": attention,
+             "full": blk.matmul_fwd + attention + memory_bound}[recompute]
+    fixed = cluster.gpu.layer_overhead / 3  # per block pass; backward has twice forward's
+    block_fwd = blk.matmul_fwd + attention + memory_bound + fixed
+    block_bwd = blk.matmul_bwd + 2 * (attention + memory_bound + fixed) + rerun + (
+        fixed if recompute == "full" else 0.0)
+
+    def stage(layers: int, last: bool) -> tuple[float, float]:
+        return (layers * block_fwd + (blk.head_fwd if last else 0.0),
+                layers * block_bwd + (blk.head_bwd if last else 0.0))
 
     # The slowest stage sets the pace: the last (it runs the logits) or, with uneven
     # stages, one holding more blocks.
     counts = model.stage_layer_counts(pp, v)
-    fwd, bwd = max((stage(n, logits if s == pp - 1 else 0.0) for s, n in enumerate(counts)),
-                   key=sum)
+    fwd, bwd = max((stage(n, s == pp - 1) for s, n in enumerate(counts)), key=sum)
     return _Micro(fwd, bwd, attention)
 
 
@@ -195,7 +250,7 @@ def step_time(model: ModelSpec, training: Training, cluster: Cluster,
               cand: Candidate) -> StepTime:
     """Predicted time of one optimizer step of ``cand`` (see the module docstring)."""
     micro = _micro_compute(model, training, cluster, cand.tp, cand.cp, cand.pp,
-                           cand.micro_batch, cand.recompute, cand.virtual_stages)
+                           cand.micro_batch, cand.recompute, cand.virtual_stages, cand.sp)
     tp, cp, pp = _micro_comm(model, training, cluster, Candidate(
         cand.dp, cand.tp, cand.pp, cand.cp, 0, cand.micro_batch, 1, cand.schedule,
         cand.virtual_stages, cand.recompute, cand.sequence_parallel))
@@ -213,7 +268,7 @@ def _micro_comm(model: ModelSpec, training: Training, cluster: Cluster,
     """Exposed tp, cp and pp time per microbatch (independent of the ZeRO stage and the
     microbatch count, which ``cand`` carries as 0 and 1 so the search shares them)."""
     micro = _micro_compute(model, training, cluster, cand.tp, cand.cp, cand.pp,
-                           cand.micro_batch, cand.recompute, cand.virtual_stages)
+                           cand.micro_batch, cand.recompute, cand.virtual_stages, cand.sp)
     return (_tp_time(model, training, cluster, cand),
             _cp_time(model, training, cluster, cand, micro),
             _pp_time(model, training, cluster, cand))
@@ -279,11 +334,65 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
         return exposed(coll("reduce-scatter", psi * grad), micro.bwd, overlap) + gather
     if cand.zero == 2:
         return m * exposed(coll("reduce-scatter", psi * grad), micro.bwd, overlap) + gather
-    units = max_layers(model, cand)  # ZeRO-3 gathers and reduces one block at a time
-    fwd = exposed(coll("all-gather", psi * weight, units), micro.fwd, overlap)
-    regather = coll("all-gather", psi * weight, units) if cand.pp == 1 else 0.0
-    bwd = exposed(regather + coll("reduce-scatter", psi * grad, units), micro.bwd, overlap)
-    return m * (fwd + bwd)
+    return _zero3_time(model, cluster, cand, micro, psi * weight, psi * grad, m)
+
+
+def prefetched(comm: float, compute: float, units: int, overlap_cost: float) -> float:
+    """Exposed seconds of ``units`` collectives of ``comm`` seconds each, each unit's issued
+    one unit ahead (prefetch depth 1) while the unit before it computes for ``compute``:
+    the first is waited for, every later one shows where it is longer than the compute
+    beside it. A deeper prefetch changes neither term for equal units: the link is busy
+    either way; it only holds more gathered units in memory."""
+    return comm + (units - 1) * exposed(comm, compute, overlap_cost)
+
+
+def _zero3_time(model: ModelSpec, cluster: Cluster, cand: Candidate, micro: _Micro,
+                weight_bytes: float, grad_bytes: float, m: int) -> float:
+    """ZeRO-3 / FSDP: per unit (one block) an all-gather of its parameters before forward,
+    again before backward (not under a pipeline, where paratrain keeps them), and a
+    reduce-scatter of its gradient after; with HSDP (``cand.shard_group``) over the shard
+    group, then the replicas all-reduce their shard's gradient once per step."""
+    n, g = cand.shard, cand.zero_shard
+    link, replicas = zero3_links(cluster, cand)
+    units = max_layers(model, cand)
+    overlap = cluster.gpu.overlap_cost
+
+    def per_unit(op: str, nbytes: float) -> float:
+        return link_collective_time(cluster, link, op, nbytes / units, g)
+
+    gather, scatter = per_unit("all-gather", weight_bytes), per_unit("reduce-scatter", grad_bytes)
+    fwd = prefetched(gather, micro.fwd / units, units, overlap)
+    bwd = prefetched((gather if cand.pp == 1 else 0.0) + scatter, micro.bwd / units, units,
+                     overlap)
+    total = m * (fwd + bwd)
+    if g < n:
+        total += exposed(link_collective_time(cluster, replicas, "all-reduce", grad_bytes / g,
+                                              n // g), micro.bwd, overlap)
+    return total
+
+
+def zero3_links(cluster: Cluster, cand: Candidate) -> tuple[Link, Link]:
+    """(shard group's link, replica group's link) of ZeRO-3 / HSDP.
+
+    Within a node the shard group uses NVLink. Across nodes each rank gets its own NIC,
+    not the k NICs of its node's group members that a large all-reduce reaches: the
+    published ZeRO-3 runs (Narayanan et al. 2021, Table 2: 66 s per step at both 768 and
+    1536 GPUs while the compute per GPU halves) move their 3 x 2 bytes per parameter per
+    step at about one HDR NIC's rate per GPU. HSDP's replicas, one per shard group and so
+    at most ``k // g`` per node, all-reduce across nodes on that many NICs."""
+    intra = cluster.intra_bw or cluster.gpu.nvlink_bw
+    inter = cluster.inter_bw or cluster.gpu.network_bw
+    n, g = cand.shard, cand.zero_shard
+    sizes = cand.sizes()
+    k = members_per_node(sizes, ORDER, ("cp", "dp"), cluster.node_size)
+    if g == n:
+        shard = cluster.link(sizes, ORDER, ("cp", "dp"), p2p=True)
+    elif g <= k:
+        shard = Link(intra, cluster.gpu.nvlink_alpha, "nvlink")
+    else:
+        shard = Link(min(intra, inter), cluster.gpu.network_alpha, "network")
+    replicas = Link(min(intra, max(1, k // g) * inter), cluster.gpu.network_alpha, "network")
+    return shard, replicas
 
 
 def _optimizer_time(model: ModelSpec, training: Training, cluster: Cluster,

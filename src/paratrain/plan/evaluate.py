@@ -48,6 +48,8 @@ class LayoutSpec:
     """Chunks per pipeline rank."""
     recompute: str | None = None
     """``none``, ``selective`` or ``full``."""
+    shard_group: int | None = None
+    """HSDP shard group (``hsdp8``, ``z3/hsdp8``; planner only)."""
     text: str = ""
     """The string it was parsed from."""
 
@@ -59,8 +61,12 @@ def parse_layout(text: str) -> LayoutSpec:
         low = token.lower()
         if m := _SIZE.fullmatch(low):
             values[m.group(1)] = int(m.group(2))
-        elif m := re.fullmatch(r"(?:zero|z)([0-3])", low):
+        elif m := re.fullmatch(r"(?:zero|z)([0-3])(?:/hsdp(\d+))?", low):
             values["zero"] = int(m.group(1))
+            if m.group(2):
+                values["shard_group"] = int(m.group(2))
+        elif m := re.fullmatch(r"hsdp(\d+)", low):
+            values["zero"], values["shard_group"] = 3, int(m.group(1))
         elif m := re.fullmatch(r"mb(\d+)(?:x(\d+))?", low):
             values["micro_batch"] = int(m.group(1))
             if m.group(2):
@@ -156,7 +162,7 @@ def _choices(spec, model, training, dp, tp, pp, cp):
                 for mb in _options(spec.micro_batch, divisors(per_replica)):
                     for rc in _options(spec.recompute, RECOMPUTE):
                         yield Candidate(dp, tp, pp, cp, zero, mb, max(per_replica // mb, 1),
-                                        schedule, v, rc)
+                                        schedule, v, rc, shard_group=spec.shard_group or 0)
 
 
 def evaluate_candidate(model: ModelSpec, training: Training, cluster: Cluster,

@@ -31,6 +31,9 @@ def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str,
     ``global_batch / dp = micro_batch x microbatches``: pipeline microbatches when pp > 1,
     gradient-accumulation steps otherwise."""
     c = plan.cand
+    if c.hsdp:
+        raise ValueError(f"{c.describe()}: hybrid sharding (HSDP) is planner-only; "
+                         f"`paratrain train` shards ZeRO-3 over all dp x cp ranks")
     return {
         # A paratrain preset keeps its name, so that `train` reports the model it runs.
         "model": {**({"preset": model.name} if model.name in LOCAL_PRESETS else {}),
@@ -59,6 +62,12 @@ def to_toml(tables: dict[str, dict], comment: str = "") -> str:
     for name, values in tables.items():
         lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def trainable(plans: list[Plan]) -> Plan:
+    """The best of ``plans`` that ``paratrain train`` runs: HSDP (hybrid sharding) is
+    planner-only, so a winning HSDP plan is passed over for the next one."""
+    return next((p for p in plans if not p.cand.hsdp), plans[0])
 
 
 def write_config(path: str | Path, plan: Plan, model: ModelSpec, training: Training) -> None:

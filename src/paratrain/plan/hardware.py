@@ -11,10 +11,9 @@ Bandwidths are *achievable bus bandwidths per GPU* in bytes/s: what nccl-tests p
   = 25 GB/s for A100 nodes and NDR 400 Gb/s = 50 GB/s for H100/H200 nodes; ~90% achieved.
 
 Latencies α are per ring step, orders of magnitude from nccl-tests' small-message times.
-``efficiency`` is the fraction of peak the matrix multiplies of a large transformer reach
-(an MFU ceiling with no communication and no bubble); chosen so that published runs come
-out near their reported throughput: Megatron-LM and BLOOM on A100 (150-163 TFLOP/s per GPU
-including bubbles and communication), Llama 3 on H100 (38-43% MFU at 16K GPUs).
+The compute constants (``efficiency``, ``half_dim``, ``sms``, ``mamf_shape``,
+``attention_efficiency``) describe the achievable rate of each operation from its shape;
+their sources are in ``plan/compute.py``. None is fitted to a training run.
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
+from .keys import cached_hash
+
 GiB = 2**30
 GB = 10**9
 
@@ -32,6 +33,9 @@ GB = 10**9
 @dataclass(frozen=True)
 class GpuSpec:
     """One accelerator type and the links of the nodes it usually comes in."""
+
+    def __hash__(self) -> int:  # a search cache key: hashed once (plan/keys.py)
+        return cached_hash(self)
 
     name: str
     """Preset name, e.g. ``h100-80g``."""
@@ -52,9 +56,22 @@ class GpuSpec:
     network_alpha: float = 5e-6
     """Latency of one ring step across nodes, seconds."""
     efficiency: float = 0.5
-    """Achievable fraction of peak for large matmuls (the MFU ceiling)."""
+    """Achievable fraction of peak of large, well-shaped matmuls (GPUs: the measured
+    maximum achievable matmul FLOPS over peak, ``plan/compute.py``; the local cluster: the
+    measured efficiency of an eager model over its matmul curve)."""
     efficiency_fp32: float = 0.0
     """Achievable fraction of ``peak_flops_fp32`` (0: ``efficiency``)."""
+    half_dim: float = 0.0
+    """Smallest GEMM dimension at which the rate halves (a tile's fixed cost; 0: flat)."""
+    half_dim_fp32: float = 0.0
+    """``half_dim`` of fp32 matmuls (0: ``half_dim``)."""
+    sms: int = 0
+    """Streaming multiprocessors, for wave quantization (0: none, as on CPUs)."""
+    mamf_shape: tuple[int, int, int] | None = None
+    """(M, K, N) at which ``efficiency`` was measured: the curve passes through it."""
+    attention_efficiency: float = 0.0
+    """Fraction of peak a FlashAttention-style kernel reaches on long sequences (0: the
+    precision's matmul efficiency, as for the local cluster's eager model)."""
     layer_overhead: float = 0.0
     """Fixed seconds per block and microbatch of forward and backward (an eager CPU
     framework's operator dispatch; 0 on GPUs, where kernels queue asynchronously)."""
@@ -70,17 +87,24 @@ class GpuSpec:
     assumption, not a fit)."""
 
 
+# efficiency: measured maximum achievable matmul FLOPS over peak, with the shape it was
+# measured at (stas00/ml-engineering); attention: FlashAttention-2's forward + backward
+# fraction of peak; SMs from the datasheets (plan/compute.py has the sources).
+_A100 = dict(efficiency=267.9 / 312, half_dim=128, sms=108, mamf_shape=(6912, 2048, 16384),
+             attention_efficiency=0.6)
+_H100 = dict(efficiency=794.5 / 989, half_dim=128, sms=132, mamf_shape=(6144, 2816, 17920),
+             attention_efficiency=0.35)
 GPUS: dict[str, GpuSpec] = {
     "a100-40g": GpuSpec("a100-40g", 312e12, 19.5e12, 40 * GiB, 1.555e12,
-                        230 * GB, 22.5 * GB, efficiency=0.6),
+                        230 * GB, 22.5 * GB, **_A100),
     "a100-80g": GpuSpec("a100-80g", 312e12, 19.5e12, 80 * GiB, 2.039e12,
-                        230 * GB, 22.5 * GB, efficiency=0.6),
+                        230 * GB, 22.5 * GB, **_A100),
     # H100 SXM; memory is the 81559 MiB nvidia-smi shows.
     "h100-80g": GpuSpec("h100-80g", 989e12, 67e12, 81559 * 2**20, 3.35e12,
-                        360 * GB, 45 * GB, efficiency=0.5),
+                        360 * GB, 45 * GB, **_H100),
     # Same compute and NVLink as H100; more and faster memory (143771 MiB, 4.8 TB/s).
     "h200": GpuSpec("h200", 989e12, 67e12, 143771 * 2**20, 4.8e12,
-                    360 * GB, 45 * GB, efficiency=0.5),
+                    360 * GB, 45 * GB, **_H100),
 }
 
 
@@ -107,6 +131,9 @@ class Link:
 @dataclass(frozen=True)
 class Cluster:
     """The machines a job runs on."""
+
+    def __hash__(self) -> int:  # a search cache key: hashed once (plan/keys.py)
+        return cached_hash(self)
 
     gpu: GpuSpec
     """Accelerator type (for ``--cluster local``: one CPU process, see ``local_cluster``)."""
@@ -220,9 +247,13 @@ class Calibration:
     optimizer_rate: float = 0.0
     """Parameters per second one process's AdamW step updates (0: not measured, the
     update is then taken as free)."""
+    matmul_half_dim: dict[str, float] = field(default_factory=dict)
+    """By precision: the smallest GEMM dimension at which one thread's rate halves; with
+    ``matmul_flops`` (the asymptotic rate) the least-squares fit of 1/rate = (1 +
+    half_dim / d) / matmul_flops over GEMMs of several shapes (absent: a flat rate)."""
     compute_efficiency: dict[str, float] = field(default_factory=dict)
-    """By precision: the FLOP-counted time of a small GPT's forward and backward per
-    sequence at ``matmul_flops`` over its measured time; below 1 because an eager model
+    """By precision: the time the planner counts for a small GPT's forward and backward
+    per sequence at the matmul curve over its measured time; below 1 because an eager model
     also runs norms, activations, RoPE and casts that FLOP counts leave out (1 if
     absent)."""
     layer_overhead: float = 0.0
@@ -294,6 +325,8 @@ def local_cluster(n_procs: int, calibration: Calibration) -> Cluster:
         hbm_bw=math.inf,  # not measured: the matmul rates are already what a process achieves
         nvlink_bw=beta, network_bw=beta, nvlink_alpha=alpha, network_alpha=alpha,
         efficiency=eff.get("bf16", 1.0), efficiency_fp32=eff.get("fp32", 1.0),
+        half_dim=calibration.matmul_half_dim.get("bf16", 0.0),
+        half_dim_fp32=calibration.matmul_half_dim.get("fp32", 0.0),
         layer_overhead=calibration.layer_overhead / share,
         # Adam reads and writes 28 bytes per parameter (cost.OPTIMIZER_BYTES).
         optimizer_bw=28 * calibration.optimizer_rate * share,

@@ -160,14 +160,28 @@ def rank_memory(model: ModelSpec, training: Training, cand: Candidate,
     return max((count(model, training, cand, s) for s in stages), key=lambda m: m.total)
 
 
+def rank_states(model: ModelSpec, training: Training, cand: Candidate,
+                paratrain: bool = False) -> float:
+    """Bytes of parameters, gradients and optimizer states on the fullest rank: the
+    ``states`` of ``rank_memory`` without counting activations (the search's first test)."""
+    if paratrain:
+        return rank_memory(model, training, cand, paratrain).states
+    weight, grad, k = bytes_per_param(training.precision, training.optimizer)
+    zero = cand.zero if cand.shard > 1 else 0
+    psi = max(model.stage_params(cand.tp, cand.pp, s, cand.virtual_stages)
+              for s in {0, min(1, cand.pp - 1), cand.pp - 1})
+    return sum(model_state_bytes(psi, cand.zero_shard, zero, weight, grad, k))
+
+
 def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: int) -> Memory:
     """Peak bytes of one rank of pipeline ``stage``."""
     weight, grad, k = bytes_per_param(training.precision, training.optimizer)
     psi = model.stage_params(cand.tp, cand.pp, stage, cand.virtual_stages)
     zero = cand.zero if cand.shard > 1 else 0
-    params, grads, opt = model_state_bytes(psi, cand.shard, zero, weight, grad, k)
+    params, grads, opt = model_state_bytes(psi, cand.zero_shard, zero, weight, grad, k)
     s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
-    per_layer = layer_activation_bytes(model, s, b, cand.tp, cand.sp, cand.recompute, elem)
+    per_layer = layer_activation_bytes(model, s, b, cand.tp, cand.sp, cand.recompute, elem,
+                                       training.flash_attention)
     inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,
                                      cand.virtual_stages, stage)
     acts = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages) * inflight
@@ -203,9 +217,10 @@ def _buffers(model: ModelSpec, training: Training, cand: Candidate, stage: int, 
     if stage == cand.pp - 1:  # vocab-parallel logits and their fp32 softmax
         total += s * b * model.vocab_size / cand.tp * (elem + 4) * logits_inflight(cand)
     if cand.recompute != "none":  # the layer being recomputed, briefly in full
-        full = layer_activation_bytes(model, s, b, cand.tp, cand.sp, "none", elem)
+        flash = training.flash_attention
+        full = layer_activation_bytes(model, s, b, cand.tp, cand.sp, "none", elem, flash)
         total += full - layer_activation_bytes(model, s, b, cand.tp, cand.sp,
-                                               cand.recompute, elem)
+                                               cand.recompute, elem, flash)
     return total
 
 

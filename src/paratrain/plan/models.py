@@ -15,11 +15,15 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..stages import head_costs, stage_layer_counts
+from .keys import cached_hash
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape of a decoder-only transformer."""
+
+    def __hash__(self) -> int:  # a search cache key: hashed once (plan/keys.py)
+        return cached_hash(self)
 
     name: str
     """Preset name or the file it came from."""

@@ -44,7 +44,9 @@ def layout_label(plan: Plan) -> str:
     c = plan.cand
     sched = "" if c.pp == 1 else " " + c.schedule + (
         f"/v{c.virtual_stages}" if c.virtual_stages > 1 else "")
-    return f"dp{c.dp} tp{c.tp}{'+sp' if c.sp else ''} pp{c.pp} cp{c.cp} zero{c.zero}{sched}"
+    hsdp = f"/hsdp{c.shard_group} (planner only)" if c.hsdp else ""
+    return (f"dp{c.dp} tp{c.tp}{'+sp' if c.sp else ''} pp{c.pp} cp{c.cp} "
+            f"zero{c.zero}{hsdp}{sched}")
 
 
 def summary(result: SearchResult, model: ModelSpec, training: Training, cluster: Cluster,
@@ -150,7 +152,7 @@ def rejected(result: SearchResult) -> str:
 def plan_dict(plan: Plan) -> dict:
     c = plan.cand
     return {
-        "layout": {**asdict(c), "sp": c.sp, "cp_method": "ring"},
+        "layout": {**asdict(c), "sp": c.sp, "cp_method": "ring", "planner_only": c.hsdp},
         "memory_bytes": {**{k: getattr(plan.memory, k) for k in MEMORY_PARTS},
                          "total": plan.memory.total, "stage": plan.memory.stage},
         "time_s": {**{k: getattr(plan.time, k) for k in TIME_PARTS}, "step": plan.time.step},

@@ -27,9 +27,9 @@ from functools import lru_cache
 from .. import rules
 from ..layout import LayoutError
 from .candidate import RECOMPUTE, Candidate, Training
-from .cost import StepTime, step_flops, step_time
-from .hardware import GiB, Cluster
-from .memory import Memory, rank_memory
+from .cost import ORDER, StepTime, step_flops, step_time
+from .hardware import GiB, Cluster, members_per_node
+from .memory import Memory, rank_memory, rank_states
 from .models import ModelSpec
 
 
@@ -115,6 +115,15 @@ class _Problem:
     """Recompute policies to try, least recompute first."""
     model_flops: float
     """FLOPs of one step without recompute (for MFU)."""
+    context_parallel: bool = True
+    """Search cp > 1 (False: a framework without context parallelism)."""
+    sequence_parallel: bool = True
+    """Sequence parallelism with tp > 1 (False: a framework without it)."""
+    hsdp: bool = True
+    """Search hybrid sharding for ZeRO-3 across nodes (planner only)."""
+    uneven_stages: bool = True
+    """Allow pipeline stages with unequal block counts (False: layers % pp == 0, as
+    Megatron-LM required before 2023)."""
 
     @property
     def paratrain(self) -> bool:
@@ -125,25 +134,50 @@ class _Problem:
 
 def search(model: ModelSpec, training: Training, cluster: Cluster,
            micro_batch: int | None = None, recompute: str | None = None,
-           zero: tuple[int, ...] = (0, 1, 2, 3)) -> SearchResult:
+           zero: tuple[int, ...] = (0, 1, 2, 3), context_parallel: bool = True,
+           sequence_parallel: bool = True, hsdp: bool = True,
+           uneven_stages: bool = True) -> SearchResult:
     """Every valid layout of ``model`` on ``cluster``, ranked by predicted step time.
     ``micro_batch`` / ``recompute`` fix those choices instead of searching them; ``zero``
-    lists the ZeRO stages to consider."""
+    lists the ZeRO stages to consider; ``context_parallel``, ``sequence_parallel``,
+    ``hsdp`` and ``uneven_stages`` False leave those out (what a given framework cannot
+    run). HSDP is never
+    searched on the local cluster: ``train`` does not run it."""
     start = time.perf_counter()
     result = SearchResult(plans=[])
     problem = _Problem(model, training, cluster, micro_batch,
-                       (recompute,) if recompute else RECOMPUTE, step_flops(model, training))
+                       (recompute,) if recompute else RECOMPUTE, step_flops(model, training),
+                       context_parallel, sequence_parallel,
+                       hsdp and cluster.kind != "local" and 3 in zero, uneven_stages)
     for shape in _shapes(problem, result):
         for cand in _schedules(problem, shape, result):
             fitted: set = set()
             for stage in zero if cand.shard > 1 else (0,):
-                staged = replace(cand, zero=stage)
+                staged = cand.but(zero=stage)
                 # ZeRO-2 and 3 only communicate more than the stage below: they are timed
                 # only where it did not fit.
                 fitted = _sweep(problem, staged, result, fitted if stage >= 2 else set())
+            for group in _hsdp_groups(problem, cand) if 3 in zero else ():
+                _sweep(problem, cand.but(zero=3, shard_group=group), result, set())
     result.plans.sort(key=lambda p: rank_key(p.time.step, p.memory.total))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _hsdp_groups(problem: _Problem, cand: Candidate, most: int = 1) -> list[int]:
+    """HSDP shard groups worth timing for ``cand``: one node's dp x cp ranks (FSDP's
+    HYBRID_SHARD), then ``most`` - 1 doublings (two, four nodes), while smaller than the
+    whole dp x cp span. One by default: each group is a full sweep, and the search has a
+    time budget (tests/test_plan_search.py)."""
+    if not problem.hsdp:
+        return []
+    n = cand.shard
+    g = members_per_node(cand.sizes(), ORDER, ("cp", "dp"), problem.cluster.node_size)
+    groups = []
+    while 1 < g < n and n % g == 0 and len(groups) < most:  # a group of 1 shards nothing
+        groups.append(g)
+        g *= 2
+    return groups
 
 
 def rank_key(step: float, memory: float) -> tuple[float, float]:
@@ -159,6 +193,9 @@ def layout_problems(model: ModelSpec, training: Training, cluster: Cluster,
     if cand.tp > cluster.node_size:
         problems.append(f"tp={cand.tp} spans nodes of {cluster.node_size} GPUs: tensor "
                         f"parallelism is kept inside a node")
+    if cand.shard_group and (cand.zero != 3 or cand.shard % cand.shard_group):
+        problems.append(f"hsdp{cand.shard_group}: hybrid sharding needs zero3 and a group "
+                        f"dividing dp x cp = {cand.shard}")
     if training.global_batch % cand.dp:
         problems.append(f"dp={cand.dp} does not divide the global batch {training.global_batch}")
     elif (training.global_batch // cand.dp) % cand.micro_batch:
@@ -179,10 +216,11 @@ def _shapes(problem: _Problem, result: SearchResult):
     n, node = problem.cluster.n_gpus, problem.cluster.node_size
     batch = problem.training.global_batch
     for tp in divisors(n):
-        for cp in divisors(n // tp):
+        for cp in divisors(n // tp) if problem.context_parallel else (1,):
             for pp in divisors(n // (tp * cp)):
                 dp = n // (tp * cp * pp)
-                shape = Candidate(dp, tp, pp, cp, 0, 1, 1)
+                shape = Candidate(dp, tp, pp, cp, 0, 1, 1,
+                                  sequence_parallel=problem.sequence_parallel)
                 label = f"dp{dp} tp{tp} pp{pp} cp{cp}"
                 if tp > node:
                     result.reject(f"tp={tp} spans nodes of {node} GPUs", label,
@@ -190,6 +228,9 @@ def _shapes(problem: _Problem, result: SearchResult):
                 elif batch % dp:
                     result.reject(f"dp={dp} does not divide the global batch", label,
                                   f"global batch {batch} % dp={dp} != 0")
+                elif not problem.uneven_stages and problem.model.n_layers % pp:
+                    result.reject(f"pp={pp} does not divide the layers (even stages only)",
+                                  label, f"{problem.model.n_layers} layers % pp={pp} != 0")
                 elif _valid(problem, shape, 1, label, result):
                     yield shape
 
@@ -238,21 +279,21 @@ def _sweep(problem: _Problem, cand: Candidate, result: SearchResult,
     first = 0
     for policy in problem.policies:
         result.dominated += first
-        first = _sweep_microbatch(problem, replace(cand, recompute=policy), sizes, first, result,
+        first = _sweep_microbatch(problem, cand.but(recompute=policy), sizes, first, result,
                                   skip, fitted)
     return fitted
 
 
 def _states_fit(problem: _Problem, cand: Candidate, count: int, result: SearchResult) -> bool:
     """Whether parameters, gradients and optimizer states alone fit (any microbatch)."""
-    probe = replace(cand, micro_batch=1, microbatches=1, recompute="full")
-    memory = rank_memory(problem.model, problem.training, probe, problem.paratrain)
+    probe = cand.but(micro_batch=1, microbatches=1, recompute="full")
+    states = rank_states(problem.model, problem.training, probe, problem.paratrain)
     limit = problem.cluster.memory_limit
-    if memory.states <= limit:
+    if states <= limit:
         return True
     result.reject("model states exceed memory", cand.describe().rsplit(" mb", 1)[0],
-                  f"parameters+gradients+optimizer need {memory.states / GiB:.2f} GiB of "
-                  f"{limit / GiB:.2f} GiB usable", count=count, overflow=memory.states - limit)
+                  f"parameters+gradients+optimizer need {states / GiB:.2f} GiB of "
+                  f"{limit / GiB:.2f} GiB usable", count=count, overflow=states - limit)
     return False
 
 
@@ -275,7 +316,8 @@ def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...]
             return len(sizes)
         m = per_replica // mb
         trial = Candidate(cand.dp, cand.tp, cand.pp, cand.cp, cand.zero, mb, m, cand.schedule,
-                          cand.virtual_stages, cand.recompute)
+                          cand.virtual_stages, cand.recompute, cand.sequence_parallel,
+                          cand.shard_group)
         if trial.schedule == "interleaved" and m % trial.pp:
             result.reject("interleaved needs microbatches divisible by pp", trial.describe(),
                           lambda: f"{m} microbatches % pp={trial.pp} != 0 (Megatron's rule)")

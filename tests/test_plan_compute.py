@@ -1,0 +1,112 @@
+"""Shape-aware compute rates, ZeRO-3 / HSDP communication, the local curve fit (pure
+arithmetic, no processes)."""
+
+import pytest
+
+from paratrain.plan.calibrate import fit_curve
+from paratrain.plan.candidate import Candidate, Training
+from paratrain.plan.compute import (elementwise_bytes, gemm_efficiency, matmul_time,
+                                    unfused_attention_time)
+from paratrain.plan.cost import prefetched, step_time, zero3_links
+from paratrain.plan.evaluate import parse_layout
+from paratrain.plan.export import config_tables, trainable
+from paratrain.plan.hardware import GB, Cluster, gpu_preset
+from paratrain.plan.models import PRESETS, ModelSpec
+from paratrain.plan.search import search
+
+A100 = gpu_preset("a100-80g")
+
+
+def test_curve_passes_through_the_measured_ceiling_and_falls_for_small_shapes():
+    g = A100
+    assert gemm_efficiency(*g.mamf_shape, g.half_dim, g.sms, g.mamf_shape) == pytest.approx(1)
+    big = gemm_efficiency(8192, 8192, 8192, g.half_dim, g.sms, g.mamf_shape)
+    narrow = gemm_efficiency(8192, 64, 8192, g.half_dim, g.sms, g.mamf_shape)
+    assert narrow < 0.6 * big  # K = 64: the tile's fixed cost dominates
+    # Wave quantization: 109 tiles of 128 x 128 on 108 SMs take two waves.
+    one_wave = gemm_efficiency(128 * 108, 4096, 128, g.half_dim, g.sms, None)
+    two_waves = gemm_efficiency(128 * 109, 4096, 128, g.half_dim, g.sms, None)
+    assert two_waves / one_wave == pytest.approx(109 / 216, rel=1e-9)
+
+
+def test_smaller_shards_run_below_the_rate_of_large_ones():
+    """Per FLOP, tp8 on a small microbatch is slower than tp1: the issue's "a small shard
+    looks free" no longer holds."""
+    rate = A100.peak_flops * A100.efficiency
+
+    def per_flop(m, k, n):
+        return matmul_time(m, k, n, rate, A100.half_dim, A100, 2) / (2 * m * k * n)
+
+    assert per_flop(2048, 4096, 512) > 1.1 * per_flop(2048, 4096, 4096)
+
+
+def test_elementwise_passes_shard_with_sequence_parallelism():
+    model = PRESETS["llama3-8b"]
+    full = elementwise_bytes(model, 1024, 1, False, 2)
+    plain, sp = elementwise_bytes(model, 1024, 4, False, 2), elementwise_bytes(model, 1024, 4, True, 2)
+    assert sp < plain < full
+    h, f = model.d_model, model.ffn_hidden
+    assert full == 1024 * 2 * (10 * h + 2 * (h + 8 * 128) + 3 * f)
+
+
+def test_unfused_attention_costs_more_than_flash():
+    model, cluster = PRESETS["gpt3-175b"], Cluster(A100, 8)
+    cand = Candidate(1, 8, 1, 1, 0, 1, 1)
+    flash = step_time(model, Training(1, 2048), cluster, cand).compute
+    unfused = step_time(model, Training(1, 2048, flash_attention=False), cluster, cand).compute
+    assert unfused > 1.05 * flash
+    # Beyond its two batched GEMMs per head, the unfused core moves the scores through
+    # HBM: written, read and written by softmax, read by softmax·V (2 bytes each), and
+    # dropout's read, write and 1-byte mask.
+    heads, s, d = 96 // 8, 2048, 128
+    rate = A100.peak_flops * A100.efficiency
+    gemms = heads * (matmul_time(s, d, s, rate, A100.half_dim, A100, 2)
+                     + matmul_time(s, s, d, rate, A100.half_dim, A100, 2))
+    core = unfused_attention_time(model, 1, s, s, 8, rate, A100.half_dim, A100, 2)
+    assert core - gemms == pytest.approx(heads * s * s * (4 * 2 + 5) / A100.hbm_bw)
+
+
+def test_prefetch_hides_all_but_the_first_gather():
+    assert prefetched(1.0, 2.0, 10, 0.1) == pytest.approx(1.0 + 9 * 0.1)  # compute-bound
+    assert prefetched(3.0, 2.0, 10, 0.1) == pytest.approx(3.0 + 9 * (1.0 + 0.2))  # comm-bound
+
+
+def test_zero3_across_nodes_gets_one_nic_and_hsdp_shards_in_the_node():
+    cluster = Cluster(A100, 64)
+    plain, _ = zero3_links(cluster, Candidate(64, 1, 1, 1, 3, 1, 1))
+    assert (plain.kind, plain.bw) == ("network", 22.5 * GB)
+    shard, replicas = zero3_links(cluster, Candidate(64, 1, 1, 1, 3, 1, 1, shard_group=8))
+    assert (shard.kind, replicas.bw) == ("nvlink", 22.5 * GB)  # one replica per node
+    shard, replicas = zero3_links(cluster, Candidate(64, 1, 1, 1, 3, 1, 1, shard_group=4))
+    assert replicas.bw == 2 * 22.5 * GB  # two replicas of each group per node
+
+
+def test_hsdp_is_searched_on_gpus_but_never_written_for_train():
+    model, training = PRESETS["llama3-8b"], Training(64, 4096)
+    result = search(model, training, Cluster(gpu_preset("h100-80g"), 32))
+    hsdp = [p for p in result.plans if p.cand.hsdp]
+    assert hsdp and all(p.cand.zero == 3 and 1 < p.cand.shard_group < p.cand.shard
+                        for p in hsdp)
+    assert {p.cand.shard_group for p in hsdp if p.cand.tp == p.cand.pp == 1} == {8}  # a node
+    with pytest.raises(ValueError, match="planner-only"):
+        config_tables(hsdp[0], model, training)
+    assert not trainable([hsdp[0], *result.plans]).cand.hsdp
+    spec = parse_layout("dp32 z3/hsdp8")
+    assert (spec.zero, spec.shard_group) == (3, 8) and parse_layout("hsdp8").zero == 3
+
+
+def test_framework_limits_narrow_the_search():
+    model = ModelSpec("m", 10, 2048, 16, 16, 8192, 32000)
+    result = search(model, Training(64, 2048), Cluster(A100, 16), context_parallel=False,
+                    uneven_stages=False, sequence_parallel=False)
+    assert {p.cand.cp for p in result.plans} == {1}
+    assert all(10 % p.cand.pp == 0 for p in result.plans)
+    assert not any(p.cand.sp for p in result.plans)
+
+
+def test_curve_fit_recovers_rate_and_half_dim():
+    rate, half = 30e9, 24.0
+    samples = [(d, rate * d / (d + half)) for d in (16, 32, 64, 128, 256, 512)]
+    assert fit_curve(samples) == pytest.approx((rate, half), rel=1e-9)
+    flat = [(d, 5e9) for d in (16, 64, 256)]
+    assert fit_curve(flat) == pytest.approx((5e9, 0.0))
