@@ -66,7 +66,7 @@ def test_one_rule_changed_in_one_place_moves_config_planner_and_strategy(monkeyp
     cluster = Cluster(gpu_preset("h100-80g"), 16)
     assert any(p.cand.tp == 2 for p in search(model, training, cluster).plans)
     tiny = GPT(GPTConfig(d_model=32, n_layers=1, n_heads=4, ffn_hidden=64, max_seq_len=16))
-    tensor._check_model(tiny, 2)
+    tensor._check_model(tiny, tiny.description(), 2)
 
     monkeypatch.setattr(rules, "heads", stricter)
     with pytest.raises(ConfigError, match="forbidden by the changed rule"):
@@ -75,6 +75,6 @@ def test_one_rule_changed_in_one_place_moves_config_planner_and_strategy(monkeyp
     assert result.plans and not any(p.cand.tp == 2 for p in result.plans)
     assert any("forbidden by the changed rule" in reason for reason in result.rejected)
     with pytest.raises(LayoutError, match="forbidden by the changed rule"):
-        tensor._check_model(tiny, 2)
+        tensor._check_model(tiny, tiny.description(), 2)
     torch.manual_seed(0)  # nothing else changed: tp=4 still splits
-    tensor._check_model(tiny, 4)
+    tensor._check_model(tiny, tiny.description(), 4)
