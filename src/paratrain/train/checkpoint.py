@@ -74,9 +74,9 @@ def save(directory: Path, step: int, engine, model_cfg, layout: str, is_writer: 
             record = _write_file(tmp, f"rank-{rank:05d}.safetensors", pieces, directory, probe)
         except CheckpointError as exc:
             error = f"{exc} (on rank {rank})"
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (error, record))
-    outcome = next((e for e, _ in everyone if e), "")
+    everyone: list | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((error, record), everyone, dst=0)  # only rank 0 holds the whole index
+    outcome = next((e for e, _ in everyone if e), "") if rank == 0 else ""
     if rank == 0 and not outcome:
         meta = {"format": FORMAT, "step": step, "model": dataclasses.asdict(model_cfg),
                 "layout": layout, **(run_meta or {})}
@@ -131,18 +131,28 @@ def _os_error(exc: OSError, directory: Path) -> str:
 
 def _write_file(tmp: Path, name: str, pieces: list[S.Piece], directory: Path, probe) -> dict:
     """One rank's file; returns what the index records of it."""
-    for p in pieces:  # one piece at a time: the flags cost a byte per element of one piece
-        if p.local is not None and not torch.isfinite(p.local).all():
+    for p in pieces:
+        if p.local is not None and p.local.numel() and not _finite(p.local):
             raise CheckpointError(f"not writing checkpoint {str(directory)!r}: tensor {p.key!r} holds "
                                   f"NaN or inf")
-    items = {f"{p.key}@{','.join(map(str, p.offsets))}": p for p in pieces}
+    items = {_file_key(p.key, p.offsets): p for p in pieces}
     try:
         size, sha = save_file(items, tmp / name, probe=probe)
     except OSError as exc:
         raise CheckpointError(_os_error(exc, directory)) from None
     return {"file": name, "bytes": size, "sha256": sha,
-            "slices": [[p.key, k, list(p.offsets), list(p.extents), list(p.shape), _dtype(p.dtype)]
-                       for k, p in items.items()]}
+            "tensors": {p.key: [list(p.shape), _dtype(p.dtype)] for p in pieces},
+            "slices": [[p.key, p.offsets, p.extents] for p in pieces]}
+
+
+def _finite(t: torch.Tensor) -> bool:
+    # aminmax propagates NaN and sees +-inf without the full-size temporaries of isfinite
+    lo, hi = torch.aminmax(t) if t.is_floating_point() else (t.min(), t.max())
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _file_key(key: str, offsets: tuple[int, ...]) -> str:
+    return f"{key}@{','.join(map(str, offsets))}"
 
 
 def _dtype(dtype: torch.dtype) -> str:
@@ -152,9 +162,11 @@ def _dtype(dtype: torch.dtype) -> str:
 def _index(meta: dict, records: list[dict]) -> dict:
     tensors: dict[str, dict] = {}
     for r in records:
-        for key, file_key, offsets, extents, shape, dtype in r["slices"]:
+        for key, offsets, extents in r["slices"]:
+            shape, dtype = r["tensors"][key]
             entry = tensors.setdefault(key, {"dtype": dtype, "shape": shape, "slices": []})
-            entry["slices"].append({"file": r["file"], "key": file_key, "offsets": offsets, "extents": extents})
+            entry["slices"].append({"file": r["file"], "key": _file_key(key, offsets),
+                                    "offsets": list(offsets), "extents": list(extents)})
     files = {r["file"]: {"bytes": r["bytes"], "sha256": r["sha256"]} for r in records}
     return {**meta, "files": files, "tensors": dict(sorted(tensors.items()))}
 

@@ -203,17 +203,19 @@ def engine_pieces(engine, for_save: bool) -> list[Piece]:
 
 @torch.no_grad()
 def prepare_optimizer_state(engine, step: int) -> None:
-    """Zero Adam moments after ``step`` steps for every tensor the optimizer updates, so
-    that loading can copy into them."""
+    """Adam state after ``step`` steps for every tensor the optimizer updates, with moments
+    for loading to copy into."""
     if hasattr(engine, "units"):
         optimizer = engine.optimizer.optimizer
         targets = [v for views in engine.optimizer.unit_views for v in views]
     else:
         optimizer = engine.optimizer
         targets = [p for p in engine.module.parameters() if p.requires_grad]
-    for t in targets:
+    for t in targets:  # moments that exist are reused (loading overwrites every element)
+        old = optimizer.state.get(t, {})
         optimizer.state[t] = {"step": torch.tensor(float(step)),
-                              **{k: torch.zeros_like(t, dtype=torch.float32) for k in MOMENTS}}
+                              **{k: old[k] if k in old else torch.zeros_like(t, dtype=torch.float32)
+                                 for k in MOMENTS}}
 
 
 @torch.no_grad()
