@@ -28,10 +28,8 @@ it exactly once) and every file's size and SHA-256, naming the first problem.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import math
 import os
 import shutil
 from collections.abc import Mapping
@@ -41,21 +39,15 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import RunError
 from ..parallel.engine import MOMENTS
 from . import slices as S
-from .shardio import coverage_gap, file_digest, read_header, save_file
+from .shardio import CheckpointError, Reader, Tensors, coverage_gap, file_digest, read_header, save_file
 
 FORMAT = 3
 KINDS = ("param", *MOMENTS)
 INDEX = "meta.json"
 STATE = "state.safetensors"  # the one file of a checkpoint written by ``write``
 DTYPES = ("float32", "bfloat16")
-
-
-class CheckpointError(RunError, ValueError):
-    """A checkpoint that is missing, corrupt, made for another model, or cannot be
-    written; the message names the tensor or file and says what to do."""
 
 
 # ---- saving ------------------------------------------------------------------------------------
@@ -310,71 +302,22 @@ def verify(directory: str | Path, model_cfg) -> tuple[dict, Mapping[str, torch.T
     return meta, Tensors(Path(directory), meta)
 
 
-class Tensors(Mapping):
-    """A checkpoint's whole tensors by name, each assembled from its slices when looked up."""
-
-    def __init__(self, directory: Path, meta: dict):
-        self.directory, self.meta = directory, meta
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        entry = self.meta["tensors"][key]
-        out = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
-        piece = S.Piece(key, tuple(out.shape), (0,) * out.dim(), out, tuple(out.shape), out.dtype)
-        with Reader(self.directory, self.meta) as reader:
-            reader.fill(piece)
-        return out
-
-    def __iter__(self):
-        return iter(self.meta["tensors"])
-
-    def __len__(self) -> int:
-        return len(self.meta["tensors"])
-
-
-class Reader(contextlib.ExitStack):
-    """Copies stored slices into pieces, opening each file once (and checking it first
-    when ``check`` is set)."""
-
-    def __init__(self, directory: Path, meta: dict, check: bool = False, probe=None):
-        super().__init__()
-        self.directory, self.meta, self.check, self.probe = Path(directory), meta, check, probe
-        self.handles: dict = {}
-
-    def _handle(self, name: str):
-        if name not in self.handles:
-            from safetensors import safe_open
-
-            if self.check:
-                check_file(self.directory, name, self.meta["files"][name])
-            self.handles[name] = self.enter_context(safe_open(str(self.directory / name), framework="pt"))
-        return self.handles[name]
-
-    def fill(self, piece: S.Piece) -> None:
-        """Copy into ``piece.local`` every stored element of its box."""
-        entry = self.meta["tensors"].get(piece.key)
-        if entry is None or tuple(entry["shape"]) != piece.shape:
-            what = "lacks" if entry is None else f"has shape {entry['shape']} for"
-            raise CheckpointError(f"checkpoint {str(self.directory)!r} {what} tensor {piece.key!r} "
-                                  f"(this model: {list(piece.shape)}); resume with the same model settings")
-        want, got = (piece.offsets, piece.extents), 0
-        for s in entry["slices"]:
-            stored = (tuple(s["offsets"]), tuple(s["extents"]))
-            common = S.intersect(want, stored) if piece.offsets else ((), ())
-            if common is None:
-                continue
-            src = self._handle(s["file"]).get_slice(s["key"])[_index_of(common, stored[0])]
-            if self.probe is not None:
-                self.probe()
-            piece.local[_index_of(common, piece.offsets)].copy_(src)
-            got += math.prod(common[1])
-            del src
-        if got != math.prod(piece.extents):
-            raise CheckpointError(f"checkpoint {str(self.directory)!r} is incomplete: its slices of "
-                                  f"tensor {piece.key!r} do not cover {list(piece.offsets)}+{list(piece.extents)}")
-
-
-def _index_of(box: S.Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(o - g, o - g + e) for o, e, g in zip(box[0], box[1], origin))
+def _check_files_once(directory: str | Path, meta: dict) -> None:
+    """Every file's size and SHA-256, each checked by one rank (round robin), the verdict
+    shared: no rank reads more than its share of the checkpoint to check it (collective)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error = ""
+    for name in sorted(meta["files"])[rank::world]:
+        try:
+            check_file(directory, name, meta["files"][name])
+        except CheckpointError as exc:
+            error = str(exc)
+            break
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, error)
+    first = next((e for e in everyone if e), "")
+    if first:
+        raise CheckpointError(first)
 
 
 def load(directory: str | Path, model_cfg) -> tuple[int, dict[str, dict[str, torch.Tensor]]]:
@@ -394,8 +337,9 @@ def load_into(engine, directory: str | Path, model_cfg, probe: Callable[[], None
     slices, reading only the boxes the rank holds; returns the step (every rank calls it)."""
     meta = read_meta(directory)
     check_model(meta, model_cfg, directory)
+    _check_files_once(directory, meta)
     S.prepare_optimizer_state(engine, meta["step"])
-    with Reader(Path(directory), meta, check=True, probe=probe) as reader:
+    with Reader(Path(directory), meta, probe=probe) as reader:
         for piece in S.engine_pieces(engine, for_save=False):
             reader.fill(piece)
         compressors = engine.compressors if hasattr(engine, "units") else engine.dp.compressors

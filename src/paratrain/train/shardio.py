@@ -8,22 +8,30 @@ first) and hashes what it writes, so the file's SHA-256 costs no second read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .slices import Piece
+from ..errors import RunError
+from .slices import Box, Piece, intersect
 
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int8: "I8",
              torch.uint8: "U8", torch.bool: "BOOL"}
 CHUNK = 16 << 20  # bytes read at a time when hashing a file
+
+
+class CheckpointError(RunError, ValueError):
+    """A checkpoint that is missing, corrupt, made for another model, or cannot be
+    written; the message names the tensor or file and says what to do."""
 
 
 def save_file(pieces: dict[str, Piece], path: str | Path,
@@ -97,3 +105,67 @@ def coverage_gap(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tupl
     if covered != math.prod(shape):
         return f"its slices hold {covered} of its {math.prod(shape)} elements"
     return ""
+
+
+class Tensors(Mapping):
+    """A checkpoint's whole tensors by name, each assembled from its slices when looked up."""
+
+    def __init__(self, directory: Path, meta: dict):
+        self.directory, self.meta = directory, meta
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        entry = self.meta["tensors"][key]
+        out = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
+        piece = Piece(key, tuple(out.shape), (0,) * out.dim(), out, tuple(out.shape), out.dtype)
+        with Reader(self.directory, self.meta) as reader:
+            reader.fill(piece)
+        return out
+
+    def __iter__(self):
+        return iter(self.meta["tensors"])
+
+    def __len__(self) -> int:
+        return len(self.meta["tensors"])
+
+
+class Reader(contextlib.ExitStack):
+    """Copies stored slices into pieces, opening each file once."""
+
+    def __init__(self, directory: Path, meta: dict, probe=None):
+        super().__init__()
+        self.directory, self.meta, self.probe = Path(directory), meta, probe
+        self.handles: dict = {}
+
+    def _handle(self, name: str):
+        if name not in self.handles:
+            from safetensors import safe_open
+
+            self.handles[name] = self.enter_context(safe_open(str(self.directory / name), framework="pt"))
+        return self.handles[name]
+
+    def fill(self, piece: Piece) -> None:
+        """Copy into ``piece.local`` every stored element of its box."""
+        entry = self.meta["tensors"].get(piece.key)
+        if entry is None or tuple(entry["shape"]) != piece.shape:
+            what = "lacks" if entry is None else f"has shape {entry['shape']} for"
+            raise CheckpointError(f"checkpoint {str(self.directory)!r} {what} tensor {piece.key!r} "
+                                  f"(this model: {list(piece.shape)}); resume with the same model settings")
+        want, got = (piece.offsets, piece.extents), 0
+        for s in entry["slices"]:
+            stored = (tuple(s["offsets"]), tuple(s["extents"]))
+            common = intersect(want, stored) if piece.offsets else ((), ())
+            if common is None:
+                continue
+            src = self._handle(s["file"]).get_slice(s["key"])[_index_of(common, stored[0])]
+            if self.probe is not None:
+                self.probe()
+            piece.local[_index_of(common, piece.offsets)].copy_(src)
+            got += math.prod(common[1])
+            del src
+        if got != math.prod(piece.extents):
+            raise CheckpointError(f"checkpoint {str(self.directory)!r} is incomplete: its slices of "
+                                  f"tensor {piece.key!r} do not cover {list(piece.offsets)}+{list(piece.extents)}")
+
+
+def _index_of(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o - g, o - g + e) for o, e, g in zip(box[0], box[1], origin))
