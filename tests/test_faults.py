@@ -228,7 +228,7 @@ def poisoned(build, at_calls: set[int]):
 
 def failing_write(kind: str):
     """A ``save_file`` that half-writes and finds the disk full, or a read-only ``mkdir``."""
-    def save_file(tensors, path, **kwargs):
+    def save_file(tensors, path):
         Path(path).write_bytes(b"\0" * 1000)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 

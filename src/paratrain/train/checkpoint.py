@@ -34,7 +34,6 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,7 +51,7 @@ DTYPES = ("float32", "bfloat16")
 
 # ---- saving ------------------------------------------------------------------------------------
 def save(directory: Path, step: int, engine, model_cfg, layout: str, is_writer: bool = True,
-         run_meta: dict | None = None, probe: Callable[[], None] | None = None) -> None:
+         run_meta: dict | None = None) -> None:
     """Every rank writes the slices it owns; rank 0 writes the index and publishes the
     directory (collective). Raises CheckpointError on every rank if any rank failed.
     (``is_writer`` is kept for callers; rank 0 of the world coordinates.)"""
@@ -63,7 +62,7 @@ def save(directory: Path, step: int, engine, model_cfg, layout: str, is_writer: 
     error, record = "", None
     if pieces:
         try:
-            record = _write_file(tmp, f"rank-{rank:05d}.safetensors", pieces, directory, probe)
+            record = _write_file(tmp, f"rank-{rank:05d}.safetensors", pieces, directory)
         except CheckpointError as exc:
             error = f"{exc} (on rank {rank})"
     everyone: list | None = [None] * dist.get_world_size() if rank == 0 else None
@@ -87,7 +86,7 @@ def write(tensors: dict[str, torch.Tensor], directory: Path, meta: dict) -> None
     error = _fresh(tmp, directory)
     if not error:
         try:
-            record = _write_file(tmp, STATE, pieces, directory, None)
+            record = _write_file(tmp, STATE, pieces, directory)
             error = _commit(tmp, directory, _index({**meta, "format": FORMAT}, [record]))
         except CheckpointError as exc:
             error = str(exc)
@@ -121,7 +120,7 @@ def _os_error(exc: OSError, directory: Path) -> str:
             f"space or choose a writable --run-dir")
 
 
-def _write_file(tmp: Path, name: str, pieces: list[S.Piece], directory: Path, probe) -> dict:
+def _write_file(tmp: Path, name: str, pieces: list[S.Piece], directory: Path) -> dict:
     """One rank's file; returns what the index records of it."""
     for p in pieces:
         if p.local is not None and p.local.numel() and not _finite(p.local):
@@ -129,7 +128,7 @@ def _write_file(tmp: Path, name: str, pieces: list[S.Piece], directory: Path, pr
                                   f"NaN or inf")
     items = {_file_key(p.key, p.offsets): p for p in pieces}
     try:
-        size, sha = save_file(items, tmp / name, probe=probe)
+        size, sha = save_file(items, tmp / name)
     except OSError as exc:
         raise CheckpointError(_os_error(exc, directory)) from None
     return {"file": name, "bytes": size, "sha256": sha,
@@ -332,14 +331,15 @@ def load(directory: str | Path, model_cfg) -> tuple[int, dict[str, dict[str, tor
 
 
 @torch.no_grad()
-def load_into(engine, directory: str | Path, model_cfg, probe: Callable[[], None] | None = None) -> int:
+def load_into(engine, directory: str | Path, model_cfg) -> int:
     """Fill this rank's parameters and Adam moments (any layout) from the checkpoint's
     slices, reading only the boxes the rank holds; returns the step (every rank calls it)."""
     meta = read_meta(directory)
     check_model(meta, model_cfg, directory)
+    check_tensors(meta, model_cfg, directory)
     _check_files_once(directory, meta)
     S.prepare_optimizer_state(engine, meta["step"])
-    with Reader(Path(directory), meta, probe=probe) as reader:
+    with Reader(Path(directory), meta) as reader:
         for piece in S.engine_pieces(engine, for_save=False):
             reader.fill(piece)
         compressors = engine.compressors if hasattr(engine, "units") else engine.dp.compressors

@@ -16,7 +16,6 @@ import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -34,10 +33,9 @@ class CheckpointError(RunError, ValueError):
     written; the message names the tensor or file and says what to do."""
 
 
-def save_file(pieces: dict[str, Piece], path: str | Path,
-              probe: Callable[[], None] | None = None) -> tuple[int, str]:
+def save_file(pieces: dict[str, Piece], path: str | Path) -> tuple[int, str]:
     """Write ``pieces`` (file key -> piece) as one safetensors file; fsync it. Returns
-    (bytes, sha256). ``probe`` is called while each piece's bytes are held (memory tests)."""
+    (bytes, sha256)."""
     header, pos = {}, 0
     for key, p in pieces.items():
         n = math.prod(p.extents) * torch.empty((), dtype=p.dtype).element_size()
@@ -53,8 +51,6 @@ def save_file(pieces: dict[str, Piece], path: str | Path,
         for p in pieces.values():
             t = p.local if p.local is not None else torch.zeros(p.extents, dtype=p.dtype)
             t = t.detach().to("cpu", p.dtype).contiguous()  # a copy only for a strided box
-            if probe is not None:
-                probe()
             if t.numel():
                 data = t.reshape(-1).view(torch.uint8).numpy()
                 f.write(data)
@@ -131,9 +127,9 @@ class Tensors(Mapping):
 class Reader(contextlib.ExitStack):
     """Copies stored slices into pieces, opening each file once."""
 
-    def __init__(self, directory: Path, meta: dict, probe=None):
+    def __init__(self, directory: Path, meta: dict):
         super().__init__()
-        self.directory, self.meta, self.probe = Path(directory), meta, probe
+        self.directory, self.meta = Path(directory), meta
         self.handles: dict = {}
 
     def _handle(self, name: str):
@@ -157,8 +153,6 @@ class Reader(contextlib.ExitStack):
             if common is None:
                 continue
             src = self._handle(s["file"]).get_slice(s["key"])[_index_of(common, stored[0])]
-            if self.probe is not None:
-                self.probe()
             piece.local[_index_of(common, piece.offsets)].copy_(src)
             got += math.prod(common[1])
             del src
