@@ -3,6 +3,7 @@ run continues exactly as if it had never stopped."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -49,10 +50,10 @@ def test_bad_checkpoints_are_reported_before_launch(saved, tmp_path):
         resume_config(str(tmp_path), 1, str(ckpt), d_model=32)
     with pytest.raises(ConfigError, match="raise --steps"):
         tiny_config(str(tmp_path), nproc=1, steps=3, resume=str(ckpt))
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "meta.json").write_text((Path(ckpt) / "meta.json").read_text())
-    (broken / "state.safetensors").write_bytes((Path(ckpt) / "state.safetensors").read_bytes()[:100])
+    broken = tmp_path / "broken"  # the index, and one rank's file cut short
+    shutil.copytree(ckpt, broken)
+    first = sorted(checkpoint.read_meta(ckpt)["files"])[0]
+    (broken / first).write_bytes((Path(ckpt) / first).read_bytes()[:100])
     from paratrain.models.gpt import PRESETS
 
     with pytest.raises(checkpoint.CheckpointError, match="corrupt"):

@@ -357,6 +357,12 @@ class CompressorSet:
         dist.all_gather_object(everyone, mine)
         return {f"{self._prefix()}/rank{r}/{k}": v for r, state in enumerate(everyone) for k, v in state.items()}
 
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's compression state under the keys ``gather_state`` gives it (no copy,
+        no communication: sharded checkpoints write each rank's own)."""
+        prefix = f"{self._prefix()}/rank{dist.get_rank()}/"
+        return {f"{prefix}b{i}.{k}": v for i, c in enumerate(self.items) for k, v in c.state_dict().items()}
+
     def load_state(self, saved: dict[str, torch.Tensor]) -> bool:
         """Install this rank's state from ``gather_state``'s output. A checkpoint of another
         method, world or bucket layout leaves the state fresh (returns False)."""

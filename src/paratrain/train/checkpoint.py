@@ -1,91 +1,175 @@
-"""Layout-independent checkpoints you can trust: full tensors under the plain model's names.
+"""Sharded, layout-independent checkpoints you can trust (format 3; docs/checkpoints.md).
 
 A checkpoint is a directory::
 
-    meta.json           {"format": 2, "step": N, "model": {GPTConfig fields}, "layout": "...",
-                         "run": {"id", "seed", "config"}, "data": {where the data stream is},
-                         "tensors": {name: {"dtype", "shape", "sha256"}}}
-    state.safetensors   "param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>"
+    rank-00000.safetensors  the slices rank 0 owns, e.g. "param/layers.0.attn.wq.weight@0,0"
+    rank-00001.safetensors  ... one file per rank that owns something
+    meta.json               the index, written last: {"format": 3, "step": N, "model": {...},
+                            "layout": "...", "run": {...}, "data": {...},
+                            "files": {file: {"bytes", "sha256"}},
+                            "tensors": {"param/<name>": {"dtype", "shape",
+                                        "slices": [{"file", "key", "offsets", "extents"}]}}}
 
-Every tensor is stored whole, as the plain single-process model names and shapes it, so
-any layout can resume from it: parameters are loaded into the plain model *before* it is
-parallelized (which then cuts each rank's share, as it does from a fresh initialisation),
-and the engine installs its share of Adam's moments.
+Tensors are named and shaped as in the plain single-process model ("param/", "exp_avg/",
+"exp_avg_sq/", plus each rank's own gradient-compression state under "compress/"). Each rank
+writes only the boxes of them it owns (slices.py: its TP shard, its pipeline stage, its ZeRO
+range of a flat unit; a replicated tensor once), streaming from its live tensors, so no rank
+ever holds more than its own state plus one tensor. Loading under any other layout copies,
+for every piece the rank holds, the intersecting boxes of the stored slices
+(``safe_open(...).get_slice``): it reads only what it needs.
 
-Trust: rank 0 refuses to write a non-finite tensor; it writes into a hidden temporary
-directory, fsyncs the files and the directory, renames it into place and fsyncs the parent,
-so a checkpoint exists whole or not at all, even across a power cut. A failed write (full
-disk, read-only directory) removes the temporary directory and raises a CheckpointError.
-Loading checks every tensor against the model (names, shapes) and against meta.json
-(dtype, shape, checksum) and names the first one that differs.
-
-(Simpler than per-rank slice files: all tensors pass through rank 0, which suits models
-whose full state fits in one host's memory.)
+Trust: nothing non-finite is written; files go into a hidden temporary directory, each rank
+fsyncs its file, rank 0 writes the index last (atomically) and renames the directory into
+place, so a checkpoint exists whole or not at all; a failed write on any rank removes the
+temporary directory and raises a CheckpointError on every rank. Before launch ``verify``
+checks the index (every tensor of the model, shapes, dtypes; the slices of each tensor tile
+it exactly once) and every file's size and SHA-256, naming the first problem.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
-from ..errors import RunError
 from ..parallel.engine import MOMENTS
+from . import slices as S
+from .shardio import CheckpointError, Reader, Tensors, coverage_gap, file_digest, read_header, save_file
 
-FORMAT = 2
+FORMAT = 3
 KINDS = ("param", *MOMENTS)
-STATE = "state.safetensors"
+INDEX = "meta.json"
+STATE = "state.safetensors"  # the one file of a checkpoint written by ``write``
 DTYPES = ("float32", "bfloat16")
 
 
-class CheckpointError(RunError, ValueError):
-    """A checkpoint that is missing, corrupt, made for another model, or cannot be
-    written; the message names the tensor or file and says what to do."""
-
-
-def save(directory: Path, step: int, engine, model_cfg, layout: str, is_writer: bool,
+# ---- saving ------------------------------------------------------------------------------------
+def save(directory: Path, step: int, engine, model_cfg, layout: str, is_writer: bool = True,
          run_meta: dict | None = None) -> None:
-    """Gather the full state (collective: every rank calls it) and write it on rank 0.
-    Raises CheckpointError on every rank if rank 0 could not write it."""
-    tensors = {f"param/{k}": v for k, v in engine.full_state_dict().items()}
-    for kind, named in engine.full_optimizer_state().items():
-        tensors.update({f"{kind}/{k}": v for k, v in named.items()})
-    outcome = [""]
-    if is_writer:
+    """Every rank writes the slices it owns; rank 0 writes the index and publishes the
+    directory (collective). Raises CheckpointError on every rank if any rank failed.
+    (``is_writer`` is kept for callers; rank 0 of the world coordinates.)"""
+    directory, rank = Path(directory), dist.get_rank()
+    tmp = directory.with_name(f".{directory.name}.tmp")
+    _agree(_fresh(tmp, directory) if rank == 0 else "")
+    pieces = S.engine_pieces(engine, for_save=True)
+    error, record = "", None
+    if pieces:
+        try:
+            record = _write_file(tmp, f"rank-{rank:05d}.safetensors", pieces, directory)
+        except CheckpointError as exc:
+            error = f"{exc} (on rank {rank})"
+    everyone: list | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((error, record), everyone, dst=0)  # only rank 0 holds the whole index
+    outcome = next((e for e, _ in everyone if e), "") if rank == 0 else ""
+    if rank == 0 and not outcome:
         meta = {"format": FORMAT, "step": step, "model": dataclasses.asdict(model_cfg),
                 "layout": layout, **(run_meta or {})}
-        try:
-            write({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, directory, meta)
-        except CheckpointError as exc:
-            outcome = [str(exc)]
-    dist.broadcast_object_list(outcome, src=0)  # also: nobody reads it before it is complete
-    if outcome[0]:
-        raise CheckpointError(outcome[0] if is_writer else f"rank 0 could not save: {outcome[0]}")
+        outcome = _commit(tmp, directory, _index(meta, [r for _, r in everyone if r]))
+    if rank == 0 and outcome:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _agree(outcome)
 
 
 def write(tensors: dict[str, torch.Tensor], directory: Path, meta: dict) -> None:
-    """Write a checkpoint atomically and durably, or raise CheckpointError leaving none."""
-    bad = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
-    if bad:
-        raise CheckpointError(f"not writing checkpoint {str(directory)!r}: tensor {bad[0]!r} holds "
-                              f"NaN or inf ({len(bad)} such tensors)")
-    meta = {**meta, "tensors": {k: describe(v) for k, v in tensors.items()}}
+    """Write whole tensors as a one-file checkpoint (one process), atomically and durably,
+    or raise CheckpointError leaving none."""
+    directory = Path(directory)
+    pieces = [S.Piece(k, tuple(v.shape), (0,) * v.dim(), v, tuple(v.shape), v.dtype) for k, v in tensors.items()]
     tmp = directory.with_name(f".{directory.name}.tmp")
-    old = directory.with_name(f".{directory.name}.old")
+    error = _fresh(tmp, directory)
+    if not error:
+        try:
+            record = _write_file(tmp, STATE, pieces, directory)
+            error = _commit(tmp, directory, _index({**meta, "format": FORMAT}, [record]))
+        except CheckpointError as exc:
+            error = str(exc)
+    if error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(error)
+
+
+def _agree(error: str) -> None:
+    """Rank 0's verdict on every rank (also: nobody goes on before the checkpoint is whole)."""
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise CheckpointError(error)
+
+
+def _fresh(tmp: Path, directory: Path) -> str:
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file(tensors, str(tmp / STATE))
-        _fsync(tmp / STATE)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # last: marks it complete
-        _fsync(tmp / "meta.json")
+    except OSError as exc:
+        return _os_error(exc, directory)
+    return ""
+
+
+def _os_error(exc: OSError, directory: Path) -> str:
+    return (f"could not write checkpoint {str(directory)!r}: {exc.strerror or exc} "
+            f"({exc.filename or directory}); nothing was left half-written. Free "
+            f"space or choose a writable --run-dir")
+
+
+def _write_file(tmp: Path, name: str, pieces: list[S.Piece], directory: Path) -> dict:
+    """One rank's file; returns what the index records of it."""
+    for p in pieces:
+        if p.local is not None and p.local.numel() and not _finite(p.local):
+            raise CheckpointError(f"not writing checkpoint {str(directory)!r}: tensor {p.key!r} holds "
+                                  f"NaN or inf")
+    items = {_file_key(p.key, p.offsets): p for p in pieces}
+    try:
+        size, sha = save_file(items, tmp / name)
+    except OSError as exc:
+        raise CheckpointError(_os_error(exc, directory)) from None
+    return {"file": name, "bytes": size, "sha256": sha,
+            "tensors": {p.key: [list(p.shape), _dtype(p.dtype)] for p in pieces},
+            "slices": [[p.key, p.offsets, p.extents] for p in pieces]}
+
+
+def _finite(t: torch.Tensor) -> bool:
+    # aminmax propagates NaN and sees +-inf without the full-size temporaries of isfinite
+    lo, hi = torch.aminmax(t) if t.is_floating_point() else (t.min(), t.max())
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _file_key(key: str, offsets: tuple[int, ...]) -> str:
+    return f"{key}@{','.join(map(str, offsets))}"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _index(meta: dict, records: list[dict]) -> dict:
+    tensors: dict[str, dict] = {}
+    for r in records:
+        for key, offsets, extents in r["slices"]:
+            shape, dtype = r["tensors"][key]
+            entry = tensors.setdefault(key, {"dtype": dtype, "shape": shape, "slices": []})
+            entry["slices"].append({"file": r["file"], "key": _file_key(key, offsets),
+                                    "offsets": list(offsets), "extents": list(extents)})
+    files = {r["file"]: {"bytes": r["bytes"], "sha256": r["sha256"]} for r in records}
+    return {**meta, "files": files, "tensors": dict(sorted(tensors.items()))}
+
+
+def _commit(tmp: Path, directory: Path, index: dict) -> str:
+    """Write the index last (atomically), then publish the directory; '' or the error."""
+    old = directory.with_name(f".{directory.name}.old")
+    try:
+        part = tmp / f"{INDEX}.part"
+        part.write_text(json.dumps(index, indent=1))
+        _fsync(part)
+        os.rename(part, tmp / INDEX)  # the checkpoint is complete from here
         _fsync(tmp)
         if directory.exists():
             directory.rename(old)
@@ -93,12 +177,10 @@ def write(tensors: dict[str, torch.Tensor], directory: Path, meta: dict) -> None
         _fsync(directory.parent)
         shutil.rmtree(old, ignore_errors=True)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not directory.exists():
             old.rename(directory)
-        raise CheckpointError(f"could not write checkpoint {str(directory)!r}: {exc.strerror or exc} "
-                              f"({exc.filename or directory}); nothing was left half-written. Free "
-                              f"space or choose a writable --run-dir") from None
+        return _os_error(exc, directory)
+    return ""
 
 
 def _fsync(path: Path) -> None:
@@ -109,30 +191,34 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def describe(tensor: torch.Tensor) -> dict:
-    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
-            "sha256": checksum(tensor)}
-
-
-def checksum(tensor: torch.Tensor) -> str:
-    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(raw.data).hexdigest()
-
-
+# ---- reading and checking ----------------------------------------------------------------------
 def read_meta(directory: str | Path) -> dict:
-    """The checkpoint's metadata; raises CheckpointError naming the problem."""
-    path = Path(directory) / "meta.json"
+    """The checkpoint's index, checked for completeness (every tensor's slices tile it once);
+    raises CheckpointError naming the problem."""
+    where, path = Path(directory), Path(directory) / INDEX
     if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {str(directory)!r} (no meta.json); give the "
+        if where.is_dir() and any(where.glob("*.safetensors")):
+            raise CheckpointError(f"no checkpoint at {str(directory)!r}: its index {INDEX} is missing (the "
+                                  f"index is written last, so that save never finished); resume from "
+                                  f"another checkpoint")
+        raise CheckpointError(f"no checkpoint at {str(directory)!r} (no {INDEX}); give the "
                               f"directory `paratrain train --save-every N` wrote, "
                               f"e.g. RUN_DIR/checkpoints/step-N")
     try:
         meta = json.loads(path.read_text())
         assert meta["format"] == FORMAT and isinstance(meta["step"], int)
-        assert isinstance(meta["tensors"], dict)
+        assert isinstance(meta["tensors"], dict) and isinstance(meta["files"], dict)
+        boxes = {k: (tuple(v["shape"]), [(tuple(s["offsets"]), tuple(s["extents"])) for s in v["slices"]])
+                 for k, v in meta["tensors"].items()}
+        assert all(s["file"] in meta["files"] for v in meta["tensors"].values() for s in v["slices"])
     except (ValueError, KeyError, AssertionError, TypeError):
         raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt or of an older format: "
-                              f"meta.json is unreadable; resume from another checkpoint") from None
+                              f"{INDEX} is unreadable; resume from another checkpoint") from None
+    for key, (shape, tiles) in boxes.items():
+        gap = coverage_gap(shape, tiles)
+        if gap:
+            raise CheckpointError(f"checkpoint {str(directory)!r} is incomplete: the slices of tensor "
+                                  f"{key!r} do not cover it ({gap}); resume from another checkpoint")
     return meta
 
 
@@ -156,18 +242,16 @@ def expected_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
     return {f"{kind}/{n}": tuple(p.shape) for kind in KINDS for n, p in model.named_parameters()}
 
 
-def verify(directory: str | Path, model_cfg) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(meta, tensors) of a checkpoint whose every tensor is present, of the model's shape,
-    of the recorded dtype and checksum; else CheckpointError naming the first that is not."""
-    meta = read_meta(directory)
-    check_model(meta, model_cfg, directory)
+def check_tensors(meta: dict, model_cfg, directory: str | Path) -> None:
+    """Raise unless the index lists exactly the model's tensors, of its shapes and of a
+    checkpoint dtype."""
     where = f"checkpoint {str(directory)!r}"
     want, recorded = expected_shapes(model_cfg), meta["tensors"]
     for name in sorted(set(want) | set(recorded)):
         if name not in recorded:
             raise CheckpointError(f"{where} lacks tensor {name!r}; resume from another checkpoint")
         if name.split("/", 1)[0] not in KINDS:  # an engine's own state (e.g. "compress/..."):
-            continue  # checksummed below; the engine checks it fits when it loads it
+            continue  # checksummed with its file; the engine checks it fits when it loads it
         if name not in want:
             raise CheckpointError(f"{where} holds tensor {name!r}, which this model does not have")
         if recorded[name]["dtype"] not in DTYPES:
@@ -176,33 +260,96 @@ def verify(directory: str | Path, model_cfg) -> tuple[dict, dict[str, torch.Tens
         if tuple(recorded[name]["shape"]) != want[name]:
             raise CheckpointError(f"{where}: tensor {name!r} has shape {recorded[name]['shape']}, "
                                   f"the model needs {list(want[name])}")
-    path = Path(directory) / STATE
+
+
+def check_file(directory: str | Path, name: str, info: dict) -> None:
+    """Raise unless the file exists with the recorded size and SHA-256."""
+    where, path = f"checkpoint {str(directory)!r}", Path(directory) / name
     if not path.is_file():
-        raise CheckpointError(f"{where} is incomplete: {STATE} is missing; resume from another checkpoint")
-    try:
-        tensors = load_file(str(path))
-    except Exception as exc:  # safetensors raises its own types for truncated/garbled files
-        raise CheckpointError(f"{where} is corrupt: {STATE} cannot be read ({exc}); "
-                              f"resume from another checkpoint") from None
-    for name in sorted(set(tensors) | set(recorded)):
-        if name not in tensors:
-            raise CheckpointError(f"{where} is incomplete: tensor {name!r} is missing from {STATE}")
-        if name not in recorded:
-            raise CheckpointError(f"{where}: {STATE} holds tensor {name!r}, which meta.json does not list")
-        got, rec = describe(tensors[name]), recorded[name]
-        for key, what in (("dtype", "dtype"), ("shape", "shape"), ("sha256", "checksum")):
-            if got[key] != rec[key]:
-                raise CheckpointError(f"{where}: tensor {name!r} has {what} {str(got[key])[:16]}, "
-                                      f"meta.json records {str(rec[key])[:16]} (a corrupt file?); "
-                                      f"resume from another checkpoint")
-    return meta, tensors
+        raise CheckpointError(f"{where} is incomplete: {name} is missing; resume from another checkpoint")
+    size, sha = file_digest(path)
+    if size != info["bytes"]:
+        raise CheckpointError(f"{where} is corrupt: {name} has {size} bytes, {INDEX} records "
+                              f"{info['bytes']} (truncated?); resume from another checkpoint")
+    if sha != info["sha256"]:
+        raise CheckpointError(f"{where}: {name} has checksum {sha[:16]}, {INDEX} records "
+                              f"{info['sha256'][:16]} (a corrupt file?); resume from another checkpoint")
+
+
+def verify(directory: str | Path, model_cfg) -> tuple[dict, Mapping[str, torch.Tensor]]:
+    """(index, tensors) of a checkpoint whose every tensor is present, of the model's shape
+    and a checkpoint dtype, tiled by its slices, in files of the recorded size and checksum;
+    else CheckpointError naming the first that is not. ``tensors`` reads each whole tensor
+    when it is looked up (one at a time)."""
+    meta = read_meta(directory)
+    check_model(meta, model_cfg, directory)
+    check_tensors(meta, model_cfg, directory)
+    headers = {}
+    for name, info in meta["files"].items():
+        check_file(directory, name, info)
+        try:
+            headers[name] = read_header(Path(directory) / name)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt: {name} cannot be read "
+                                  f"({exc}); resume from another checkpoint") from None
+    for key, entry in meta["tensors"].items():
+        for s in entry["slices"]:
+            head = headers[s["file"]].get(s["key"])
+            if head is None or head["shape"] != s["extents"]:
+                raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt: {s['file']} lacks the "
+                                      f"slice {s['key']!r} of tensor {key!r} its index lists")
+    return meta, Tensors(Path(directory), meta)
+
+
+def _check_files_once(directory: str | Path, meta: dict) -> None:
+    """Every file's size and SHA-256, each checked by one rank (round robin), the verdict
+    shared: no rank reads more than its share of the checkpoint to check it (collective)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error = ""
+    for name in sorted(meta["files"])[rank::world]:
+        try:
+            check_file(directory, name, meta["files"][name])
+        except CheckpointError as exc:
+            error = str(exc)
+            break
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, error)
+    first = next((e for e in everyone if e), "")
+    if first:
+        raise CheckpointError(first)
 
 
 def load(directory: str | Path, model_cfg) -> tuple[int, dict[str, dict[str, torch.Tensor]]]:
-    """(step, {"param": {...}, "exp_avg": {...}, "exp_avg_sq": {...}}) of a verified checkpoint."""
+    """(step, {"param": {...}, "exp_avg": {...}, "exp_avg_sq": {...}}) of a verified
+    checkpoint, every tensor whole (for tools: export, the U-Net task)."""
     meta, tensors = verify(directory, model_cfg)
     state: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in KINDS}
-    for key, value in tensors.items():
+    for key in tensors:
         kind, _, name = key.partition("/")
-        state.setdefault(kind, {})[name] = value  # engines may save more kinds ("compress")
+        state.setdefault(kind, {})[name] = tensors[key]  # engines may save more kinds ("compress")
     return meta["step"], state
+
+
+@torch.no_grad()
+def load_into(engine, directory: str | Path, model_cfg) -> int:
+    """Fill this rank's parameters and Adam moments (any layout) from the checkpoint's
+    slices, reading only the boxes the rank holds; returns the step (every rank calls it)."""
+    meta = read_meta(directory)
+    check_model(meta, model_cfg, directory)
+    check_tensors(meta, model_cfg, directory)
+    _check_files_once(directory, meta)
+    S.prepare_optimizer_state(engine, meta["step"])
+    with Reader(Path(directory), meta) as reader:
+        for piece in S.engine_pieces(engine, for_save=False):
+            reader.fill(piece)
+        compressors = engine.compressors if hasattr(engine, "units") else engine.dp.compressors
+        saved = {}
+        for key, value in compressors.local_state().items():
+            entry = meta["tensors"].get(f"compress/{key}")
+            if entry is not None and tuple(entry["shape"]) == tuple(value.shape):
+                saved[key] = torch.empty_like(value)
+                reader.fill(S.Piece(f"compress/{key}", tuple(value.shape), (0,) * value.dim(),
+                                    saved[key], tuple(value.shape), value.dtype))
+        compressors.load_state(saved)  # another method or world: fresh state, as before
+    S.after_load(engine)
+    return meta["step"]

@@ -75,16 +75,14 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     """Model, parallel wrapper, optimizer and data for this rank."""
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
     model = GPT(cfg.model).to(mesh.device)
-    start_step, state = checkpoint.load(cfg.train.resume, cfg.model) if cfg.train.resume else (0, None)
     run_id = (checkpoint.read_meta(cfg.train.resume).get("run", {}).get("id") if cfg.train.resume
               else None) or uuid.uuid4().hex
-    if state is not None:  # the plain model takes the full tensors; parallelize cuts them
-        model.load_state_dict(state["param"])
-    elif hf.is_model_dir(cfg.model_preset):  # a Hugging Face directory: start from its weights
+    if not cfg.train.resume and hf.is_model_dir(cfg.model_preset):  # start from its weights
         model.load_state_dict(hf.load_weights(cfg.model_preset, cfg.model))
     engine = parallelize(model, mesh, cfg)
-    if state is not None:
-        engine.load_optimizer_state(state, start_step)
+    start_step = 0
+    if cfg.train.resume:  # each rank reads the slices of its own shards (train/checkpoint.py)
+        start_step = checkpoint.load_into(engine, cfg.train.resume, cfg.model)
     train_tokens, val_tokens = D.load_tokens(cfg.data)
     train_data = D.Samples(train_tokens, cfg.data.seq_len)
     sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch,

@@ -1,0 +1,227 @@
+"""Which pieces of the plain model's tensors a rank holds, for sharded checkpoints.
+
+A *piece* is a box (a hyperrectangle: offsets and extents per dimension) of one global
+tensor (a parameter or one of its Adam moments, under the plain model's name), together
+with a view of the rank's live storage that holds exactly that box. Saving writes the
+views; loading copies into them. Nothing is gathered and nothing is copied whole.
+
+Where a rank's local tensor sits in the global one (its *placement*):
+
+* replicated engine: the whole parameter, or under tensor parallelism its shard along
+  ``ShardSpec.dim`` (vocabulary padding rows lie outside the global tensor and are cut);
+* ZeRO: the rank owns a range of each unit's flat buffer, which covers a flat range of
+  some parameters (or of their TP shards). A flat range of a box splits into at most
+  2 x ndim - 1 boxes (a partial first row, whole rows, a partial last row; recursively),
+  so ZeRO pieces are boxes too.
+
+Ownership: for saving, each box of each tensor is written by exactly one rank: data-parallel
+replicas (the replicated engine) write on rank 0 of their group, TP-replicated parameters
+(norms; K/V heads shared by ``copies`` ranks) on the first rank holding them, pipeline stages
+their own parameters. For loading every rank takes every piece it holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import collectives as C
+from ..parallel.engine import MOMENTS, plain_name
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, extents)
+
+
+@dataclass
+class Piece:
+    """One box of one global tensor, and where it lives on this rank."""
+
+    key: str
+    """'param/<name>', 'exp_avg/<name>', 'exp_avg_sq/<name>' or 'compress/<key>'."""
+    shape: tuple[int, ...]
+    """The whole tensor's shape."""
+    offsets: tuple[int, ...]
+    """Where the box starts in the whole tensor."""
+    local: torch.Tensor | None
+    """The box: a view of live storage; None for a moment that does not exist yet (zeros)."""
+    extents: tuple[int, ...]
+    """The box's extents (``local.shape`` when there is a view)."""
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank's local tensor (of ``local_shape``) sits in the global tensor."""
+
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    valid: tuple[int, ...]
+    """Extents of the local tensor that belong to the global one (less than the local shape
+    along a padded vocabulary)."""
+    owner: bool
+    """Whether this rank writes it (one rank among the TP ranks holding the same data)."""
+
+
+def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    """Boxes of a row-major tensor of ``shape`` that together hold its flat elements
+    ``[start, stop)``, in order."""
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    if inner == 0:
+        return []
+    (r0, o0), (r1, o1) = divmod(start, inner), divmod(stop, inner)
+    rest = shape[1:]
+    if r0 == r1:
+        return [((r0, *off), (1, *ext)) for off, ext in flat_boxes(rest, o0, o1)]
+    boxes: list[Box] = []
+    if o0:
+        boxes += [((r0, *off), (1, *ext)) for off, ext in flat_boxes(rest, o0, inner)]
+        r0 += 1
+    if r1 > r0:
+        boxes.append(((r0, *(0,) * len(rest)), (r1 - r0, *rest)))
+    if o1:
+        boxes += [((r1, *off), (1, *ext)) for off, ext in flat_boxes(rest, 0, o1)]
+    return boxes
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The box two boxes share, or None."""
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
+    hi = tuple(min(x + e, y + f) for x, e, y, f in zip(a[0], a[1], b[0], b[1]))
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - l for l, h in zip(lo, hi))
+
+
+def placement(param: torch.Tensor, tp) -> Placement:
+    """Where ``param`` (this rank's tensor) sits in the plain model's tensor."""
+    shape = tuple(param.shape)
+    spec = tp.specs.get(id(param)) if tp is not None else None
+    if spec is None:  # whole (replicated over TP, if any): the first TP rank writes it
+        return Placement(shape, (0,) * len(shape), shape, tp is None or C.rank(tp.group) == 0)
+    rank = C.rank(tp.group)
+    d, local = spec.dim, shape[spec.dim]
+    start = (rank // spec.copies) * local
+    full = list(shape)
+    full[d] = spec.full_size
+    offsets = [0] * len(shape)
+    offsets[d] = start
+    valid = list(shape)
+    valid[d] = max(0, min(local, spec.full_size - start))
+    return Placement(tuple(full), tuple(offsets), tuple(valid), rank % spec.copies == 0)
+
+
+def box_pieces(key: str, local_shape: tuple[int, ...], place: Placement, start: int, stop: int,
+               source: torch.Tensor | None, dtype: torch.dtype) -> list[Piece]:
+    """Pieces of the flat range ``[start, stop)`` of a local tensor; ``source`` is the 1-D
+    storage of exactly that range (None: zeros), cut to the part inside the global tensor."""
+    out, pos = [], 0
+    for off, ext in flat_boxes(local_shape, start, stop):
+        n = math.prod(ext)
+        view = source[pos:pos + n].view(ext) if source is not None else None
+        pos += n
+        kept = intersect((off, ext), ((0,) * len(off), place.valid)) if off else (off, ext)
+        if kept is None:
+            continue  # vocabulary padding
+        if view is not None:
+            for dim, (e, k) in enumerate(zip(ext, kept[1])):
+                if k < e:
+                    view = view.narrow(dim, 0, k)
+        offsets = tuple(g + o for g, o in zip(place.offsets, off))
+        out.append(Piece(key, place.shape, offsets, view, kept[1], dtype))
+    return out
+
+
+def replicated_pieces(engine, for_save: bool) -> list[Piece]:
+    """Pieces of a ReplicatedEngine (DDP, optionally TP and pipeline stages)."""
+    if for_save and C.rank(engine.dp.group) != 0:
+        return _compress_pieces(engine.dp.compressors)
+    pieces = []
+    for name, p in engine.module.named_parameters():
+        place = placement(p, engine.tp)
+        if for_save and not place.owner:
+            continue
+        state = engine.optimizer.state.get(p, {})
+        for kind in ("param", *MOMENTS):
+            source = p.detach() if kind == "param" else state.get(kind)
+            flat = source.reshape(-1) if source is not None else None
+            pieces += box_pieces(f"{kind}/{plain_name(name)}", tuple(p.shape), place, 0, p.numel(),
+                                 flat, p.dtype if kind == "param" else torch.float32)
+    return pieces + (_compress_pieces(engine.dp.compressors) if for_save else [])
+
+
+def zero_pieces(engine, for_save: bool) -> list[Piece]:
+    """Pieces of a ZeroDataParallel engine: each rank's range of every flat unit (for
+    loading under stages 1 and 2, whose ranks hold full parameters, the whole unit)."""
+    state, pieces = engine.optimizer.optimizer.state, []
+    for unit, views in zip(engine.units, engine.optimizer.unit_views):
+        flat = unit.flat
+        start, end = flat.shard_range
+        shard = unit.shard if unit.shard is not None else flat.own_slice(flat.flat)
+        cut = len(flat.decay_split(shard)[0])
+        segments = [(a, b) for a, b in ((0, cut), (cut, flat.shard_size)) if b > a]  # as views
+        for name, p, offset in zip(flat.names, flat.params, flat.offsets):
+            place = placement(p, engine.tp)
+            if for_save and not place.owner:
+                continue
+            lo, hi = max(offset, start), min(offset + p.numel(), end)
+            key = plain_name(name)
+            if not for_save and engine.stage < 3:  # the full parameter lives on every rank
+                pieces += box_pieces(f"param/{key}", tuple(p.shape), place, 0, p.numel(),
+                                     flat.flat[offset:offset + p.numel()], flat.flat.dtype)
+            elif lo < hi:
+                pieces += box_pieces(f"param/{key}", tuple(p.shape), place, lo - offset, hi - offset,
+                                     shard[lo - start:hi - start], flat.flat.dtype)
+            if lo >= hi:
+                continue
+            (a, _), view = next(((a, b), v) for (a, b), v in zip(segments, views) if a <= lo - start < b)
+            for kind in MOMENTS:
+                moment = state.get(view, {}).get(kind)
+                source = moment[lo - start - a:hi - start - a] if moment is not None else None
+                pieces += box_pieces(f"{kind}/{key}", tuple(p.shape), place, lo - offset, hi - offset,
+                                     source, torch.float32)
+    return pieces + (_compress_pieces(engine.compressors) if for_save else [])
+
+
+def _compress_pieces(compressors) -> list[Piece]:
+    """This rank's gradient-compression state (error-feedback residuals, PowerSGD's Q):
+    each rank's own, stored whole under 'compress/METHOD/worldW/rankR/...'."""
+    return [Piece(f"compress/{k}", tuple(v.shape), (0,) * v.dim(), v.detach(), tuple(v.shape), v.dtype)
+            for k, v in compressors.local_state().items()]
+
+
+def engine_pieces(engine, for_save: bool) -> list[Piece]:
+    """The pieces this rank writes (``for_save``) or reads (every piece it holds)."""
+    if hasattr(engine, "units"):
+        return zero_pieces(engine, for_save)
+    return replicated_pieces(engine, for_save)
+
+
+@torch.no_grad()
+def prepare_optimizer_state(engine, step: int) -> None:
+    """Adam state after ``step`` steps for every tensor the optimizer updates, with moments
+    for loading to copy into."""
+    if hasattr(engine, "units"):
+        optimizer = engine.optimizer.optimizer
+        targets = [v for views in engine.optimizer.unit_views for v in views]
+    else:
+        optimizer = engine.optimizer
+        targets = [p for p in engine.module.parameters() if p.requires_grad]
+    for t in targets:  # moments that exist are reused (loading overwrites every element)
+        old = optimizer.state.get(t, {})
+        optimizer.state[t] = {"step": torch.tensor(float(step)),
+                              **{k: old[k] if k in old else torch.zeros_like(t, dtype=torch.float32)
+                                 for k in MOMENTS}}
+
+
+@torch.no_grad()
+def after_load(engine) -> None:
+    """Refresh what derives from the loaded parameters: ZeRO's fp32 master copies."""
+    optimizer = getattr(engine, "optimizer", None)
+    if hasattr(engine, "units") and optimizer.master_copy:
+        for shard, master in zip(optimizer.shards, optimizer.masters):
+            master.copy_(shard)
