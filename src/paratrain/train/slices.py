@@ -100,7 +100,7 @@ def intersect(a: Box, b: Box) -> Box | None:
 def placement(param: torch.Tensor, tp) -> Placement:
     """Where ``param`` (this rank's tensor) sits in the plain model's tensor."""
     shape = tuple(param.shape)
-    spec = tp.specs.get(id(param)) if tp is not None else None
+    spec = tp.specs.get(param) if tp is not None else None
     if spec is None:  # whole (replicated over TP, if any): the first TP rank writes it
         return Placement(shape, (0,) * len(shape), shape, tp is None or C.rank(tp.group) == 0)
     rank = C.rank(tp.group)
