@@ -17,9 +17,11 @@ from paratrain.comm.powersgd import PowerSGD
 from paratrain.train.config import ConfigError
 from helpers import assert_same_run, rel_error, tail, tiny_config, train_runs
 
-# A bucket as DDP builds them: a matrix, a vector, a 3-d tensor (viewed as 6 x 20).
-VIEWS = [(0, torch.Size([8, 24])), (192, torch.Size([24])), (216, torch.Size([6, 4, 5]))]
-NUMEL = 216 + 120
+# A bucket as DDP builds them: a matrix, a vector, a 3-d tensor (viewed as 6 x 20), and a
+# tall matrix (PowerSGD compresses its transpose, and writes it back in its own layout).
+VIEWS = [(0, torch.Size([8, 24])), (192, torch.Size([24])), (216, torch.Size([6, 4, 5])),
+         (336, torch.Size([24, 8]))]
+NUMEL = 336 + 192
 
 
 def _gather(t: torch.Tensor) -> torch.Tensor:
