@@ -2,7 +2,7 @@
 of two network namespaces whose link is shaped with tc (scripts/cluster.py). Needs root.
 
     python benchmarks/two_nodes.py [--bandwidth 1gbit] [--latency 0.5ms]    (as root)
-        [--steps 20] [--model small] [--global-batch 4] [--seq-len 64] [--save FILE.json]
+        [--steps 20] [--repeats 2] [--model small] [--global-batch 4] [--seq-len 64] [--save FILE.json]
 
 dp4 (2 processes per node) trains the same model on the same data with each paratrain
 ``--compress`` method and with torch DDP and its communication hooks (fp16_compress_hook,
@@ -16,11 +16,20 @@ collectives are issued from gloo's worker threads in different orders on differe
 Then dp2 x tp2 runs with tp inside a node (order tp-cp-pp-dp) and with tp across the link
 (order dp-tp-cp-pp), next to the planner's predictions for both on this cluster.
 
-Step time is the median over the steps after the first three; "link bytes/step" is what
+Each paratrain run sits next to its torch counterpart and the list runs ``--repeats`` times
+(every other time backwards), so that load drifting during the benchmark hits both sides
+of a ratio alike. Two more runs measure the link's share of the uncompressed step: the same
+training with no gradient communication at all ("compute only": the floor no compression
+can beat, so none / compute-only bounds any method's speed-up, Amdahl's law) and the fp32
+gradient all-reduce with no compute ("all-reduce alone").
+
+Step time is the median over the steps after the first three, of all repeats; "link bytes/step" is what
 node 0's end of the veth pair sent per step (measured, every rank of node 0 included);
 "sent bytes/step" is paratrain's own count for one rank (``comm_bytes``). The last line is
 JSON: paratrain = the best paratrain method's step time, peer = torch's powerSGD_hook's,
-ratio = paratrain / peer.
+ratio = paratrain / peer; also powersgd_vs_torch (paratrain's PowerSGD / torch's hook),
+comm_share (what communication adds to the uncompressed step) and max_speedup (the Amdahl
+bound).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Draws docs/img/compression.png from the numbers benchmarks/two_nodes.py measured:
 
     python benchmarks/two_nodes.py --save docs/img/compression.json                       # as root
+    python benchmarks/two_nodes.py --bandwidth 300mbit --tp-steps 4 --save docs/img/compression-300mbit.json
     python benchmarks/two_nodes.py --bandwidth 100mbit --save docs/img/compression-100mbit.json
     python docs/img/make_compression.py
 
@@ -17,7 +18,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).parent
-files = [f for f in (HERE / "compression.json", HERE / "compression-100mbit.json") if f.is_file()]
+files = [f for f in (HERE / "compression.json", HERE / "compression-300mbit.json", HERE / "compression-100mbit.json")
+         if f.is_file()]
 fig, grid = plt.subplots(len(files), 3, figsize=(13, 3.9 * len(files)), squeeze=False)
 for axes, path in zip(grid, files):
     data = json.loads(path.read_text())
