@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["none", "fp16", "bf16", "int8", "topk:0.01", "powersgd:{r}"]
