@@ -2,7 +2,7 @@
 of two network namespaces whose link is shaped with tc (scripts/cluster.py). Needs root.
 
     python benchmarks/two_nodes.py [--bandwidth 1gbit] [--latency 0.5ms]    (as root)
-        [--steps 20] [--model small] [--global-batch 4] [--seq-len 64] [--save FILE.json]
+        [--steps 20] [--repeats 2] [--model small] [--global-batch 4] [--seq-len 64] [--save FILE.json]
 
 dp4 (2 processes per node) trains the same model on the same data with each paratrain
 ``--compress`` method and with torch DDP and its communication hooks (fp16_compress_hook,
@@ -16,11 +16,20 @@ collectives are issued from gloo's worker threads in different orders on differe
 Then dp2 x tp2 runs with tp inside a node (order tp-cp-pp-dp) and with tp across the link
 (order dp-tp-cp-pp), next to the planner's predictions for both on this cluster.
 
-Step time is the median over the steps after the first three; "link bytes/step" is what
+Each paratrain run sits next to its torch counterpart and the list runs ``--repeats`` times
+(every other time backwards), so that load drifting during the benchmark hits both sides
+of a ratio alike. Two more runs measure the link's share of the uncompressed step: the same
+training with no gradient communication at all ("compute only": the floor no compression
+can beat, so none / compute-only bounds any method's speed-up, Amdahl's law) and the fp32
+gradient all-reduce with no compute ("all-reduce alone").
+
+Step time is the median over the steps after the first three, of all repeats; "link bytes/step" is what
 node 0's end of the veth pair sent per step (measured, every rank of node 0 included);
 "sent bytes/step" is paratrain's own count for one rank (``comm_bytes``). The last line is
 JSON: paratrain = the best paratrain method's step time, peer = torch's powerSGD_hook's,
-ratio = paratrain / peer.
+ratio = paratrain / peer; also powersgd_vs_torch (paratrain's PowerSGD / torch's hook),
+comm_share (what communication adds to the uncompressed step) and max_speedup (the Amdahl
+bound).
 """
 
 from __future__ import annotations
@@ -35,10 +44,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["none", "fp16", "bf16", "int8", "topk:0.01", "powersgd:{r}"]
-HOOKS = ["ddp", "fp16_compress_hook", "bf16_compress_hook", "powerSGD_hook"]
+PEERS = {"none": "ddp", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook",
+         "powersgd:{r}": "powerSGD_hook"}
+"""torch's counterpart of a paratrain method: DDP and its communication hooks."""
+COMPUTE_ONLY = "compute only"
 PLACEMENTS = {"tp2 in node x dp2 across": "tp-cp-pp-dp", "tp2 across x dp2 in node": "dp-tp-cp-pp"}
 
 
@@ -77,13 +90,15 @@ def paratrain_run(cfg) -> dict:
     if dist.get_rank() != 0:
         return {}
     records = [json.loads(line) for line in cfg.metrics_path.read_text().splitlines()]
-    return {"step_s": statistics.median(r["step_time_s"] for r in records[3:]),
+    return {"times": [r["step_time_s"] for r in records[3:]],
             "sent": records[-1].get("comm_bytes"), "link": link / cfg.train.steps,
             "loss": result.val_losses[-1][1]}
 
 
 def torch_run(cfg, hook: str, rank_r: int) -> dict:
-    """The same training as paratrain_run, with torch DDP and a communication hook."""
+    """The same training as paratrain_run, with torch DDP and a communication hook; with
+    hook="compute only", every rank trains its own replica with no gradient communication
+    (the lower bound of any compressed step: the same compute, the same CPU contention)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
@@ -94,14 +109,14 @@ def torch_run(cfg, hook: str, rank_r: int) -> dict:
 
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model)
-    ddp = DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
-              broadcast_buffers=False)
+    ddp = model if hook == COMPUTE_ONLY else DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb,
+                                                  gradient_as_bucket_view=True, broadcast_buffers=False)
     if hook == "powerSGD_hook":
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank_r,
                                    start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
                                    batch_tensors_with_same_shape=True)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
-    elif hook != "ddp":
+    elif hook not in ("ddp", COMPUTE_ONLY):
         try:
             ddp.register_comm_hook(None, getattr(default_hooks, hook))
         except TypeError as exc:  # bf16_compress_hook: torch allows it with NCCL/XCCL only
@@ -138,8 +153,42 @@ def torch_run(cfg, hook: str, rank_r: int) -> dict:
             x, y = val.batch(indices[rank * share:(rank + 1) * share], torch.device("cpu"))
             total += model(x, y)
     dist.all_reduce(total)
-    return {"step_s": statistics.median(times[3:]), "sent": None, "link": link / cfg.train.steps,
+    return {"times": times[3:], "sent": None, "link": link / cfg.train.steps,
             "loss": total.item() / count}
+
+
+def allreduce_alone(numel: int, repeats: int) -> dict:
+    """The uncompressed gradient all-reduce (fp32, one bucket, as the 'none' run sends it)
+    with no compute around it: the link's share of a step."""
+    import torch
+    import torch.distributed as dist
+
+    grad, times = torch.ones(numel), []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(grad)
+        times.append(time.perf_counter() - t0)
+    return {"times": times[1:]}
+
+
+def runs(args) -> list[tuple[str, Callable[[str], dict]]]:
+    """Every dp4 run, paratrain's next to torch's counterpart (interleaved, so that load
+    drifting during the benchmark hits both sides of a ratio alike)."""
+    out: list = [("compute only (no communication)", lambda tmp: torch_run(config(args, tmp), COMPUTE_ONLY, args.rank)),
+                 ("all-reduce alone (no compute)", lambda tmp: allreduce_alone(model_numel(args), args.steps))]
+    for method in METHODS:
+        spec = method.format(r=args.rank)
+        out.append((f"paratrain {spec}", lambda tmp, m=spec: paratrain_run(config(args, tmp, compress=m))))
+        if method in PEERS:
+            out.append((f"torch {PEERS[method]}", lambda tmp, h=PEERS[method]: torch_run(config(args, tmp), h, args.rank)))
+    return out
+
+
+def model_numel(args) -> int:
+    from paratrain.models.gpt import GPT
+
+    return sum(p.numel() for p in GPT(config(args, "unused").model).parameters())
 
 
 def worker(args) -> None:
@@ -148,12 +197,20 @@ def worker(args) -> None:
 
     init_world(torchrun_world("gloo", 600))
     out, tmp = {}, tempfile.mkdtemp(prefix="two-nodes-")
-    for method in [m.format(r=args.rank) for m in METHODS]:
-        out[f"paratrain {method}"] = paratrain_run(config(args, f"{tmp}/{method}", compress=method))
-    for hook in HOOKS:
-        out[f"torch {hook}"] = torch_run(config(args, f"{tmp}/{hook}"), hook, args.rank)
+    plan = runs(args)
+    for repeat in range(args.repeats):  # odd repeats run the list backwards: torch before paratrain
+        for i, (label, run) in enumerate(plan if repeat % 2 == 0 else plan[::-1]):
+            got = run(f"{tmp}/{repeat}-{i}")
+            if got and "times" in got:
+                got["times"] = out.get(label, {}).get("times", []) + got["times"]
+            out[label] = got
+    for r in out.values():
+        if r and "times" in r:
+            r["step_s"] = statistics.median(r.pop("times"))
     for label, order in PLACEMENTS.items():
-        out[label] = paratrain_run(placement_config(args, f"{tmp}/{order}", order))
+        r = out[label] = paratrain_run(placement_config(args, f"{tmp}/{order}", order))
+        if r:
+            r["step_s"] = statistics.median(r.pop("times"))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.barrier()
@@ -210,10 +267,21 @@ def run_cluster(args, out: str) -> tuple[str, int]:
            "--out", out, "--steps", str(args.steps), "--model", args.model, "--rank", str(args.rank),
            "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
            "--tp-global-batch", str(args.tp_global_batch), "--tp-seq-len", str(args.tp_seq_len),
-           "--tp-steps", str(args.tp_steps), "--bucket-mb", str(args.bucket_mb)]
+           "--tp-steps", str(args.tp_steps), "--bucket-mb", str(args.bucket_mb), "--repeats", str(args.repeats)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     return done.stdout + done.stderr, done.returncode
+
+
+def comm_share(results: dict) -> dict[str, float]:
+    """How much of the uncompressed step the link costs, measured two ways: the all-reduce
+    alone against the step, and the step against the same training without communication
+    (whose ratio bounds what any compression can gain: Amdahl's law)."""
+    none = results["paratrain none"]["step_s"]
+    alone = results["all-reduce alone (no compute)"]["step_s"]
+    compute = results["compute only (no communication)"]["step_s"]
+    return {"allreduce_s": alone, "allreduce_share": alone / none, "compute_only_s": compute,
+            "comm_share": max(0.0, 1 - compute / none), "max_speedup": none / compute}
 
 
 def report(args, results: dict, planned: dict, log: str, load: float) -> None:
@@ -229,18 +297,26 @@ def report(args, results: dict, planned: dict, log: str, load: float) -> None:
           f"powerSGD_hook(rank {args.rank}, start_powerSGD_iter=2, error feedback, warm start, "
           "batch_tensors_with_same_shape=True)\n")
     none = results["paratrain none"]["step_s"]
-    print(f"{'run':<28} {'step ms':>8} {'vs none':>8} {'sent B/step':>12} {'link B/step':>12} {'val loss':>9}")
+    print(f"{'run':<32} {'step ms':>8} {'vs none':>8} {'sent B/step':>12} {'link B/step':>12} {'val loss':>9}")
     print("(sent: one rank's gradient bytes, paratrain's count; link: node 0's bytes over the shaped "
           "link for the whole run, start-up and evaluation included, / steps)")
     for label, r in results.items():
-        if label in PLACEMENTS:
+        if label in PLACEMENTS or "loss" not in r and "error" not in r:
             continue
         if "error" in r:
-            print(f"{label:<28} not run: {r['error']}")
+            print(f"{label:<32} not run: {r['error']}")
             continue
         sent = f"{r['sent']:,}" if r.get("sent") is not None else "-"
-        print(f"{label:<28} {r['step_s'] * 1e3:>8.1f} {none / r['step_s']:>7.2f}x {sent:>12} "
+        print(f"{label:<32} {r['step_s'] * 1e3:>8.1f} {none / r['step_s']:>7.2f}x {sent:>12} "
               f"{r['link']:>12,.0f} {r['loss']:>9.4f}")
+    share = comm_share(results)
+    print(f"\ncommunication share of the uncompressed step at {args.bandwidth}: the fp32 all-reduce of the "
+          f"gradient alone takes {share['allreduce_s'] * 1e3:.1f} ms ({share['allreduce_share']:.0%} of paratrain "
+          f"none's {none * 1e3:.1f} ms step); the same training with no communication at all takes "
+          f"{share['compute_only_s'] * 1e3:.1f} ms, so communication adds {share['comm_share']:.0%} of the step.")
+    print(f"Amdahl: compression that made communication free would make the step at most "
+          f"{share['max_speedup']:.2f}x faster than none" + (" (2x is out of reach at this link rate on this "
+          "machine: the step is mostly compute)" if share["max_speedup"] < 2 else ""))
     print(f"\ndp2 x tp2, {args.tp_global_batch} x {args.tp_seq_len} tokens per step, {args.tp_steps} steps; "
           f"planned = the planner's step time on this cluster (link rate as inter-node bandwidth)")
     print(f"{'placement (no compression)':<28} {'step ms':>8} {'planned':>8} {'link B/step':>12}")
@@ -248,13 +324,15 @@ def report(args, results: dict, planned: dict, log: str, load: float) -> None:
         r = results[label]
         print(f"{label:<28} {r['step_s'] * 1e3:>8.1f} {planned.get(label, float('nan')) * 1e3:>8.1f} "
               f"{r['link']:>12,.0f}")
-    ours = {k: v["step_s"] for k, v in results.items() if k.startswith("paratrain")}
+    ours = {k: v["step_s"] for k, v in results.items() if k.startswith("paratrain") and "step_s" in v}
     best = min(ours, key=ours.get)
     peer = results["torch powerSGD_hook"]["step_s"]
     print(json.dumps({"benchmark": "two_nodes", "paratrain": round(ours[best], 5), "peer": round(peer, 5),
                       "ratio": round(ours[best] / peer, 4), "best": best,
                       "speedup_vs_none": round(none / ours[best], 3),
                       f"paratrain_powersgd:{args.rank}_s": round(ours[f"paratrain powersgd:{args.rank}"], 5),
+                      "powersgd_vs_torch": round(ours[f"paratrain powersgd:{args.rank}"] / peer, 4),
+                      "comm_share": round(share["comm_share"], 3), "max_speedup": round(share["max_speedup"], 3),
                       "bandwidth": args.bandwidth, "load_average": round(load, 1)}))
 
 
@@ -272,6 +350,9 @@ def main() -> int:
     p.add_argument("--bucket-mb", type=float, default=100.0,
                    help="gradient bucket size for every run (default 100: one bucket; torch's "
                         "powerSGD_hook aborts on gloo with several, see the docstring)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="times every dp4 run is repeated (in alternating order); step time is the "
+                        "median over all repeats' steps")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD rank, both implementations")
     p.add_argument("--calibration", help="planner calibration (default: the planner's cache; "
                    "made by `paratrain plan --cluster local --calibrate`)")

@@ -12,7 +12,7 @@ method     what each rank sends                                 collectives  res
 none       the bucket (all-reduce, average)                     1            -
 fp16/bf16  the bucket cast to 16 bits (all-reduce, sum of x/p)  1            -
 int8       int8 chunks + one fp32 scale per chunk               2            yes
-topk:F     the largest F of the entries: values + indices       1            yes
+topk:F     each tensor's largest F of entries: values + indices 1            yes
 powersgd:R P = M Q and Q = M^T P of each matrix, rank R         2            yes
 =========  ===================================================  ===========  =========
 
@@ -278,17 +278,26 @@ class Int8(Compressor):
 
 
 class TopK(Compressor):
-    """The largest ``fraction`` of entries by magnitude: values and indices all-gathered,
-    summed locally into the dense bucket."""
+    """The largest ``fraction`` of each tensor's entries by magnitude (layer-wise, as in
+    Deep Gradient Compression, Lin et al. 2018: one bucket-wide selection starves tensors
+    whose gradients are small, e.g. attention projections next to the embedding): values
+    and indices all-gathered, summed locally into the dense bucket."""
 
-    def __init__(self, numel: int, fraction: float, error_feedback: bool, device: torch.device | None = None):
+    def __init__(self, numel: int, fraction: float, error_feedback: bool,
+                 views: list[tuple[int, torch.Size]] | None = None, device: torch.device | None = None):
         super().__init__(numel, error_feedback, device)
-        self.k = max(1, min(numel, round(fraction * numel)))
+        spans = [(o, math.prod(s)) for o, s in views] if views else [(0, numel)]
+        self.spans = [(o, n, max(1, min(n, round(fraction * n)))) for o, n in spans]
+        self.k = sum(k for _, _, k in self.spans)
+
+    def _select(self, x: torch.Tensor) -> torch.Tensor:
+        """Bucket indices of each tensor's largest entries."""
+        return torch.cat([x[o:o + n].abs().topk(k, sorted=False).indices + o for o, n, k in self.spans])
 
     def _reduce(self, bucket, group):
         p = C.size(group)
         x = self._with_residual(bucket)
-        index = x.abs().topk(self.k, sorted=False).indices
+        index = self._select(x)
         values = x[index]
         if self.residual is not None:
             x[index] = 0
@@ -318,7 +327,7 @@ def make_compressor(spec: CompressSpec, views: list[tuple[int, torch.Size]], num
     if spec.method == "int8":
         return Int8(numel, spec.error_feedback, device)
     if spec.method == "topk":
-        return TopK(numel, spec.fraction, spec.error_feedback, device)
+        return TopK(numel, spec.fraction, spec.error_feedback, views, device)
     from .powersgd import PowerSGD
 
     return PowerSGD(numel, views, spec.rank, spec.error_feedback, seed=seed, device=device)

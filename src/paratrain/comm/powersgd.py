@@ -41,10 +41,38 @@ class Matrix:
         and at full rank P P^T is the identity (exact)."""
         return self.rows > self.cols
 
+    @property
+    def short(self) -> int:
+        return min(self.rows, self.cols)
+
+    @property
+    def long(self) -> int:
+        return max(self.rows, self.cols)
+
     def of(self, flat: torch.Tensor) -> torch.Tensor:
-        """This matrix inside a flat bucket-sized tensor, as a (short x long) view."""
+        """This matrix inside a flat bucket-sized tensor, as a (short x long) view (to read:
+        a transposed view is slow to write into)."""
         m = flat[self.offset:self.offset + self.rows * self.cols].view(self.rows, self.cols)
         return m.t() if self.transposed else m
+
+    def add_product(self, flat: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                    alpha: float, beta: float = 1.0) -> None:
+        """matrix = beta * matrix + alpha * P Q^T (in the short x long orientation), written
+        in the parameter's own contiguous layout (beta=0 ignores what was there)."""
+        m = flat[self.offset:self.offset + self.rows * self.cols].view(self.rows, self.cols)
+        if self.transposed:
+            m.addmm_(q, p.t(), beta=beta, alpha=alpha)
+        else:
+            m.addmm_(p, q.t(), beta=beta, alpha=alpha)
+
+
+def _views(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Consecutive matrices of the given shapes inside ``flat``."""
+    out, at = [], 0
+    for rows, cols in shapes:
+        out.append(flat[at:at + rows * cols].view(rows, cols))
+        at += rows * cols
+    return out
 
 
 def orthogonalize(p: torch.Tensor) -> torch.Tensor:
@@ -66,7 +94,12 @@ def orthogonalize_all(ps: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class PowerSGD(Compressor):
-    """Rank-``rank`` PowerSGD of the matrices in a bucket; other tensors uncompressed."""
+    """Rank-``rank`` PowerSGD of the matrices in a bucket; other tensors uncompressed.
+
+    It works in place, as torch's powerSGD_hook does: the bucket takes the residual in,
+    P and Q are computed straight into the two flat messages (``torch.mm(out=...)``), the
+    all-reduced Q is the next step's warm start where it lies, and the average is written
+    into the bucket by one ``addmm_`` per matrix in the parameter's own layout."""
 
     def __init__(self, numel: int, views: list[tuple[int, torch.Size]], rank: int,
                  error_feedback: bool = True, min_compression: float = 2.0, seed: int = 0,
@@ -85,46 +118,52 @@ class PowerSGD(Compressor):
             else:
                 small.append(torch.arange(offset, offset + n))
         self.small = torch.cat(small).to(self.device) if small else torch.zeros(0, dtype=torch.long, device=self.device)
+        # The first message: the small tensors, then every P; the second: every Q.
+        n_small = self.small.numel()
+        self.first = torch.zeros(n_small + sum(m.short * m.rank for m in self.matrices), device=self.device)
+        self.second = torch.zeros(sum(m.long * m.rank for m in self.matrices), device=self.device)
+        self.ps = _views(self.first[n_small:], [(m.short, m.rank) for m in self.matrices])
+        self.qs = _views(self.second, [(m.long, m.rank) for m in self.matrices])
         gen = torch.Generator().manual_seed(1000 + seed)  # identical on every rank
-        self.qs = [torch.randn(max(m.rows, m.cols), m.rank, generator=gen).to(self.device)
-                   for m in self.matrices]
+        for q in self.qs:
+            q.copy_(torch.randn(q.shape, generator=gen))
 
     def _reduce(self, bucket: torch.Tensor, group: ProcessGroup) -> Pending:
-        x = self._with_residual(bucket)
-        ps = [m.of(x) @ q for m, q in zip(self.matrices, self.qs)]
-        first = torch.cat([x[self.small], *[p.reshape(-1) for p in ps]])
-        self._sent(all_reduce_bytes(first.numel() * 4, C.size(group)))
-        work = C.all_reduce(first, group, op="sum", async_op=True)
-        return Pending(work, lambda: self._finish(bucket, x, first, group))
-
-    def _finish(self, bucket: torch.Tensor, x: torch.Tensor, first: torch.Tensor,
-                group: ProcessGroup) -> Pending | None:
-        p = C.size(group)
-        out = torch.zeros_like(x)
-        out[self.small] = first[:self.small.numel()] / p
-        sizes = [m.of(x).shape[0] * m.rank for m in self.matrices]
-        bases = orthogonalize_all([chunk.view(-1, m.rank) for m, chunk in
-                                   zip(self.matrices, first[self.small.numel():].split(sizes))])
-        local_qs = [m.of(x).t() @ b for m, b in zip(self.matrices, bases)]
+        x = bucket.detach() if bucket.dtype == torch.float32 else bucket.detach().float()
         if self.residual is not None:
-            residual = x  # x is this step's private copy: overwrite it in place
-            residual[self.small] = 0
-            for m, b, q in zip(self.matrices, bases, local_qs):
-                m.of(residual).sub_(b @ q.t())
-            self.residual.copy_(residual)
-        if not self.matrices:
-            bucket.copy_(out)
-            return None
-        second = torch.cat([q.reshape(-1) for q in local_qs])
-        self._sent(all_reduce_bytes(second.numel() * 4, p))
-        work = C.all_reduce(second, group, op="sum", async_op=True)
+            x.add_(self.residual)
+        torch.index_select(x, 0, self.small, out=self.first[:self.small.numel()])
+        for m, q, p in zip(self.matrices, self.qs, self.ps):
+            torch.mm(m.of(x), q, out=p)  # with the previous step's Q: warm start
+        self._sent(all_reduce_bytes(self.first.numel() * 4, C.size(group)))
+        work = C.all_reduce(self.first, group, op="sum", async_op=True)
+        return Pending(work, lambda: self._finish(bucket, x, group))
 
-        def decompress() -> None:
-            for i, (m, b, q) in enumerate(zip(self.matrices, bases, second.split([q.numel() for q in local_qs]))):
-                self.qs[i] = q.view(-1, m.rank)
-                m.of(out).copy_(b @ self.qs[i].t() / p)
-            bucket.copy_(out)
+    def _finish(self, bucket: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> Pending | None:
+        p = C.size(group)
+        bases = orthogonalize_all(self.ps)
+        for m, b, q in zip(self.matrices, bases, self.qs):
+            torch.mm(m.of(x).t(), b, out=q)  # this rank's Q = M^T P
+        if self.residual is not None:  # what this rank's projection did not send
+            self.residual.copy_(x).index_fill_(0, self.small, 0)
+            for m, b, q in zip(self.matrices, bases, self.qs):
+                m.add_product(self.residual, b, q, alpha=-1.0)
+        x.index_copy_(0, self.small, self.first[:self.small.numel()].div_(p))
+        if not self.matrices:
+            return self._done(bucket, x)
+        self._sent(all_reduce_bytes(self.second.numel() * 4, p))
+        work = C.all_reduce(self.second, group, op="sum", async_op=True)
+
+        def decompress() -> None:  # the summed Q stays in self.qs: next step's warm start
+            for m, b, q in zip(self.matrices, bases, self.qs):
+                m.add_product(x, b, q, alpha=1.0 / p, beta=0.0)
+            self._done(bucket, x)
         return Pending(work, decompress)
+
+    @staticmethod
+    def _done(bucket: torch.Tensor, x: torch.Tensor) -> None:
+        if x is not bucket:  # a bucket of another dtype got an fp32 working copy
+            bucket.copy_(x)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {**super().state_dict(), **{f"q{i}": q for i, q in enumerate(self.qs)}}
