@@ -50,7 +50,6 @@ def _agree_on_run(cfg: Config, rank: int) -> tuple[Config, RunDirLock | None]:
     """Global rank 0 places the run (its directory, what it resumes: train/runs.py), locks
     the directory and records the config; every rank receives that decision (collective).
     A restarted torchrun job decides again, and ``--resume auto`` finds the same run."""
-    from ..errors import RunError
     from . import runs
 
     decision: list = [None]
@@ -61,7 +60,7 @@ def _agree_on_run(cfg: Config, rank: int) -> tuple[Config, RunDirLock | None]:
             lock = RunDirLock(cfg).acquire()
             runs.record(cfg)
             decision = [(cfg, "")]
-        except (ConfigError, RunError) as exc:
+        except Exception as exc:  # the other ranks wait in the broadcast: tell them
             decision = [(None, f"{type(exc).__name__}: {exc}")]
             dist.broadcast_object_list(decision, src=0)
             raise
