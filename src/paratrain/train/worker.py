@@ -61,6 +61,8 @@ def _agree_on_run(cfg: Config, rank: int) -> tuple[Config, RunDirLock | None]:
             runs.record(cfg)
             decision = [(cfg, "")]
         except Exception as exc:  # the other ranks wait in the broadcast: tell them
+            if lock is not None:
+                lock.release()
             decision = [(None, f"{type(exc).__name__}: {exc}")]
             dist.broadcast_object_list(decision, src=0)
             raise
