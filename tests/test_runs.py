@@ -68,6 +68,16 @@ def test_auto_resumes_the_newest_complete_checkpoint_of_latest(tmp_path, monkeyp
     assert under_torchrun.train.resume == placed.train.resume
 
 
+def test_a_checkpoint_named_through_latest_is_the_one_meant(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = config()
+    run = Path(runs.place(cfg, torchrun=False, now=0)[0].train.run_dir)
+    wanted = fake_checkpoint(run, 2, cfg)
+    placed, _ = runs.place(config(resume="runs/latest/checkpoints/step-2"), torchrun=False, now=60)
+    assert placed.train.run_dir != str(run) and os.readlink("runs/latest") != run.name  # a new run ...
+    assert Path(placed.train.resume).samefile(wanted)  # ... resuming the checkpoint latest named before
+
+
 def test_auto_starts_fresh_when_there_is_nothing_to_resume(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = config(resume="auto")

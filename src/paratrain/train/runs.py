@@ -57,7 +57,8 @@ def place(cfg: Config, torchrun: bool, now: float | None = None) -> tuple[Config
     run_dir: Path | None = Path(cfg.train.run_dir) if explicit else None
     if not explicit and mode == "auto" and latest.is_dir():
         run_dir = latest.parent / os.readlink(latest) if latest.is_symlink() else latest
-    resume, notes = ("" if mode in RESUME_CHOICES else mode), []
+    # A checkpoint named through runs/latest: resolved now, before latest moves to a new run.
+    resume, notes = ("" if mode in RESUME_CHOICES else os.path.realpath(mode)), []
     if mode == "auto" and run_dir is not None:
         found, step = newest_complete(run_dir, model_config(cfg), notes)
         if found is not None and step >= cfg.train.steps:
