@@ -113,6 +113,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     from .launch import RankFailed, spawn, torchrun_world
     from .train import config as config_mod
+    from .train import runs
     from .train.checkpoint import verify
     from .train.rundir import RunDirLock
     from .train.worker import run_worker, started_by_torchrun
@@ -126,12 +127,14 @@ def _run_train(args: argparse.Namespace) -> int:
         run_worker(cfg, world)
         return 0
     cfg = _preflight(cfg.validate(), torchrun=False, report=True)
-    if cfg.train.resume:
-        verify(cfg.train.resume, cfg.model)  # every tensor's checksum, before any rank starts
+    if cfg.train.resume not in ("", *runs.RESUME_CHOICES):  # every tensor's checksum, before any rank starts
+        verify(cfg.train.resume, runs.model_config(cfg))
+    cfg = runs.place_and_print(cfg, torchrun=False)
     previous = signal.signal(signal.SIGTERM, _terminated)  # the launcher's cleanup runs on SIGTERM too
     start = time.perf_counter()
     try:
         with RunDirLock(cfg):
+            runs.record(cfg)
             spawn(run_worker, cfg.parallel.nproc, cfg, None, backend=cfg.parallel.backend,
                   timeout_s=cfg.parallel.max_time_s or None, collective_timeout_s=cfg.parallel.timeout_s)
     except RankFailed as exc:

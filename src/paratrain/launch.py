@@ -54,6 +54,10 @@ class WorldSpec:
     """Rendezvous URL for init_process_group ('env://' under torchrun)."""
     timeout_s: float = 300.0
     """How long a collective may wait for a peer before failing instead of hanging."""
+    store_at: tuple[str, int, bool] | None = None
+    """Under torchrun: the rendezvous store (host, port, whether torchrun's agent hosts it)."""
+    attempt: int = 0
+    """Under torchrun: how many times the job was restarted before (``--max-restarts``)."""
 
 
 def pick_backend(backend: str = "auto") -> str:
@@ -80,6 +84,9 @@ def torchrun_world(backend: str = "auto", timeout_s: float = 300.0) -> WorldSpec
         backend=pick_backend(backend),
         init_method="env://",
         timeout_s=timeout_s,
+        store_at=(env["MASTER_ADDR"], int(env.get("MASTER_PORT", "0")),
+                  env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"),
+        attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
     )
 
 
@@ -90,13 +97,23 @@ def init_world(spec: WorldSpec, threads: int = 1) -> None:
     torch.set_num_threads(threads)
     if spec.backend == "nccl":
         torch.cuda.set_device(spec.local_rank)
-    dist.init_process_group(
-        spec.backend,
-        init_method=spec.init_method,
-        rank=spec.rank,
-        world_size=spec.world_size,
-        timeout=datetime.timedelta(seconds=spec.timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    if spec.store_at is None:
+        dist.init_process_group(spec.backend, init_method=spec.init_method, rank=spec.rank,
+                                world_size=spec.world_size, timeout=timeout)
+        return
+    dist.init_process_group(spec.backend, store=_attempt_store(spec, timeout), rank=spec.rank,
+                            world_size=spec.world_size, timeout=timeout)
+
+
+def _attempt_store(spec: WorldSpec, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store, seen under a prefix of its own for this attempt. torchrun keeps one
+    store across restarts, so a restarted rank would otherwise read the address a killed peer
+    published in the attempt before, and fail to connect to it."""
+    host, port, agent_hosts_it = spec.store_at
+    store = dist.TCPStore(host, port, spec.world_size, is_master=spec.rank == 0 and not agent_hosts_it,
+                          timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"paratrain/attempt-{spec.attempt}", store)
 
 
 def _worker(local_rank: int, fn: Callable, args: tuple, init_method: str, world: int,

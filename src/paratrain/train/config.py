@@ -141,8 +141,11 @@ class TrainConfig:
     """Validation every this many steps (0: never; always at the end)."""
     eval_batches: int = 4
     """Global batches of validation data per evaluation."""
-    run_dir: str = "runs/latest"
-    """Directory for this run's outputs."""
+    run_dir: str = ""
+    """Directory for this run's outputs, exactly ('': a new runs/<UTC time>-<name>, with
+    runs/latest pointing at it; with resume auto, the run runs/latest points at)."""
+    name: str = ""
+    """Name that ends the default run directory runs/<UTC time>-<name> ('': the model preset)."""
     metrics: str = ""
     """JSON-lines metrics file ('' : RUN_DIR/metrics.jsonl)."""
     progress: bool = True
@@ -159,7 +162,9 @@ class TrainConfig:
     """Save a layout-independent checkpoint to RUN_DIR/checkpoints/step-N every this many
     steps and after the last (0: never)."""
     resume: str = ""
-    """Checkpoint directory to resume from, written under any layout (same model shape)."""
+    """auto: the newest complete checkpoint of the run directory, or a fresh start if there is
+    none; none: start fresh; or a checkpoint directory, written under any layout (same model
+    shape). '': auto under torchrun, else none."""
     timeline: bool = False
     """Pipeline runs: record what each rank did when into RUN_DIR/timeline.json, for
     `paratrain trace --run`, and print the measured bubble."""
@@ -313,7 +318,7 @@ class Config:
         if self.data.corpus and not Path(self.data.corpus).is_file():
             raise ConfigError(f"data.corpus: corpus file {self.data.corpus!r} does not exist "
                               f"{schema.where('data', 'corpus')}")
-        if t.resume:
+        if t.resume and t.resume not in ("auto", "none"):  # auto: the launcher picks (runs.py)
             from .checkpoint import CheckpointError, check_model, read_meta
 
             try:

@@ -56,7 +56,12 @@ def _importable(module: str) -> bool:
 class CsvSink:
     """One row per record, fixed columns (empty where a record has no value)."""
 
-    def __init__(self, path: Path, append: bool = False):
+    def __init__(self, path: Path, append: bool = False, resume_step: int | None = None):
+        if resume_step is not None:  # a resumed run: keep the rows up to its step, append
+            from .metrics import keep_records_until
+
+            keep_records_until(path, resume_step)
+            append = True
         new = not (append and path.exists())
         self._file = open(path, "a" if append else "w", newline="")
         self._writer = csv.DictWriter(self._file, CSV_COLUMNS, extrasaction="ignore")
@@ -118,11 +123,11 @@ class WandbSink:
 
 
 def make_sinks(names: tuple[str, ...], run_dir: Path, config: dict[str, Any],
-               append: bool = False) -> list[Sink]:
+               append: bool = False, resume_step: int | None = None) -> list[Sink]:
     sinks: list[Sink] = []
     for name in names:
         if name == "csv":
-            sinks.append(CsvSink(run_dir / "metrics.csv", append))
+            sinks.append(CsvSink(run_dir / "metrics.csv", append, resume_step))
         elif name == "tensorboard":
             sinks.append(TensorBoardSink(run_dir / "tensorboard"))
         else:

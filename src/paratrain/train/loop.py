@@ -138,8 +138,9 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         return train_heat2d(cfg, mesh, keep_params)
     run = build(cfg, mesh)
     result = RunResult()
-    writer = MetricsWriter(cfg.metrics_path if run.is_logger else None)
-    sinks = _sinks(cfg) if run.is_logger else []
+    resumed_at = run.start_step if cfg.train.resume else None  # append after its records
+    writer = MetricsWriter(cfg.metrics_path if run.is_logger else None, resumed_at)
+    sinks = _sinks(cfg, resumed_at) if run.is_logger else []
     if run.is_logger:
         print(describe(run), flush=True)
     progress = logs.Progress(cfg.train.steps, run.start_step, run.is_logger and cfg.train.progress,
@@ -201,10 +202,10 @@ def finish(cfg: Config, engine, records: list[dict], result: RunResult, start: f
     return result
 
 
-def _sinks(cfg: Config) -> list:
+def _sinks(cfg: Config, resumed_at: int | None = None) -> list:
     names = logs.parse_sinks(cfg.train.log)
     config = {"layout": cfg.describe_layout(), "model": cfg.model_preset, "seed": cfg.train.seed}
-    return logs.make_sinks(names, Path(cfg.train.run_dir), config)
+    return logs.make_sinks(names, Path(cfg.train.run_dir), config, resume_step=resumed_at)
 
 
 def _flops_per_token(cfg: Config) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -32,14 +33,17 @@ def comm_metrics(engine) -> dict[str, float]:
 
 class MetricsWriter:
     """Appends one strict-JSON object per line (a NaN or inf is written as null, which every
-    JSON reader accepts); only the rank that owns it writes."""
+    JSON reader accepts); only the rank that owns it writes. A run resumed at step N
+    (``resume_step``) keeps the file's records up to step N and appends after them."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, resume_step: int | None = None):
         self.path = path
         self._file = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "w")
+            if resume_step is not None:
+                keep_records_until(path, resume_step)
+            self._file = open(path, "a" if resume_step is not None else "w")
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
@@ -49,6 +53,42 @@ class MetricsWriter:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+def keep_records_until(path: Path, step: int) -> None:
+    """Drop the records after ``step`` from a metrics file (JSON lines, or CSV with a header
+    and a ``step`` column): a killed run logged steps that its resumed run takes again, and
+    each step must appear once. Atomic: the file is whole before or after."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    if path.suffix == ".csv":
+        column = next(csv.reader(lines[:1]), ["step"]).index("step")
+        kept = lines[:1] + [ln for ln in lines[1:] if _csv_step(ln, column) <= step]
+    else:
+        kept = [ln for ln in lines if _json_step(ln) <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(ln if ln.endswith("\n") else ln + "\n" for ln in kept))
+    tmp.replace(path)
+
+
+def _csv_step(line: str, column: int) -> float:
+    row = next(csv.reader([line]), [])
+    return _int(row[column]) if column < len(row) else math.inf
+
+
+def _json_step(line: str) -> float:
+    try:
+        return _int(json.loads(line).get("step"))
+    except (ValueError, AttributeError):
+        return math.inf
+
+
+def _int(value: Any) -> float:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return math.inf  # a record without a step (a torn last line): not kept
 
 
 def strict(value: Any) -> Any:

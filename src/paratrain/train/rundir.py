@@ -108,7 +108,8 @@ def check_checkpoints(cfg) -> None:
         if mine is None or theirs != mine:
             others.append(path.name)
     if others:
-        hint = f"resume it with --resume {folder / others[-1]}, " if mine is None else ""
+        hint = (f"resume it with --resume auto (or --resume {folder / others[-1]}), "
+                if mine is None else "")
         raise RunDirError(f"{str(folder)!r} holds checkpoints of another run ({', '.join(others)}), "
                           f"which this run would overwrite; {hint}choose another --run-dir, or remove them")
 

@@ -77,7 +77,7 @@ def validate(cfg: Config) -> None:
     for axis, parts in (("height", layout.domh), ("width", layout.domw)):
         check_grid(h.grid_size, parts, ucfg, axis)
     _check_batch(cfg)
-    if t.resume:
+    if t.resume and t.resume not in ("auto", "none"):  # auto: the launcher picks (train/runs.py)
         _check_resume(cfg, ucfg)
 
 
@@ -208,7 +208,8 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     """Train for ``cfg.train.steps`` steps; every rank of the mesh calls this."""
     run, result, records = build(cfg, mesh), RunResult(), []
     is_logger = mesh.rank == 0
-    writer = MetricsWriter(cfg.metrics_path if is_logger else None)
+    writer = MetricsWriter(cfg.metrics_path if is_logger else None,
+                           run.start_step if cfg.train.resume else None)
     if is_logger:
         print(describe(run), flush=True)
     progress = logs.Progress(cfg.train.steps, run.start_step, is_logger and cfg.train.progress,

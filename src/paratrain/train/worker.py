@@ -26,12 +26,11 @@ def run_worker(cfg: Config, world: WorldSpec | None) -> None:
         return
     watchdog = Watchdog(world.rank, world.timeout_s, _die_named, cfg.parallel.max_time_s)
     watchdog.guard_parent(os.getppid(), None).start()  # die with the torchrun agent
-    lock = RunDirLock(cfg) if world.rank == 0 else None
+    lock = None
     try:
-        if lock is not None:
-            lock.acquire()
         init_world(world)
         watchdog.attach(dist.distributed_c10d._get_default_store())
+        cfg, lock = _agree_on_run(cfg, world.rank)
         train(cfg, Mesh.build(cfg.layout))
         dist.barrier()
     except BaseException:
@@ -45,6 +44,33 @@ def run_worker(cfg: Config, world: WorldSpec | None) -> None:
             lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _agree_on_run(cfg: Config, rank: int) -> tuple[Config, RunDirLock | None]:
+    """Global rank 0 places the run (its directory, what it resumes: train/runs.py), locks
+    the directory and records the config; every rank receives that decision (collective).
+    A restarted torchrun job decides again, and ``--resume auto`` finds the same run."""
+    from . import runs
+
+    decision: list = [None]
+    lock = None
+    if rank == 0:
+        try:
+            cfg = runs.place_and_print(cfg, torchrun=True)
+            lock = RunDirLock(cfg).acquire()
+            runs.record(cfg)
+            decision = [(cfg, "")]
+        except Exception as exc:  # the other ranks wait in the broadcast: tell them
+            if lock is not None:
+                lock.release()
+            decision = [(None, f"{type(exc).__name__}: {exc}")]
+            dist.broadcast_object_list(decision, src=0)
+            raise
+    dist.broadcast_object_list(decision, src=0)
+    placed, error = decision[0]
+    if error:
+        raise ConfigError(f"rank 0 could not set up the run: {error}")
+    return placed, lock
 
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",

@@ -1,0 +1,192 @@
+"""Run directories, and restarts that need no typing.
+
+Where a run writes (``train.run_dir``):
+
+- given (``--run-dir DIR``): exactly DIR; ``runs/latest`` is left alone;
+- not given: a new ``runs/<UTC time>-<name>`` (``--name``, default the model preset), and
+  ``runs/latest`` becomes a symlink to it.
+
+What it resumes (``train.resume``): a checkpoint directory; ``none``; or ``auto``, the
+default under torchrun: the newest *complete* checkpoint (every tensor verified against its
+SHA-256) of the run directory, which is DIR when given, else the run ``runs/latest`` points
+at. An incomplete checkpoint is skipped with a note. With nothing to resume in
+``runs/latest`` (no complete checkpoint, another model, or the run already finished) a new
+run directory is started; in a given DIR, nothing to resume means a fresh start there, and
+a finished run is refused. A restarted torchrun job thus finds the run its first attempt
+started, whether ``--run-dir`` was given or not.
+
+The launcher decides all this once, before any rank starts (under torchrun, global rank 0
+decides and the other ranks receive its decision), and records ``config.toml`` (the
+resolved config, which ``paratrain train --config`` reads back) and ``versions.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..models import hf
+from . import checkpoint
+from .config import Config, ConfigError
+
+ROOT = Path("runs")
+LATEST = "latest"
+RESUME_CHOICES = ("auto", "none")
+"""``train.resume`` values that are not a checkpoint directory."""
+
+
+def resume_mode(resume: str, torchrun: bool) -> str:
+    """'auto', 'none' or a checkpoint directory; '' means auto under torchrun, else none."""
+    return resume or ("auto" if torchrun else "none")
+
+
+def place(cfg: Config, torchrun: bool, now: float | None = None) -> tuple[Config, list[str]]:
+    """``cfg`` with a concrete run directory and resume checkpoint ('' : fresh), and the notes
+    to print. Creates a new run directory (and points ``runs/latest`` at it) when one is needed."""
+    mode = resume_mode(cfg.train.resume, torchrun)
+    explicit = bool(cfg.train.run_dir)
+    latest = ROOT / LATEST
+    run_dir: Path | None = Path(cfg.train.run_dir) if explicit else None
+    if not explicit and mode == "auto" and latest.is_dir():
+        run_dir = latest.parent / os.readlink(latest) if latest.is_symlink() else latest
+    # A checkpoint named through runs/latest: resolved now, before latest moves to a new run.
+    resume, notes = ("" if mode in RESUME_CHOICES else os.path.realpath(mode)), []
+    if mode == "auto" and run_dir is not None:
+        found, step = newest_complete(run_dir, model_config(cfg), notes)
+        if found is not None and step >= cfg.train.steps:
+            if explicit:
+                raise ConfigError(f"the run in {str(run_dir)!r} finished: its newest checkpoint is "
+                                  f"at step {step}, and steps={cfg.train.steps}; raise --steps to "
+                                  f"train further, or choose another --run-dir")
+            notes.append(f"{latest} ({run_dir.name}) finished at step {step}: starting a new run")
+            run_dir = None
+        elif found is not None:
+            resume = str(found)
+            notes.append(f"resuming {found} (step {step})")
+        elif explicit:
+            notes.append(f"no complete checkpoint in {run_dir}: starting fresh")
+        else:
+            notes.append(f"no complete checkpoint in {latest} ({run_dir.name}): starting a new run")
+            run_dir = None
+    if run_dir is None:
+        run_dir = new_run_dir(cfg.train.name or default_name(cfg), now)
+    train = dataclasses.replace(cfg.train, run_dir=str(run_dir), resume=resume)
+    return dataclasses.replace(cfg, train=train), notes
+
+
+def place_and_print(cfg: Config, torchrun: bool) -> Config:
+    """``place``, with its notes and the run directory printed."""
+    cfg, notes = place(cfg, torchrun)
+    for note in notes:
+        print(f"paratrain train: {note}", flush=True)
+    print(f"run directory {cfg.train.run_dir}", flush=True)
+    return cfg
+
+
+def model_config(cfg: Config):
+    """The shape a checkpoint of this run must have (the U-Net's for --task heat2d)."""
+    if cfg.train.task == "heat2d":
+        from .task_heat2d import unet_config
+
+        return unet_config(cfg)
+    return cfg.model
+
+
+def newest_complete(run_dir: Path, model_cfg, notes: list[str]) -> tuple[Path | None, int]:
+    """The newest checkpoint of ``run_dir`` that verifies, and its step; each newer one that
+    does not is named in ``notes``. (None, 0) when there is none."""
+    for path in sorted(checkpoints(run_dir), key=_step_of, reverse=True):
+        try:
+            meta, _ = checkpoint.verify(path, model_cfg)
+        except checkpoint.CheckpointError as exc:
+            notes.append(f"skipping {path.name}: {exc}")
+            continue
+        return path, meta["step"]
+    return None, 0
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    folder = Path(run_dir) / "checkpoints"
+    return [p for p in folder.glob("step-*") if _step_of(p) >= 0] if folder.is_dir() else []
+
+
+def _step_of(path: Path) -> int:
+    match = re.fullmatch(r"step-(\d+)", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def default_name(cfg: Config) -> str:
+    """The model preset, or a Hugging Face directory's name."""
+    if cfg.train.task != "lm":
+        return cfg.train.task
+    return Path(cfg.model_preset).name if hf.is_model_dir(cfg.model_preset) else cfg.model_preset
+
+
+def new_run_dir(name: str, now: float | None = None) -> Path:
+    """Create ``runs/<UTC time>-<name>`` (``-2``, ``-3``... if taken) and point
+    ``runs/latest`` at it."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    base = f"{stamp}-{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}"
+    ROOT.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        path = ROOT / (base if n == 1 else f"{base}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        point_latest(path)
+        return path
+    raise ConfigError(f"could not create a run directory {ROOT / base}-N; pass --run-dir")
+
+
+def point_latest(path: Path) -> None:
+    """Make ``runs/latest`` a relative symlink to ``path``, atomically. A real directory
+    named latest (from an older paratrain) is left as it is."""
+    latest = path.parent / LATEST
+    if latest.exists() and not latest.is_symlink():
+        return
+    tmp = path.parent / f".{LATEST}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(path.name)
+    os.replace(tmp, latest)
+
+
+def record(cfg: Config) -> None:
+    """Write the resolved config (``config.toml``) and the versions into the run directory."""
+    from ..plan.export import to_toml
+
+    run_dir = Path(cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    comment = ("The resolved config of this run; `paratrain train --config` reads it back.\n"
+               "run_dir and resume are left out: it starts a new run.")
+    _atomic(run_dir / "config.toml", to_toml(config_tables(cfg), comment))
+    _atomic(run_dir / "versions.json", json.dumps(versions(), indent=1) + "\n")
+
+
+def config_tables(cfg: Config) -> dict[str, dict]:
+    """Every field of ``cfg`` by TOML table (the run's place and resume left out)."""
+    shape = {} if hf.is_model_dir(cfg.model_preset) else dataclasses.asdict(cfg.model)  # its config.json
+    tables = {"model": {"preset": cfg.model_preset, **shape}}
+    for section in ("parallel", "data", "optim", "train", "heat2d"):
+        tables[section] = dataclasses.asdict(getattr(cfg, section))
+    for key in ("run_dir", "resume", "metrics"):
+        tables["train"].pop(key)
+    return tables
+
+
+def versions() -> dict[str, str]:
+    return {"paratrain": __version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,175 @@
+"""Run directories and restarts without typing: where a run writes, what ``--resume auto``
+picks, the records a run directory holds, metrics continued (not duplicated) on resume, and
+a torchrun job whose rank is SIGKILLed coming back to finish like an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from paratrain.train import checkpoint, runs
+from paratrain.train.config import ConfigError, load
+from paratrain.train.metrics import MetricsWriter, keep_records_until
+from paratrain.train.rundir import RunDirError, RunDirLock
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TINY = dict(preset="tiny", seq_len=32, steps=6, eval_every=0, progress=False)
+
+
+def config(**overrides):
+    return load(None, {**TINY, **overrides}).validate()
+
+
+def fake_checkpoint(run_dir: Path, step: int, cfg, run_id: str = "r1") -> Path:
+    """A complete checkpoint of the tiny model (zeros), written as the loop writes one."""
+    tensors = {name: torch.zeros(shape) for name, shape in checkpoint.expected_shapes(cfg.model).items()}
+    meta = {"format": checkpoint.FORMAT, "step": step, "model": cfg.model.__dict__, "layout": "dp1",
+            "run": {"id": run_id}}
+    path = run_dir / "checkpoints" / f"step-{step}"
+    checkpoint.write(tensors, path, meta)
+    return path
+
+
+def test_each_run_gets_its_directory_and_latest_points_at_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first, notes = runs.place(config(), torchrun=False, now=0)
+    second, _ = runs.place(config(name="exp"), torchrun=False, now=0)
+    third, _ = runs.place(config(), torchrun=False, now=0)
+    assert (first.train.run_dir, second.train.run_dir, third.train.run_dir) == (
+        "runs/19700101-000000-tiny", "runs/19700101-000000-exp", "runs/19700101-000000-tiny-2")
+    assert os.readlink("runs/latest") == "19700101-000000-tiny-2" and notes == []
+    given, _ = runs.place(config(run_dir="elsewhere"), torchrun=False)
+    assert given.train.run_dir == "elsewhere"  # exactly the given directory ...
+    assert os.readlink("runs/latest") == "19700101-000000-tiny-2"  # ... and latest left alone
+    assert runs.resume_mode("", torchrun=True) == "auto" and runs.resume_mode("", torchrun=False) == "none"
+
+
+def test_auto_resumes_the_newest_complete_checkpoint_of_latest(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = config()
+    run = Path(runs.place(cfg, torchrun=False, now=0)[0].train.run_dir)
+    for step in (2, 4, 5):
+        fake_checkpoint(run, step, cfg)
+    state = run / "checkpoints" / "step-5" / checkpoint.STATE
+    state.write_bytes(state.read_bytes()[:-8])  # a torn write: incomplete, skipped
+    placed, notes = runs.place(config(resume="auto"), torchrun=False)
+    assert placed.train.run_dir == str(run) and placed.train.resume == str(run / "checkpoints" / "step-4")
+    assert notes[0].startswith("skipping step-5") and "resuming" in notes[1]
+    under_torchrun, _ = runs.place(cfg, torchrun=True)  # auto is torchrun's default
+    assert under_torchrun.train.resume == placed.train.resume
+
+
+def test_a_checkpoint_named_through_latest_is_the_one_meant(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = config()
+    run = Path(runs.place(cfg, torchrun=False, now=0)[0].train.run_dir)
+    wanted = fake_checkpoint(run, 2, cfg)
+    placed, _ = runs.place(config(resume="runs/latest/checkpoints/step-2"), torchrun=False, now=60)
+    assert placed.train.run_dir != str(run) and os.readlink("runs/latest") != run.name  # a new run ...
+    assert Path(placed.train.resume).samefile(wanted)  # ... resuming the checkpoint latest named before
+
+
+def test_auto_starts_fresh_when_there_is_nothing_to_resume(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = config(resume="auto")
+    fresh, notes = runs.place(cfg, torchrun=False, now=0)  # no runs/latest yet
+    assert fresh.train.resume == "" and notes == []
+    empty, notes = runs.place(cfg, torchrun=False, now=60)  # latest has no checkpoint: a new run
+    assert empty.train.run_dir != fresh.train.run_dir and "no complete checkpoint" in notes[0]
+    fake_checkpoint(Path(empty.train.run_dir), 6, cfg)  # latest finished at steps=6: a new run
+    after, notes = runs.place(cfg, torchrun=False, now=120)
+    assert after.train.run_dir not in (empty.train.run_dir, fresh.train.run_dir)
+    assert after.train.resume == "" and "finished at step 6" in notes[0]
+    with pytest.raises(ConfigError, match="raise --steps"):  # a given directory is not replaced
+        runs.place(config(resume="auto", run_dir=empty.train.run_dir), torchrun=False)
+    given, notes = runs.place(config(resume="auto", run_dir="new"), torchrun=False)
+    assert given.train.run_dir == "new" and given.train.resume == ""
+
+
+def test_a_fresh_run_over_checkpoints_is_refused_and_names_auto(tmp_path):
+    cfg = config(run_dir=str(tmp_path), save_every=2)
+    fake_checkpoint(tmp_path, 2, cfg)
+    with pytest.raises(RunDirError, match="--resume auto"):
+        RunDirLock(cfg).acquire()
+
+
+def test_the_run_directory_records_its_config_and_versions(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg, _ = runs.place(config(lr=1e-3, dp=2, d_model=32, name="x", resume="auto"), torchrun=False)
+    runs.record(cfg)
+    run = Path(cfg.train.run_dir)
+    again = load(str(run / "config.toml")).validate()  # `paratrain train --config` reads it back
+    assert again.model == cfg.model and again.optim == cfg.optim and again.parallel == cfg.parallel
+    assert again.data == cfg.data and again.heat2d == cfg.heat2d and again.model_preset == "tiny"
+    assert again.train.__dict__ == {**cfg.train.__dict__, "run_dir": "", "resume": ""}
+    assert set(json.loads((run / "versions.json").read_text())) == {"paratrain", "torch", "python"}
+
+
+def test_a_resumed_run_keeps_the_records_up_to_its_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    writer = MetricsWriter(path, resume_step=3)  # killed at step 6 mid-line; resumed at 3
+    writer.write({"step": 4, "loss": 0.5})
+    writer.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+    csv = tmp_path / "metrics.csv"
+    csv.write_text('step,loss,peak_mem\n1,1.0,"[1, 2]"\n2,1.0,\n3,1.0,\n4,1.')
+    keep_records_until(csv, 2)
+    assert csv.read_text() == 'step,loss,peak_mem\n1,1.0,"[1, 2]"\n2,1.0,\n'
+
+
+# ---- a torchrun job, killed and restarted ---------------------------------------------------
+
+STEPS, EVERY = 40, 4
+TRAIN = ["train", "--model", "tiny", "--seq-len", "32", "--steps", str(STEPS), "--save-every", str(EVERY),
+         "--eval-every", "0", "--no-progress", "--warmup-steps", "2", "--grad-clip", "0"]
+
+
+def wait_for(path: Path, job: subprocess.Popen, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert job.poll() is None, f"the job ended before {path} appeared:\n{job.communicate()[0]}"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(900)  # ~50 s on a quiet machine; minutes when it is loaded
+def test_a_killed_torchrun_job_restarts_resumes_and_ends_like_an_uninterrupted_run(tmp_path):
+    from test_launch import free_port
+
+    env = {**os.environ, "PYTHONPATH": SRC}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}",
+         "-m", "paratrain", *TRAIN],  # no --run-dir, no --resume: auto, by runs/latest
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(tmp_path / "runs" / "latest" / "checkpoints" / f"step-{EVERY}" / "meta.json", job)
+    owner = json.loads((tmp_path / "runs" / "latest" / ".lock").read_text())["pid"]  # global rank 0
+    os.kill(owner, signal.SIGKILL)
+    output = job.communicate(timeout=400)[0]
+    assert job.returncode == 0, output
+    assert "resuming" in output and output.count("run directory") == 2, output
+    resumed_at = int(output.split("resuming ")[1].split("(step ")[1].split(")")[0])
+    assert EVERY <= resumed_at < STEPS, output  # killed mid-run, resumed from a checkpoint
+    run = (tmp_path / "runs" / "latest").resolve()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # every step once
+
+    reference = subprocess.run([sys.executable, "-m", "paratrain", *TRAIN, "--nproc", "2",
+                                "--run-dir", str(tmp_path / "ref")], env=env, capture_output=True,
+                               text=True, timeout=240)
+    assert reference.returncode == 0, reference.stderr
+    got = load_file(str(run / "checkpoints" / f"step-{STEPS}" / checkpoint.STATE))
+    want = load_file(str(tmp_path / "ref" / "checkpoints" / f"step-{STEPS}" / checkpoint.STATE))
+    assert got.keys() == want.keys()
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst <= 1e-6, f"final state differs from the uninterrupted run's by {worst}"
