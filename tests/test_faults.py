@@ -211,17 +211,19 @@ def test_a_nan_loss_stops_the_run_naming_step_and_checkpoint(tmp_path):
 
 
 def poisoned(build, at_calls: set[int]):
-    """``loop.build`` whose engine returns a NaN loss on rank 1 at the given forward calls."""
+    """``loop.build`` whose model returns a NaN loss on rank 1 at the given forward calls
+    (the engine's step runs the chunk, here the whole model)."""
     def patched(cfg, mesh):
         run = build(cfg, mesh)
-        forward, calls = run.engine.forward, [0]
+        chunk = run.engine.plan.chunks[-1]
+        forward, calls = chunk.forward, [0]
 
         def forward_nan(*args, **kwargs):
             calls[0] += 1
             loss = forward(*args, **kwargs)
             return loss * float("nan") if calls[0] in at_calls and dist.get_rank() == 1 else loss
 
-        run.engine.forward = forward_nan
+        chunk.forward = forward_nan
         return run
     return patched
 

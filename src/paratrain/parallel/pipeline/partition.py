@@ -41,12 +41,13 @@ class PipelineChunk(nn.Module):
         self.stage, self.num_stages, self.desc = stage, num_stages, desc
         self.layer_ids = layers
         # Modules sit at the model's own paths (blocks keyed by their original index), so
-        # parameter names match the unsplit model's.
+        # parameter names match the unsplit model's, and are registered in the order they
+        # run (ZeRO's units and prefetching follow it).
         blocks = model.get_submodule(desc.blocks)
+        if self.is_first:
+            _attach(self, desc.embedding, model.get_submodule(desc.embedding))
         _attach(self, desc.blocks, nn.ModuleDict({str(i): blocks[i] for i in layers}))
-        ends = ([desc.embedding] if self.is_first else []) + (
-            [desc.final_norm, desc.head, desc.loss] if self.is_last else [])
-        for path in ends:
+        for path in [desc.final_norm, desc.head, desc.loss] if self.is_last else []:
             _attach(self, path, model.get_submodule(path))
         # The extra arguments of every block (GPT: cos and sin of the rotary angles) come
         # from the model's method; its tables are shared, not copied.
