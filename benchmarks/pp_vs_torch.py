@@ -50,7 +50,7 @@ class TorchStage(nn.Module):
         c = self.chunk
         if not c.is_last:
             return c(x)
-        cos, sin = c._block_args(torch.arange(x.shape[1]))
+        cos, sin = c.block_args(torch.arange(x.shape[1]))
         h = c.tok_embeddings(x) if c.is_first else x
         for layer in c.blocks():
             h = layer(h, cos, sin)

@@ -55,13 +55,15 @@ def divisors(n: int) -> list[int]:
 def heads(n_heads: int, n_kv_heads: int, tp: int) -> None:
     """Tensor parallelism gives each rank whole query heads, and whole KV heads (split
     when there are at least tp of them, one replicated head per rank otherwise)."""
-    valid = [t for t in divisors(n_heads) if n_kv_heads % t == 0 or t % n_kv_heads == 0]
+    def valid() -> list[int]:  # only when refusing: the planner calls this per candidate
+        return [t for t in divisors(n_heads) if n_kv_heads % t == 0 or t % n_kv_heads == 0]
+
     if n_heads % tp:
-        raise LayoutError(f"tp={tp} must divide the {n_heads} attention heads; pick tp from {valid}")
+        raise LayoutError(f"tp={tp} must divide the {n_heads} attention heads; pick tp from {valid()}")
     if n_kv_heads % tp and tp % n_kv_heads:
         raise LayoutError(f"tp={tp} and the {n_kv_heads} KV heads must divide one another "
                           f"(KV heads are split when kv_heads >= tp, replicated otherwise); "
-                          f"pick tp from {valid}")
+                          f"pick tp from {valid()}")
 
 
 def mlp_width(ffn: int, tp: int) -> None:

@@ -357,23 +357,14 @@ class CompressorSet:
     def _prefix(self) -> str:
         return f"{self.spec.text}/world{dist.get_world_size()}"
 
-    def gather_state(self) -> dict[str, torch.Tensor]:
-        """Every rank's compression state under 'METHOD/worldW/rankR/bI.NAME' (collective
-        over the world; empty when the method keeps none)."""
-        mine = {f"b{i}.{k}": v.detach().cpu().clone() for i, c in enumerate(self.items)
-                for k, v in c.state_dict().items()}
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        return {f"{self._prefix()}/rank{r}/{k}": v for r, state in enumerate(everyone) for k, v in state.items()}
-
     def local_state(self) -> dict[str, torch.Tensor]:
-        """This rank's compression state under the keys ``gather_state`` gives it (no copy,
+        """This rank's compression state under 'METHOD/worldW/rankR/bI.NAME' (no copy,
         no communication: sharded checkpoints write each rank's own)."""
         prefix = f"{self._prefix()}/rank{dist.get_rank()}/"
         return {f"{prefix}b{i}.{k}": v for i, c in enumerate(self.items) for k, v in c.state_dict().items()}
 
     def load_state(self, saved: dict[str, torch.Tensor]) -> bool:
-        """Install this rank's state from ``gather_state``'s output. A checkpoint of another
+        """Install this rank's state from every rank's saved ``local_state``. A checkpoint of another
         method, world or bucket layout leaves the state fresh (returns False)."""
         prefix = f"{self._prefix()}/rank{dist.get_rank()}/"
         wanted = [(c, k, v, saved.get(f"{prefix}b{i}.{k}")) for i, c in enumerate(self.items)

@@ -61,9 +61,6 @@ class Engine(Protocol):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters under the plain model's names (collective)."""
 
-    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Adam's moments, unsharded, under the plain model's names (collective)."""
-
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Install this rank's share of full moments after ``step`` steps."""
 
@@ -125,20 +122,6 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         else:
             local = {k: v.detach().clone() for k, v in self.module.named_parameters()}
         return merge_stages(local, self.pp_group)
-
-
-    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Adam's moments of every parameter, unsharded, under the plain model's names
-        (collective). Parameters without state yet get zeros."""
-        out = {}
-        for key in MOMENTS:
-            local = {n: self.optimizer.state.get(p, {}).get(key, torch.zeros_like(p))
-                     for n, p in self.module.named_parameters()}
-            if self.tp is not None:
-                local = self.tp.full_state_dict(self.module, local=local)
-            out[key] = merge_stages(local, self.pp_group)
-        compress = self.dp.compressors.gather_state()  # error-feedback residuals, PowerSGD's Q
-        return {**out, "compress": compress} if compress else out
 
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Install this rank's share of full moments (from any layout) after ``step`` steps."""

@@ -51,7 +51,7 @@ class PipelineChunk(nn.Module):
             _attach(self, path, model.get_submodule(path))
         # The extra arguments of every block (GPT: cos and sin of the rotary angles) come
         # from the model's method; its tables are shared, not copied.
-        self._block_args = getattr(model, desc.block_args)
+        self.block_args = getattr(model, desc.block_args)
 
     @property
     def is_first(self) -> bool:
@@ -69,7 +69,7 @@ class PipelineChunk(nn.Module):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
-        args = self._block_args(positions)
+        args = self.block_args(positions)
         h = self.get_submodule(self.desc.embedding)(x) if self.is_first else x
         for block in self.blocks():
             h = block(h, *args)

@@ -276,25 +276,6 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
 
     # ---- checkpoints: Adam's moments in the plain model's terms -------------------------------
     @torch.no_grad()
-    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Adam's moments of every parameter, unsharded, under the plain model's names
-        (collective). Parameters without state yet get zeros."""
-        state, out = self.optimizer.optimizer.state, {}
-        for key in MOMENTS:
-            local = {}
-            for unit, views in zip(self.units, self.optimizer.unit_views):
-                shard = torch.cat([state.get(v, {}).get(key, torch.zeros_like(v)) for v in views])
-                full = shard.new_empty(unit.flat.padded, device=unit.flat.flat.device)
-                C.all_gather(full, shard.to(full.device), self.group)
-                for name, view in zip(unit.flat.names, unit.flat.copy_out(full)):
-                    local[name] = view.clone()
-            if self.tp is not None:
-                local = self.tp.full_state_dict(self.module, local=local)
-            out[key] = merge_stages(local, self.pp_group)
-        compress = self.compressors.gather_state()  # error-feedback residuals, PowerSGD's Q
-        return {**out, "compress": compress} if compress else out
-
-    @torch.no_grad()
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Install this rank's slices of full moments (from any layout) after ``step`` steps."""
         self.compressors.load_state(moments.get("compress", {}))
