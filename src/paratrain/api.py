@@ -7,7 +7,7 @@ The pieces ``paratrain train`` is built from, in the order a loop uses them::
     cfg = api.config(model="path/to/llama_dir", tp=2, dp=2, seq_len=512,
                      global_batch=32, micro_batch=4, lr=3e-4)      # checked, resolved
     mesh = api.mesh(cfg)                       # after the world is joined (torchrun or spawn)
-    engine = api.parallelize(api.build_model(cfg), mesh, cfg)
+    engine = api.parallelize(api.build_model(cfg, mesh.device, meta=True), mesh, cfg)
     for step in range(steps):
         engine.zero_grad()
         loss = engine.forward_backward(microbatches, loss_scale=1 / tokens_in_global_batch)
@@ -38,8 +38,9 @@ from .models.description import ModelDescription
 from .models.gpt import GPT
 from .optim import lr_at as _lr_at
 from .parallel.engine import Engine
-from .parallelize import parallelize
+from .parallelize import parallelize as _parallelize
 from .train.config import Config, ConfigError, load
+from .train.materialize import fill, has_meta, initial_source
 
 __all__ = ["Config", "ConfigError", "Engine", "Layout", "Mesh", "ModelDescription", "build_model",
            "config", "lr_at", "mesh", "parallelize", "spawn"]
@@ -60,15 +61,32 @@ def mesh(cfg: Config, device: torch.device | None = None) -> Mesh:
     return Mesh.build(cfg.layout, device)
 
 
-def build_model(cfg: Config, device: torch.device | None = None) -> nn.Module:
-    """paratrain's GPT at the config's shape, seeded by ``cfg.train.seed`` (the same
-    weights on every rank), with a Hugging Face directory's weights when the config's
-    model is one."""
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model)
+def build_model(cfg: Config, device: torch.device | str | None = None, *,
+                meta: bool = False) -> nn.Module:
+    """paratrain's GPT at the config's shape. ``meta``: without storage (the rotary tables
+    on ``device``), for ``parallelize`` to give each rank only its share; otherwise whole,
+    with the weights every layout starts from: the Hugging Face directory's when the
+    config's model is one, else drawn from ``cfg.train.seed`` (``models.gpt.init_tensor``)."""
+    if meta:
+        with torch.device("meta"):
+            model = GPT(cfg.model)
+        model.init_buffers(device or "cpu")
+        return model
+    model = GPT(cfg.model, seed=cfg.train.seed)
     if hf.is_model_dir(cfg.model_preset):
         model.load_state_dict(hf.load_weights(cfg.model_preset, cfg.model))
     return model.to(device) if device is not None else model
+
+
+def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
+    """The engine for the config's layout (``paratrain.parallelize.parallelize``); a model
+    built with ``meta=True`` gets this rank's share of the initial weights, read or drawn
+    piece by piece (train/materialize.py): no rank ever holds the whole model."""
+    meta = has_meta(model)
+    engine = _parallelize(model, mesh, cfg)
+    if meta:
+        fill(engine, initial_source(cfg))
+    return engine
 
 
 def lr_at(step: int, cfg: Config) -> float:

@@ -123,10 +123,11 @@ def _run_train(args: argparse.Namespace) -> int:
     if started_by_torchrun(os.environ):  # this process is one rank of torchrun's world
         world = torchrun_world(cfg.parallel.backend, cfg.parallel.timeout_s)
         cfg = _preflight(_torchrun_config(cfg, world.world_size), torchrun=True,
-                         report=world.rank == 0)
+                         report=world.rank == 0, local_ranks=world.local_world_size)
         run_worker(cfg, world)
         return 0
-    cfg = _preflight(cfg.validate(), torchrun=False, report=True)
+    cfg = cfg.validate()
+    cfg = _preflight(cfg, torchrun=False, report=True, local_ranks=cfg.parallel.nproc)
     if cfg.train.resume not in ("", *runs.RESUME_CHOICES):  # every tensor's checksum, before any rank starts
         verify(cfg.train.resume, runs.model_config(cfg))
     cfg = runs.place_and_print(cfg, torchrun=False)
@@ -160,11 +161,13 @@ def _torchrun_config(cfg: Config, world_size: int) -> Config:
     return dataclasses.replace(cfg, parallel=parallel).validate(launcher="torchrun")
 
 
-def _preflight(cfg: Config, *, torchrun: bool, report: bool) -> Config:
-    """The config checked against this machine and the data; ``report``: print advice."""
+def _preflight(cfg: Config, *, torchrun: bool, report: bool, local_ranks: int) -> Config:
+    """The config checked against this machine, its memory and the data; ``report``:
+    print advice."""
     from .train import preflight
 
     preflight.check_machine(cfg, torchrun)
+    preflight.check_memory(cfg, local_ranks)
     preflight.check_data(cfg)
     for note in preflight.advice(cfg) if report else ():
         print(f"paratrain train: warning: {note}", file=sys.stderr)

@@ -58,6 +58,8 @@ class WorldSpec:
     """Under torchrun: the rendezvous store (host, port, whether torchrun's agent hosts it)."""
     attempt: int = 0
     """Under torchrun: how many times the job was restarted before (``--max-restarts``)."""
+    local_world_size: int = 1
+    """Processes on this machine (they share its memory)."""
 
 
 def pick_backend(backend: str = "auto") -> str:
@@ -87,6 +89,7 @@ def torchrun_world(backend: str = "auto", timeout_s: float = 300.0) -> WorldSpec
         store_at=(env["MASTER_ADDR"], int(env.get("MASTER_PORT", "0")),
                   env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"),
         attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
     )
 
 

@@ -22,6 +22,7 @@ from .parallel.step import StepPlan
 from .parallel.tensor import apply_tensor_parallel
 from .parallel.zero import ZeroDataParallel
 from .train.config import Config
+from .train.materialize import allocate
 from .layout import CP, DP_CP, PP, TP
 
 
@@ -32,6 +33,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
 
     Gradients are averaged over dp x cp: context-parallel ranks hold the same weights but
     see different tokens, exactly like data-parallel replicas.
+
+    A model built on the meta device is cut as it is, and only this rank's share gets
+    storage (zeros; ZeRO-3 units their shards): fill it with ``train.materialize.fill``.
     """
     p = cfg.parallel
     desc = describe(model)
@@ -49,13 +53,14 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
     apply_recompute(blocks, cfg.train.recompute, core=desc.attention_core)
     group = mesh.group(DP_CP)
     plan = step_plan(model, mesh, cfg)
-    if p.zero:
+    if p.zero:  # lays out its flat units from meta parameters itself
         dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
         plan.act_dtype = dtype or plan.act_dtype
         return ZeroDataParallel(model, group, p.zero, cfg.optim, param_dtype=dtype,
                                 offload=p.offload, tp=tp, pp_group=pp_group,
                                 reshard_after_forward=cfg.reshard_after_forward, compress=p.compress,
                                 plan=plan)
+    allocate(model, mesh.device)
     dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=p.compress)
     return ReplicatedEngine(dp, cfg.optim, tp, pp_group, plan=plan)
 

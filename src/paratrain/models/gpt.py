@@ -9,6 +9,7 @@ into ``embed`` / ``layers`` / ``head`` (pipeline stages run slices of it).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, replace
 
@@ -88,6 +89,13 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64),
     # The demo default: ~2.46M parameters, learns visibly in a minute on two CPU processes.
     "small": GPTConfig(d_model=192, n_layers=6, n_heads=6, n_kv_heads=2, ffn_hidden=512, max_seq_len=128),
+    # The planner's Llama 3 presets (plan/models.py), at full size with random weights:
+    # built on the meta device, so each rank materialises only its share.
+    **{name: GPTConfig(vocab_size=128256, d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=8,
+                       ffn_hidden=ffn, max_seq_len=8192, rope_theta=500000.0)
+       for name, layers, d, heads, ffn in [("llama3-8b", 32, 4096, 32, 14336),
+                                           ("llama3-70b", 80, 8192, 64, 28672),
+                                           ("llama3-405b", 126, 16384, 128, 53248)]},
 }
 
 
@@ -144,6 +152,33 @@ def _llama3_scaling(freqs: torch.Tensor, spec: str) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= original / high) & (wavelen <= original / low)
     return torch.where(medium, blended, scaled)
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """A generator seed for one tensor: a stable hash of the run's seed and its name."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def init_tensor(cfg: GPTConfig, name: str, shape: tuple[int, ...], seed: int,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """The initial value of parameter ``name`` (the plain model's name, whole shape).
+
+    Normal(0, init_std) weights, with the residual output projections scaled down by
+    sqrt(2 * n_layers) so that the residual stream's variance does not grow with depth;
+    norms one, biases zero. Each tensor has its own generator, so its value does not
+    depend on which other tensors a rank holds: any layout's shares make up the same model.
+    """
+    out = torch.empty(shape, device=device)
+    if name.endswith("norm.weight"):
+        return out.fill_(1.0)
+    if name.endswith(".bias"):
+        return out.zero_()
+    std = cfg.init_std
+    if name.endswith(("wo.weight", "w2.weight")):
+        std /= math.sqrt(2 * cfg.n_layers)
+    generator = torch.Generator(device=out.device).manual_seed(tensor_seed(seed, name))
+    return out.normal_(0.0, std, generator=generator)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -221,7 +256,11 @@ class CrossEntropySum(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, seed: int | None = None):
+        """``seed`` sets the initial weights (``init_tensor``); None draws it from torch's
+        global generator, so ``torch.manual_seed`` decides as usual. Built under
+        ``torch.device("meta")`` the model has shapes and no storage: ``parallelize`` then
+        gives each rank only its share, filled from a source (models/init.py)."""
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -234,22 +273,21 @@ class GPT(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        if not self.output.weight.is_meta:
+            self.reset_parameters(seed)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights; residual output projections scaled down by
-        sqrt(2 * n_layers) so the residual stream's variance does not grow with depth."""
-        std = self.cfg.init_std
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Every parameter drawn by ``init_tensor`` from its own generator."""
+        if seed is None:
+            seed = int(torch.randint(1 << 62, (1,), device="cpu"))
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            elif name.endswith(("wo.weight", "w2.weight")):
-                p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))
-            else:
-                p.normal_(0.0, std)
+            p.copy_(init_tensor(self.cfg, name, tuple(p.shape), seed, p.device))
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Compute the rotary tables on ``device`` (a model built on meta has none)."""
+        cos, sin = rope_tables(self.cfg)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def description(self):
         """Where things are, for the strategies (models/description.py)."""

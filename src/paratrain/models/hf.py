@@ -15,6 +15,7 @@ import permutes them and export permutes them back: a round trip is bit-identica
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -132,32 +133,91 @@ def _permute_rope(name: str, t: torch.Tensor, cfg: GPTConfig, to_interleaved: bo
     return t
 
 
-def load_weights(directory: str | Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """The model's tensors under paratrain's names (q/k rows in paratrain's RoPE order)."""
+def weight_files(directory: str | Path) -> dict[str, str]:
+    """transformers tensor name -> the safetensors file holding it."""
     from safetensors import safe_open
 
     root = Path(directory)
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (root / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
+        return dict(json.loads(index.read_text())["weight_map"])
+    if not (root / "model.safetensors").is_file():
         raise HFModelError(f"{directory}: no model.safetensors or model.safetensors.index.json "
                            f"(pytorch_model.bin is not read: it is a pickle)")
-    wanted = {theirs: ours for ours, theirs in names(cfg).items()}
-    state = {}
-    for file in files:
-        with safe_open(str(root / file), framework="pt") as f:
-            for key in f.keys():
-                if key in wanted:
-                    state[wanted[key]] = _permute_rope(wanted[key], f.get_tensor(key), cfg, True)
-    if cfg.tie_embeddings:  # one tensor under both names, as the built model has it
-        state["output.weight"] = state["tok_embeddings.weight"]
-    missing = sorted(set(wanted.values()) - set(state))
+    with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+        return {key: "model.safetensors" for key in f.keys()}
+
+
+def _check_complete(directory, cfg: GPTConfig, files: dict[str, str]) -> None:
+    missing = sorted(ours for ours, theirs in names(cfg).items() if theirs not in files)
     if missing:
         raise HFModelError(f"{directory}: tensors missing from the safetensors files: {missing[:5]}")
+
+
+def load_weights(directory: str | Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """The model's whole tensors under paratrain's names (q/k rows in paratrain's RoPE
+    order), for tools and tests; training reads slices (``SafetensorsSlices``)."""
+    files = weight_files(directory)
+    _check_complete(directory, cfg, files)
+    state = {}
+    with SafetensorsSlices(directory, cfg) as source:
+        for ours in names(cfg):
+            state[ours] = source.read(ours)
+    if cfg.tie_embeddings:  # one tensor under both names, as the built model has it
+        state["output.weight"] = state["tok_embeddings.weight"]
     return state
+
+
+class SafetensorsSlices(contextlib.ExitStack):
+    """A source of initial values (train/materialize.py) reading a Hugging Face directory
+    one box at a time, under paratrain's names: ``fill`` copies exactly a piece's box out of
+    the memory-mapped file, so a rank reads only its share of the model."""
+
+    def __init__(self, directory: str | Path, cfg: GPTConfig):
+        super().__init__()
+        self.root, self.cfg = Path(directory), cfg
+        self.files = weight_files(directory)
+        _check_complete(directory, cfg, self.files)
+        self.theirs = names(cfg)
+        self.handles: dict = {}
+
+    def _slice(self, ours: str):
+        from safetensors import safe_open
+
+        theirs = self.theirs[ours]
+        file = self.files[theirs]
+        if file not in self.handles:
+            self.handles[file] = self.enter_context(safe_open(str(self.root / file), framework="pt"))
+        return self.handles[file].get_slice(theirs)
+
+    def read(self, ours: str) -> torch.Tensor:
+        """The whole tensor ``ours``."""
+        view = self._slice(ours)
+        return self.box(ours, tuple(view.get_shape()), (0,) * len(view.get_shape()), tuple(view.get_shape()))
+
+    def box(self, ours: str, shape: tuple[int, ...], offsets: tuple[int, ...],
+            extents: tuple[int, ...]) -> torch.Tensor:
+        """Box (offsets, extents) of tensor ``ours`` in paratrain's row order. q/k rows are
+        permuted within each head, so their rows are read as the span of heads they lie in."""
+        view = self._slice(ours)
+        cols = tuple(slice(o, o + e) for o, e in zip(offsets[1:], extents[1:]))
+        rows = _rope_order(ours, shape[0], self.cfg)
+        if rows is None:
+            return view[(slice(offsets[0], offsets[0] + extents[0]), *cols)]
+        wanted = rows[offsets[0]:offsets[0] + extents[0]]
+        lo, hi = int(wanted.min()), int(wanted.max()) + 1
+        return view[(slice(lo, hi), *cols)][wanted - lo]
+
+    def fill(self, piece) -> None:
+        ours = piece.key.removeprefix("param/")
+        piece.local.copy_(self.box(ours, piece.shape, piece.offsets, piece.extents))
+
+
+def _rope_order(name: str, rows: int, cfg: GPTConfig) -> torch.Tensor | None:
+    """For q/k weights and biases: transformers' row of each of paratrain's rows."""
+    if ".wq." in name or ".wk." in name:
+        return _rope_rows(cfg.head_dim, rows // cfg.head_dim, True)
+    return None
 
 
 def export(params: dict[str, torch.Tensor], cfg: GPTConfig, out: str | Path,

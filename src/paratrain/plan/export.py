@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .candidate import Training
 from .hardware import GiB
-from .models import LOCAL_PRESETS, ModelSpec
+from .models import TRAIN_PRESETS, ModelSpec
 from .report import MEMORY_PARTS, TIME_PARTS, layout_label
 from .search import Plan
 
@@ -36,7 +36,7 @@ def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str,
                          f"`paratrain train` shards ZeRO-3 over all dp x cp ranks")
     return {
         # A paratrain preset keeps its name, so that `train` reports the model it runs.
-        "model": {**({"preset": model.name} if model.name in LOCAL_PRESETS else {}),
+        "model": {**({"preset": model.name} if model.name in TRAIN_PRESETS else {}),
                   **model.gpt_fields(training.seq_len)},
         "parallel": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "zero": c.zero,
                      "sp": c.sp, "cp_method": "ring",

@@ -146,6 +146,9 @@ PRESETS: dict[str, ModelSpec] = {
 LOCAL_PRESETS = ("tiny", "small")
 """paratrain's own GPTs, read from ``paratrain.models.gpt.PRESETS`` when asked for (that
 module imports torch, so it is not imported otherwise)."""
+TRAIN_PRESETS = (*LOCAL_PRESETS, "llama3-8b", "llama3-70b", "llama3-405b")
+"""Presets ``paratrain train --model`` builds at the same shape (``models.gpt.PRESETS``),
+so a config written by ``plan --out`` keeps the name."""
 
 
 def from_gpt_config(cfg, name: str) -> ModelSpec:

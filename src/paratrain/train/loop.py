@@ -21,15 +21,15 @@ import torch.distributed as dist
 
 from ..layout import DP, PP
 from ..mesh import Mesh
-from ..models import hf
-from ..models.gpt import GPT
 from ..optim import lr_at
 from ..parallel.engine import Engine
 from ..parallel.pipeline import gather_timeline
+from ..api import build_model
 from ..parallelize import parallelize
 from . import checkpoint, logs
 from . import data as D
 from .config import Config
+from .materialize import fill, initial_source
 from .metrics import MetricsWriter, comm_metrics, state_bytes, summary
 from .nonfinite import NonFiniteGuard, culprits
 
@@ -73,16 +73,10 @@ class Run:
 
 def build(cfg: Config, mesh: Mesh) -> Run:
     """Model, parallel wrapper, optimizer and data for this rank."""
-    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
-    model = GPT(cfg.model).to(mesh.device)
+    torch.manual_seed(cfg.train.seed)
     run_id = (checkpoint.read_meta(cfg.train.resume).get("run", {}).get("id") if cfg.train.resume
               else None) or uuid.uuid4().hex
-    if not cfg.train.resume and hf.is_model_dir(cfg.model_preset):  # start from its weights
-        model.load_state_dict(hf.load_weights(cfg.model_preset, cfg.model))
-    engine = parallelize(model, mesh, cfg)
-    start_step = 0
-    if cfg.train.resume:  # each rank reads the slices of its own shards (train/checkpoint.py)
-        start_step = checkpoint.load_into(engine, cfg.train.resume, cfg.model)
+    engine, start_step = build_engine(cfg, mesh)
     train_tokens, val_tokens = D.load_tokens(cfg.data)
     train_data = D.Samples(train_tokens, cfg.data.seq_len)
     sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch,
@@ -90,6 +84,18 @@ def build(cfg: Config, mesh: Mesh) -> Run:
                                    seed=cfg.train.seed, remainder=cfg.data.remainder)
     return Run(cfg, mesh, engine, train_data, D.Samples(val_tokens, cfg.data.seq_len), sampler,
                start_step, run_id, cfg.train.resume)
+
+
+def build_engine(cfg: Config, mesh: Mesh) -> tuple[Engine, int]:
+    """This rank's engine with its share of the weights, and the steps already taken. The
+    model is built without storage; each rank materialises only its share
+    (train/materialize.py), from the checkpoint it resumes, else the Hugging Face weights
+    or the seeded initialiser."""
+    engine = parallelize(build_model(cfg, mesh.device, meta=True), mesh, cfg)
+    if cfg.train.resume:  # each rank reads the slices of its own shards (train/checkpoint.py)
+        return engine, checkpoint.load_into(engine, cfg.train.resume, cfg.model)
+    fill(engine, initial_source(cfg))
+    return engine, 0
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:

@@ -9,11 +9,13 @@ naming the field, never inside a rank.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from ..launch import pick_backend
+from ..layout import parse_domain
 from . import data as D
 from .config import Config, ConfigError
 from .schema import where
@@ -31,6 +33,60 @@ def check_machine(cfg: Config, torchrun: bool = False) -> None:
         raise ConfigError(f"parallel.nproc: nccl needs one GPU per process: {p.nproc} processes, "
                           f"{gpus} GPUs here; lower --nproc or use --backend gloo "
                           f"{where('parallel', 'nproc')}")
+
+
+def check_memory(cfg: Config, local_ranks: int) -> None:
+    """The planner's per-rank memory prediction for this layout fits what each local rank
+    can have: its GPU's free memory, or on CPU the machine's available RAM shared by the
+    local ranks. Refused with both numbers, before any rank starts or allocates."""
+    if cfg.train.task != "lm" or parse_domain(cfg.parallel.domain) != (1, 1):
+        return  # the planner models language models
+    predicted = predicted_memory(cfg)
+    available, what = available_memory(cfg, max(local_ranks, 1))
+    if predicted.total > available:
+        gib = 1 << 30
+        raise ConfigError(
+            f"memory: the planner predicts {predicted.total / gib:.2f} GiB per rank (paratrain's "
+            f"runtime) for "
+            f"{cfg.describe_layout()} (parameters {predicted.params / gib:.2f}, gradients "
+            f"{predicted.grads / gib:.2f}, optimizer {predicted.optimizer / gib:.2f}, "
+            f"activations {predicted.activations / gib:.2f}, buffers {predicted.buffers / gib:.2f}), "
+            f"and {what} is {available / gib:.2f} GiB; shard more (--zero 3, --tp, --pp, more "
+            f"ranks), recompute (--recompute full) or lower --micro-batch; `paratrain plan "
+            f"--model ... --layout ...` shows where the bytes go")
+
+
+def predicted_memory(cfg: Config):
+    """The planner's peak bytes of the fullest rank (plan/memory.py, paratrain's runtime)."""
+    from ..plan.candidate import Candidate, Training
+    from ..plan.memory import rank_memory
+    from ..plan.models import from_gpt_config
+
+    p, t = cfg.parallel, cfg.train
+    schedule = p.schedule if p.pp > 1 else "1f1b"
+    cand = Candidate(p.dp, p.tp, p.pp, p.cp, p.zero, cfg.micro_batch, cfg.accumulation, schedule,
+                     p.virtual_stages, t.recompute, sequence_parallel=p.sp)
+    training = Training(t.global_batch, cfg.data.seq_len, t.precision)
+    return rank_memory(from_gpt_config(cfg.model, cfg.model_preset), training, cand, paratrain=True)
+
+
+def available_memory(cfg: Config, local_ranks: int) -> tuple[int, str]:
+    """Bytes one rank can use, and what they are: the least free memory of the GPUs under
+    nccl, else available RAM (``MemAvailable``) divided among the local ranks."""
+    if pick_backend(cfg.parallel.backend) == "nccl":
+        free = min(torch.cuda.mem_get_info(i)[0] for i in range(min(local_ranks, torch.cuda.device_count())))
+        return free, "the free memory of a GPU"
+    return _available_ram() // local_ranks, f"this machine's available RAM / {local_ranks} local ranks"
+
+
+def _available_ram() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_data(cfg: Config) -> None:

@@ -65,27 +65,31 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         self.pp_group = pp_group  # pipeline stages own disjoint parameters
         self.reshard_after_forward = reshard_after_forward
         self.accumulate_full = pp_group is not None  # see the module docstring
-        if tp is not None:  # replicated TP gradients are summed as backward makes them
-            tp.register_grad_sync_hooks()
-        with torch.no_grad():  # replicas must start identical
+        with torch.no_grad():  # replicas must start identical (a meta model is filled later)
             for tensor in [*module.parameters(), *module.buffers()]:
-                C.broadcast(tensor, src=0, group=group)
+                if not tensor.is_meta:
+                    C.broadcast(tensor, src=0, group=group)
         world, rank = C.size(group), C.rank(group)
         unit_modules = default_units(module)
         named = group_units(module, [(name, [m]) for name, m in unit_modules])
-        self.units = [Unit(build_unit(name, params, world, rank, param_dtype), m)
+        self.units = [Unit(build_unit(name, params, world, rank, param_dtype, self.plan.device,
+                                      sharded=stage == 3), m)
                       for (name, params), (_, m) in zip(named, unit_modules)]
         for unit in self.units:
             unit.setup_grads(stage)
             if stage == 3:
-                unit.shard = unit.flat.own_slice(unit.flat.flat).clone()
-                unit.flat.free()
+                flat = unit.flat
+                unit.shard = (flat.own_slice(flat.flat).clone() if not flat.flat.is_meta else
+                              torch.zeros(flat.shard_size, dtype=flat.flat.dtype, device=flat.device))
+                flat.free()
+        if tp is not None:  # replicated TP gradients are summed as backward makes them
+            tp.register_grad_sync_hooks()  # (after build_unit: adopting a meta parameter drops hooks)
         self.optimizer = ShardedAdamW(self.units, optim_cfg, offload=offload)
         # Stage 1 keeps each unit's full gradient, so it can be averaged by a compressor
         # (comm/compress.py) instead of a reduce-scatter; stages 2/3 are refused by check().
         self.compressors = CompressorSet(check(compress, stage), [
             (list(zip(u.flat.offsets, [p.shape for p in u.flat.params])), u.flat.padded)
-            for u in self.units], device=self.units[0].flat.flat.device if self.units else None)
+            for u in self.units], device=self.units[0].flat.device if self.units else None)
         for unit, compressor in zip(self.units, self.compressors.items):
             unit.compressor = compressor if compress != "none" else None
         # gloo's native reduce-scatter and all-gather are slower than its all-reduce and
@@ -246,7 +250,8 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
     # ---- inspection ------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors that hold this rank's parameters, gradients and optimizer state."""
-        params = [u.flat.flat for u in self.units] + [u.shard for u in self.units if u.shard is not None]
+        params = [u.flat.flat for u in self.units if not u.flat.flat.is_meta]
+        params += [u.shard for u in self.units if u.shard is not None]
         grads = [g for u in self.units for g in u.grad_tensors()]
         return {"params": params, "grads": grads, "optim": self.optimizer.state_tensors()}
 
@@ -263,7 +268,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         """Unsharded parameters under their model names (collective: every rank calls it)."""
         out = {}
         for unit in self.units:
-            full = torch.empty_like(unit.flat.flat) if self.stage == 3 else unit.flat.flat
+            full = torch.empty_like(unit.flat.flat, device=unit.flat.device) if self.stage == 3 else unit.flat.flat
             if self.stage == 3:
                 full.untyped_storage().resize_(unit.flat.padded * full.element_size())
                 C.all_gather(full, unit.shard, self.group)

@@ -41,7 +41,10 @@ class FlatUnit:
     rank: int
     """This rank's position on the data-parallel axis."""
     flat: torch.Tensor
-    """The full (gathered) parameters, padded to a multiple of N."""
+    """The full (gathered) parameters, padded to a multiple of N. On the meta device for a
+    ZeRO-3 unit built from a meta model until its first gather: it never held them."""
+    device: torch.device
+    """Where the unit's tensors live."""
 
     @property
     def padded(self) -> int:
@@ -57,7 +60,7 @@ class FlatUnit:
 
     @property
     def gathered(self) -> bool:
-        return self.flat.untyped_storage().nbytes() > 0
+        return not self.flat.is_meta and self.flat.untyped_storage().nbytes() > 0
 
     def own_slice(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a unit-sized flat tensor (a view)."""
@@ -72,10 +75,17 @@ class FlatUnit:
 
     def free(self) -> None:
         """Release the gathered parameters' memory; the views remain, pointing at nothing."""
-        self.flat.untyped_storage().resize_(0)
+        if not self.flat.is_meta:
+            self.flat.untyped_storage().resize_(0)
 
     def allocate(self) -> None:
-        """Give the flat buffer its memory back (contents undefined until gathered)."""
+        """Give the flat buffer its memory back (contents undefined until gathered). A unit
+        built on meta gets its buffer here, once, and its parameters become views of it."""
+        if self.flat.is_meta:  # real but storageless parameters until now: .data keeps hooks
+            self.flat = torch.empty(self.padded, dtype=self.flat.dtype, device=self.device)
+            for p, o in zip(self.params, self.offsets):
+                p.data = self.flat[o:o + p.numel()].view_as(p)
+            return
         storage = self.flat.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.padded * self.flat.element_size())
@@ -86,25 +96,50 @@ class FlatUnit:
 
 
 def build_unit(name: str, named_params: list[tuple[str, nn.Parameter]], world: int, rank: int,
-               dtype: torch.dtype | None = None) -> FlatUnit:
+               dtype: torch.dtype | None = None, device: torch.device | None = None,
+               sharded: bool = False) -> FlatUnit:
     """Move ``named_params`` into one flat buffer (of ``dtype``, default theirs) and make
-    each parameter a view into it."""
+    each parameter a view into it. Meta parameters (a model built without storage) get a
+    zeroed buffer on ``device``; with ``sharded`` (ZeRO-3) none at all until the unit is
+    first gathered, so that building never holds a whole unit."""
     ordered = sorted(named_params, key=lambda item: item[1].ndim < 2)  # stable: decayed first
     params = [p for _, p in ordered]
     dtype = dtype or params[0].dtype
+    meta = params[0].is_meta
+    device = torch.device(device or params[0].device)
     numel = sum(p.numel() for p in params)
     padded = -(-numel // world) * world
-    flat = torch.zeros(padded, dtype=dtype, device=params[0].device)
+    lazy = meta and sharded
+    flat = torch.zeros(padded, dtype=dtype, device="meta" if lazy else device)
     offsets, offset = [], 0
     for p in params:
-        flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+        if not meta:
+            flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
         offsets.append(offset)
         offset += p.numel()
     for p, o in zip(params, offsets):
-        p.data = flat[o:o + p.numel()].view_as(p)
+        adopt(p, _storageless(p, device) if lazy else flat[o:o + p.numel()].view_as(p))
     decay_numel = sum(p.numel() for p in params if p.ndim >= 2)
     return FlatUnit(name, params, [n for n, _ in ordered], offsets, numel, decay_numel,
-                    world, rank, flat)
+                    world, rank, flat, device)
+
+
+def adopt(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    """Make ``param`` (the same object: hooks and side tables key it) hold ``tensor``. A
+    meta parameter cannot take real ``.data``, so its contents are swapped instead, which
+    drops its hooks: call this before any are registered."""
+    if param.is_meta and not tensor.is_meta:
+        torch.utils.swap_tensors(param, nn.Parameter(tensor, requires_grad=param.requires_grad))
+    else:
+        param.data = tensor
+
+
+def _storageless(param: nn.Parameter, device: torch.device) -> torch.Tensor:
+    """A tensor of ``param``'s shape on ``device`` whose storage holds no bytes (briefly
+    one parameter's, never a unit's)."""
+    t = torch.empty(param.shape, dtype=param.dtype, device=device)
+    t.untyped_storage().resize_(0)
+    return t
 
 
 def group_units(model: nn.Module, unit_modules: list[tuple[str, list[nn.Module]]]

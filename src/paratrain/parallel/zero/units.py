@@ -75,7 +75,7 @@ class Unit:
                 p.grad = view
             self.grad_shard = flat.own_slice(self.flat_grad)
         else:
-            self.grad_shard = torch.zeros(flat.shard_size, dtype=flat.flat.dtype, device=flat.flat.device)
+            self.grad_shard = torch.zeros(flat.shard_size, dtype=flat.flat.dtype, device=flat.device)
 
     def stash_grad(self, param: nn.Parameter) -> None:
         """Stages 2/3: add ``param.grad`` into the unit's temporary flat gradient and drop it
