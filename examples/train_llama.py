@@ -41,7 +41,7 @@ def worker(args: argparse.Namespace) -> list[float]:
                      zero=args.zero, seq_len=64, global_batch=8, micro_batch=2, steps=args.steps,
                      lr=1e-3, warmup_steps=1, progress=False)
     mesh = api.mesh(cfg)
-    engine = api.parallelize(api.build_model(cfg), mesh, cfg)
+    engine = api.parallelize(api.build_model(cfg, mesh.device, meta=True), mesh, cfg)  # this rank's share only
     samples = D.Samples(D.load_tokens(cfg.data)[0], cfg.data.seq_len)
     sampler = D.DistributedSampler(len(samples), cfg.train.global_batch, dp_rank=mesh.coord(DP),
                                    dp_size=mesh.size(DP), seed=cfg.train.seed)

@@ -111,17 +111,6 @@ def test_every_layout_materialises_the_same_weights_within_its_share(hf_dir, tmp
                 assert m["peak"] <= 1.1 * (2 * params / 4 + largest), what
 
 
-def test_llama3_presets_are_the_planners_shapes():
-    from paratrain.models.gpt import PRESETS
-    from paratrain.plan.models import PRESETS as PLANNED, TRAIN_PRESETS, load_model
-
-    for name in TRAIN_PRESETS:
-        spec = PLANNED.get(name) or load_model(name)
-        cfg = PRESETS[name]
-        assert {k: getattr(cfg, k) for k in spec.gpt_fields()} == spec.gpt_fields(), name
-        assert cfg.num_params() == spec.num_params(), name
-
-
 def test_a_plan_that_does_not_fit_here_is_refused_with_both_numbers(tmp_path, capsys, monkeypatch):
     from paratrain.cli import main
     from paratrain.train import preflight

@@ -10,7 +10,8 @@ from paratrain.models.gpt import GPT, GPTConfig, PRESETS, preset
 
 def test_param_count_matches_formula_with_gqa_and_tied_embeddings():
     for cfg in [*PRESETS.values(), preset("tiny", tie_embeddings=True), preset("tiny", n_kv_heads=0)]:
-        assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.num_params()
+        with torch.device("meta"):  # the Llama 3 presets have billions of parameters
+            assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.num_params()
 
 
 def test_initial_loss_is_near_uniform():

@@ -50,8 +50,7 @@ def test_lr_schedule_equals_torch_schedulers(warmup, total):
 def reference_with_torch_clip(cfg) -> dict:
     """The run a single process makes with torch's pieces only: AdamW (decay on matrices),
     the torch scheduler above and ``clip_grad_norm_`` on the whole model."""
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model)
+    model = GPT(cfg.model, seed=cfg.train.seed)  # train's initial weights
     o = cfg.optim
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},

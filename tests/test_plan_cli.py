@@ -51,8 +51,9 @@ def test_out_writes_a_train_config(tmp_path, capsys):
     assert plan("--model", "llama3-8b", "--gpus", "8", "--global-batch", "32",
                 "--seq-len", "4096", "--out", str(path)) == 0
     config = tomllib.loads(path.read_text())
-    assert set(config["model"]) == {"vocab_size", "d_model", "n_layers", "n_heads",
+    assert set(config["model"]) == {"preset", "vocab_size", "d_model", "n_layers", "n_heads",
                                     "n_kv_heads", "ffn_hidden", "max_seq_len", "tie_embeddings"}
+    assert config["model"]["preset"] == "llama3-8b"  # train builds the same preset (rope_theta too)
     par, train = config["parallel"], config["train"]
     assert set(par) == {"dp", "tp", "pp", "cp", "zero", "sp", "cp_method", "schedule",
                         "microbatches", "virtual_stages"}

@@ -189,7 +189,7 @@ def load_model(spec: str) -> ModelSpec:
 
 # ---- TOML ---------------------------------------------------------------------------------
 
-_IGNORED_GPT_FIELDS = ("rope_theta", "norm_eps", "init_std")  # no effect on memory or time
+_IGNORED_GPT_FIELDS = ("preset", "rope_theta", "norm_eps", "init_std")  # no effect on memory or time
 
 
 def from_toml(path: str | Path) -> ModelSpec:
