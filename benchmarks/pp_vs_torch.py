@@ -32,6 +32,7 @@ from paratrain.launch import spawn
 from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.parallel.pipeline import (Recorder, gather_timeline, run_schedule, schedule,
                                          split_model, theoretical_bubble)
+from paratrain.parallel.pipeline.simulator import simulate
 
 MODEL = GPTConfig(vocab_size=256, d_model=128, n_layers=8, n_heads=4, ffn_hidden=352,
                   max_seq_len=128)
@@ -135,7 +136,7 @@ def timed(step, i: int) -> tuple[float, float, float]:
     return wall.item(), cpu_loss[0].item(), cpu_loss[1].item()
 
 
-def _shares(recorder: Recorder, pp: int) -> dict[str, float]:
+def _shares(recorder: Recorder, pp: int, kind: str) -> dict[str, float]:
     """Bubble, and the shares of the step spent waiting for transfers and posting them:
     median over this rank's steps (on a shared machine a rank that is not scheduled looks
     idle, and a median resists those steps), averaged over ranks."""
@@ -144,7 +145,22 @@ def _shares(recorder: Recorder, pp: int) -> dict[str, float]:
     mine = torch.tensor([statistics.median(s.bubble for s in steps)]
                         + [statistics.median(p[k] for p in parts) for k in ("wait", "post")])
     dist.all_reduce(mine)
-    return dict(zip(("bubble", "wait", "post"), (mine / pp).tolist()))
+    return {**dict(zip(("bubble", "wait", "post"), (mine / pp).tolist())),
+            "stages": _stage_bubble(steps, kind, pp)}
+
+
+def _stage_bubble(steps, kind: str, pp: int) -> float:
+    """The bubble of a perfect executor (no transfer or Python cost) with this run's own
+    stages: each rank's median forward and backward time, measured, fed to the schedule
+    simulator. Stages are not equal (the last one also runs the head and the loss), and the
+    textbook (p - 1) / (m + p - 1) assumes they are."""
+    mine = torch.tensor([statistics.median(i.end - i.start for st in steps for i in st.intervals
+                                           if i.kind == k) for k in ("F", "B")])
+    costs = [torch.zeros(2) for _ in range(pp)]
+    dist.all_gather(costs, mine)
+    stage_costs = {(k, s): c[j].item() for s, c in enumerate(costs) for j, k in enumerate("FB")}
+    return simulate(schedule(kind, pp, len([i for i in steps[0].intervals if i.kind == "F"])),
+                    stage_costs=stage_costs).bubble
 
 
 def world(args, pp: int) -> dict:
@@ -162,7 +178,7 @@ def world(args, pp: int) -> dict:
     bubbles = {}
     for kind in SCHEDULES:
         recorder = runners[(kind, "paratrain")][1]
-        bubbles[kind] = _shares(recorder, pp)
+        bubbles[kind] = _shares(recorder, pp, kind)
         if args.timeline:
             timeline = gather_timeline(recorder, dist.group.WORLD, kind, args.microbatches)
             if rank == 0:
@@ -207,7 +223,8 @@ def _pair(result: dict, kind: str, theory: float) -> dict:
     return {"paratrain_ms": round(ours, 2), "peer_ms": round(peer, 2),
             "ratio": round(ours / peer, 3), "paratrain_cpu_ms": round(cpu_ours, 1),
             "peer_cpu_ms": round(cpu_peer, 1), "cpu_ratio": round(cpu_ours / cpu_peer, 3),
-            "bubble_theory": round(theory, 4), "bubble_measured": round(shares["bubble"], 4),
+            "bubble_theory": round(theory, 4), "bubble_these_stages": round(shares["stages"], 4),
+            "bubble_measured": round(shares["bubble"], 4),
             "waiting": round(shares["wait"], 4), "posting": round(shares["post"], 4),
             "same_first_loss": abs(first[(kind, "paratrain")] / first[(kind, "torch")] - 1) < 1e-5}
 
@@ -216,15 +233,18 @@ def _print_table(pairs: dict, microbatches: int) -> None:
     print(f"peer settings: torch.distributed.pipelining ScheduleGPipe / Schedule1F1B over the same "
           f"stage split and the same {microbatches} microbatches, scale_grads=False "
           f"(both scale the loss by the token count themselves)")
+    print("bubble: theory = (p-1)/(m+p-1) for equal stages; stages = a perfect executor with "
+          "this run's measured per-stage forward/backward times (the simulator)")
     print(f"{'':>12} {'step time, median ms':^28} {'CPU ms, all ranks':^24} "
-          f"{'paratrain bubble':^35}")
+          f"{'paratrain bubble':^44}")
     print(f"{'pp':>3} {'schedule':>8} {'paratrain':>10} {'torch':>9} {'ratio':>7} "
-          f"{'paratrain':>10} {'torch':>7} {'ratio':>6} {'theory':>8} {'measured':>9} "
+          f"{'paratrain':>10} {'torch':>7} {'ratio':>6} {'theory':>8} {'stages':>8} {'measured':>9} "
           f"{'waiting':>8} {'posting':>8}  same loss")
     for (pp, kind), r in pairs.items():
         print(f"{pp:>3} {kind:>8} {r['paratrain_ms']:>10.1f} {r['peer_ms']:>9.1f} "
               f"{r['ratio']:>7.2f} {r['paratrain_cpu_ms']:>10.0f} {r['peer_cpu_ms']:>7.0f} "
-              f"{r['cpu_ratio']:>6.2f} {r['bubble_theory']:>8.1%} {r['bubble_measured']:>9.1%} "
+              f"{r['cpu_ratio']:>6.2f} {r['bubble_theory']:>8.1%} {r['bubble_these_stages']:>8.1%} "
+              f"{r['bubble_measured']:>9.1%} "
               f"{r['waiting']:>8.1%} {r['posting']:>8.1%}  "
               f"{'yes' if r['same_first_loss'] else 'NO'}")
 

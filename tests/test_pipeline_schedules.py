@@ -187,3 +187,12 @@ def test_trace_draws_a_schedule_and_a_recorded_run(tmp_path, capsys):
     assert args.func(args) == 0
     assert svg.read_text().lstrip().startswith("<?xml")
     assert "measured 12.50%" in capsys.readouterr().out
+
+
+def test_simulator_takes_unequal_stage_costs():
+    # 1F1B, p=2, m=4, the last stage twice as slow: it paces the pipeline, so the step is
+    # the first forward, four of its (F + B), and the first stage's last backward.
+    sim = simulate(schedule("1f1b", 2, 4), f_cost=1, b_cost=2,
+                   stage_costs={("F", 1): 2, ("B", 1): 4})
+    assert sim.makespan == 1 + 4 * (2 + 4) + 2
+    assert sim.busy == [12, 24] and abs(sim.bubble - (1 - 36 / 54)) < 1e-12

@@ -13,6 +13,7 @@ send before its computation) and raises ``ScheduleError`` on a deadlock. The pla
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .schedules import Action, ScheduleError, batches, check_transfers, owner
@@ -54,10 +55,12 @@ class Simulation:
 
 
 def simulate(tables: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.0,
-             comm_cost: float = 0.0) -> Simulation:
+             comm_cost: float = 0.0,
+             stage_costs: Mapping[tuple[str, int], float] | None = None) -> Simulation:
     """Run ``tables`` on a model of the machine, the way the executor runs them.
 
-    A forward takes ``f_cost``, a backward ``b_cost``. Each batch of transfers is posted
+    A forward takes ``f_cost``, a backward ``b_cost``, unless ``stage_costs`` gives the
+    cost of ("F" or "B", virtual stage) (stages that differ: measured ones, a heavy head). Each batch of transfers is posted
     without blocking; a rank's batches complete one after another in posting order (a
     stream of NCCL groups), each ``comm_cost`` after it and every peer batch holding its
     matching transfers have started. A computation waits for the batch that carries its
@@ -66,8 +69,9 @@ def simulate(tables: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.
     check_transfers(tables)
     p = len(tables)
     v = max((a.stage for t in tables for a in t), default=0) // max(p, 1) + 1
-    sim = _SimState(p, p * v - 1, {"F": f_cost, "B": b_cost}, comm_cost,
-                    [batches(t) for t in tables])
+    base, stage_costs = {"F": f_cost, "B": b_cost}, stage_costs or {}
+    sim = _SimState(p, p * v - 1, lambda a: stage_costs.get((a.kind, a.stage), base[a.kind]),
+                    comm_cost, [batches(t) for t in tables])
     sim.run()
     return Simulation(sim.intervals, max(sim.finish_times(), default=0.0),
                       [busy_time(iv) for iv in sim.intervals], sim.peak, v)
@@ -88,7 +92,7 @@ class _Batch:
 class _SimState:
     """Clocks, positions and batches of every rank, advanced by a worklist."""
 
-    def __init__(self, p: int, last: int, cost: dict[str, float], comm: float, items: list):
+    def __init__(self, p: int, last: int, cost: Callable[[Action], float], comm: float, items: list):
         self.p, self.last, self.cost, self.comm, self.items = p, last, cost, comm, items
         self.pos, self.clock = [0] * p, [0.0] * p
         self.intervals: list[list[Interval]] = [[] for _ in range(p)]
@@ -147,7 +151,7 @@ class _SimState:
         start = max([self.clock[r], *(ready[n] for n in needs)])
         if start > self.clock[r]:
             self.intervals[r].append(Interval("WAIT", -1, -1, self.clock[r], start))
-        self.clock[r] = end = start + self.cost[a.kind]
+        self.clock[r] = end = start + self.cost(a)
         self.intervals[r].append(Interval(a.kind, a.microbatch, a.stage, start, end))
         ready[(a.kind, *key)] = end
         # A neighbouring chunk on the same rank gets its tensor in memory, no transfer.
