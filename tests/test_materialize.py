@@ -87,9 +87,11 @@ def hf_dir(tmp_path_factory):
 @pytest.mark.timeout(400)
 def test_every_layout_materialises_the_same_weights_within_its_share(hf_dir, tmp_path):
     configs = {}
-    for name, layout in LAYOUTS.items():
-        configs[name] = tiny_config(str(tmp_path / name), nproc=4, n_layers=4, **layout)
-        configs[f"hf/{name}"] = tiny_config(str(tmp_path / f"hf-{name}"), nproc=4, preset=hf_dir, **layout)
+    for name, layout in LAYOUTS.items():  # each layout from one source, ZeRO-3 from both
+        if name != "dp2-tp2-zero2":
+            configs[name] = tiny_config(str(tmp_path / name), nproc=4, n_layers=4, **layout)
+        if name != "tp2-pp2":
+            configs[f"hf/{name}"] = tiny_config(str(tmp_path / f"hf-{name}"), nproc=4, preset=hf_dir, **layout)
     got = run_world(initialise, 4, configs, timeout_s=300)
     for name, cfg in configs.items():
         if name.startswith("hf/"):
