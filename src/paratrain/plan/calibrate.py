@@ -209,8 +209,11 @@ def _collective_times(ops: list[str], sizes: list[int], iters: int
                                                         op="avg")}[op]
             call()  # warm-up: connections, buffers
             samples = torch.zeros(iters, dtype=torch.float64)
+            a = torch.randn(256, 256)
             for i in range(iters):
                 dist.barrier(group)  # start together: no rank times its wait for a peer
+                for _ in range(8):  # as in a training step, the collective follows compute:
+                    a = torch.tanh(a @ a)  # gloo's threads have slept, caches hold other data
                 start = time.perf_counter()
                 call()
                 samples[i] = time.perf_counter() - start
