@@ -281,7 +281,10 @@ def _tp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     nbytes = cand.micro_batch * training.seq_len // cand.cp * model.d_model * training.act_bytes
     per_layer = 4 + (2 if cand.recompute == "full" else 0)
     count = per_layer * max_layers(model, cand) + 1  # + the output layer's
-    return count * link_collective_time(cluster, link, "all-reduce", nbytes, cand.tp)
+    # Sequence parallelism turns each all-reduce into an all-gather and a reduce-scatter:
+    # the same ring time where they share α and β, not where they are measured apart (gloo).
+    ops = ("all-gather", "reduce-scatter") if cand.sp else ("all-reduce",)
+    return count * sum(link_collective_time(cluster, link, op, nbytes, cand.tp) for op in ops)
 
 
 def _cp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate,
