@@ -128,3 +128,19 @@ def test_calibration_file(tmp_path):
     path.write_text(json.dumps({**json.loads(cal.to_json()), "extra": 1}))
     with pytest.raises(ValueError, match="unknown keys"):
         load_calibration(path)
+
+
+def test_sequence_parallel_is_timed_as_its_own_collectives():
+    # Measured apart (gloo: reduce-scatter slower than all-reduce), SP costs what its
+    # all-gather and reduce-scatter cost; sharing alpha and beta, exactly the all-reduce.
+    from paratrain.plan.cost import _tp_time
+    from paratrain.plan.hardware import local_cluster
+
+    fits = {"all-reduce": [1e-4, 1e9], "all-gather": [1e-4, 1e9], "reduce-scatter": [2e-3, 0.3e9]}
+    cal = Calibration({"fp32": 40e9}, cores=2, alpha=1e-4, beta=1e9, memory=4 << 30, comm={"2": fits})
+    model, training = PRESETS["llama3-8b"], Training(8, 128, "fp32")
+    plain, sp = (Candidate(1, 2, 1, 1, 0, 8, 1, sequence_parallel=s) for s in (False, True))
+    local = local_cluster(2, cal)
+    assert _tp_time(model, training, local, sp) > 1.5 * _tp_time(model, training, local, plain)
+    h100 = Cluster(gpu_preset("h100-80g"), 8)
+    assert _tp_time(model, training, h100, sp) == pytest.approx(_tp_time(model, training, h100, plain))
