@@ -5,8 +5,8 @@ import json
 import pytest
 
 from paratrain.plan.candidate import Candidate, Training
-from paratrain.plan.cost import (ORDER, bubble_fraction, megatron_flops, step_flops,
-                                 step_time)
+from paratrain.plan.cost import ORDER, bubble_fraction, step_time
+from paratrain.plan.flops import megatron_flops, step_flops
 from paratrain.plan.hardware import (GB, Calibration, CalibrationError, Cluster, gpu_preset,
                                      load_calibration, local_cluster)
 from paratrain.plan.models import PRESETS, ModelSpec

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from paratrain.plan.candidate import Candidate, Training
-from paratrain.plan.cost import megatron_flops
+from paratrain.plan.flops import megatron_flops
 from paratrain.plan.evaluate import evaluate_candidate, parse_layout
 from paratrain.plan.hardware import Cluster, gpu_preset
 from paratrain.plan.memory import rank_memory

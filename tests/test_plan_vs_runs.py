@@ -13,7 +13,8 @@ from paratrain.mesh import Mesh
 from paratrain.models.gpt import GPT, PRESETS
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.plan.candidate import Candidate, Training
-from paratrain.plan.cost import attention_core_flops, step_flops, step_time
+from paratrain.plan.cost import step_time
+from paratrain.plan.flops import attention_core_flops, step_flops
 from paratrain.plan.hardware import Calibration, load_calibration, local_cluster
 from paratrain.plan.memory import paratrain_state_bytes, rank_memory
 from paratrain.plan.models import from_gpt_config, load_model

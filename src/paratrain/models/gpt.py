@@ -260,7 +260,7 @@ class GPT(nn.Module):
         """``seed`` sets the initial weights (``init_tensor``); None draws it from torch's
         global generator, so ``torch.manual_seed`` decides as usual. Built under
         ``torch.device("meta")`` the model has shapes and no storage: ``parallelize`` then
-        gives each rank only its share, filled from a source (models/init.py)."""
+        gives each rank only its share, filled from a source (train/materialize.py)."""
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)

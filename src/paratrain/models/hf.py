@@ -157,12 +157,8 @@ def _check_complete(directory, cfg: GPTConfig, files: dict[str, str]) -> None:
 def load_weights(directory: str | Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """The model's whole tensors under paratrain's names (q/k rows in paratrain's RoPE
     order), for tools and tests; training reads slices (``SafetensorsSlices``)."""
-    files = weight_files(directory)
-    _check_complete(directory, cfg, files)
-    state = {}
     with SafetensorsSlices(directory, cfg) as source:
-        for ours in names(cfg):
-            state[ours] = source.read(ours)
+        state = {ours: source.read(ours) for ours in names(cfg)}
     if cfg.tie_embeddings:  # one tensor under both names, as the built model has it
         state["output.weight"] = state["tok_embeddings.weight"]
     return state
@@ -192,8 +188,8 @@ class SafetensorsSlices(contextlib.ExitStack):
 
     def read(self, ours: str) -> torch.Tensor:
         """The whole tensor ``ours``."""
-        view = self._slice(ours)
-        return self.box(ours, tuple(view.get_shape()), (0,) * len(view.get_shape()), tuple(view.get_shape()))
+        shape = tuple(self._slice(ours).get_shape())
+        return self.box(ours, shape, (0,) * len(shape), shape)
 
     def box(self, ours: str, shape: tuple[int, ...], offsets: tuple[int, ...],
             extents: tuple[int, ...]) -> torch.Tensor:

@@ -138,7 +138,7 @@ def _model_step(precision: str, b: int) -> tuple[Callable[[], None], float]:
 
     from ..models.gpt import GPT, PRESETS
     from .candidate import Training
-    from .cost import step_flops
+    from .flops import step_flops
     from .models import from_gpt_config
 
     cfg = PRESETS["small"]

@@ -31,7 +31,7 @@ Attention's core (QK^T and softmax·V) runs in a FlashAttention-style kernel at
 forward + backward reaches about 60% of peak on A100 and about 35% on H100 with head
 dimension 128), scaled by ``sat`` of the per-rank query length (short sequences leave
 the kernel's tiles and SMs idle) and causal: the kernel skips the blocks above the
-diagonal, half of the FLOPs Megatron's count (``cost.step_flops``) includes.
+diagonal, half of the FLOPs Megatron's count (``flops.step_flops``) includes.
 
 Without FlashAttention (``Training.flash_attention`` False: runs before 2022) the core
 is two batched GEMMs per head at the curve plus the s x s scores' HBM traffic

@@ -1,15 +1,8 @@
 """Predicted time of one optimizer step: compute, pipeline bubble, exposed communication.
 
-**Compute.** FLOPs are counted as Megatron-LM does (Narayanan et al. 2021): per block
-and forward pass 2·T·(weights of its matmuls) plus 4·T·s·h for QK^T and softmax·V
-(causal masking not discounted), the logits 2·T·h·V; backward costs twice the forward;
-full recompute adds one forward of every block, selective recompute one forward of the
-attention core. For the standard GPT block this is exactly Megatron's
-96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) with full recompute; without recompute it is the
-72·… formula plus 1.5·B·s·h·V (that formula scales the logits term by 3/4 too, although
-the logits are never recomputed). Their *time* comes from the per-rank shapes
-(``plan/compute.py``): each GEMM, forward and both backward products, at the rate of its
-shape on the GPU's measured curve, or its bytes over HBM bandwidth; the attention core
+**Compute.** FLOPs are counted as Megatron-LM does (``plan/flops.py``); their *time*
+comes from the per-rank shapes (``plan/compute.py``): each GEMM, forward and both
+backward products, at the rate of its shape on the GPU's measured curve, or its bytes over HBM bandwidth; the attention core
 at a FlashAttention rate (or unfused, scores through HBM); norms, adds and activations
 as memory-bound passes. CPU processes (the local cluster) also pay a measured fixed cost
 per block and microbatch, ``GpuSpec.layer_overhead``: eager operator dispatch (0 on GPUs).
@@ -17,8 +10,8 @@ per block and microbatch, ``GpuSpec.layer_overhead``: eager operator dispatch (0
 **Communication** uses the α-β ring costs of ``paratrain.comm.cost`` on the link the
 axis's groups cross (``Cluster.link``, ranks ordered tp, cp, pp, dp from fastest), or
 a collective's own measured α and β where the cluster has them (``GpuSpec.collectives``).
-Per microbatch and stage: TP (with SP: all-gather + reduce-scatter, the same cost as
-the all-reduce it replaces) 2 collectives forward and 2 backward per block, 2 more per
+Per microbatch and stage: TP (with SP: all-gather + reduce-scatter, the all-reduce's
+cost where they share α and β) 2 collectives forward and 2 backward per block, 2 more per
 block when full recompute repeats the forward; CP ring attention passes K,V around the
 ring (cp - 1 steps forward, K,V and their gradients backward), overlapped with the
 attention core it feeds; PP sends one activation forward and one gradient backward per
@@ -50,6 +43,7 @@ from functools import lru_cache
 from ..comm import cost as alpha_beta
 from .candidate import Candidate, Training
 from .compute import attention_time, elementwise_bytes, matmul_time, unfused_attention_time
+from .flops import attention_core_flops, layer_matmuls
 from .hardware import Cluster, Link, members_per_node
 from .models import ModelSpec
 
@@ -75,38 +69,6 @@ def exposed(comm: float, window: float, overlap_cost: float = 0.1) -> float:
     """Cost of ``comm`` seconds of communication overlapped with ``window`` of compute,
     of which ``overlap_cost`` of the hidden part still slows the step."""
     return max(0.0, comm - window) + overlap_cost * min(comm, window)
-
-
-def megatron_flops(batch: int, s: int, layers: int, h: int, vocab: int,
-                   full_recompute: bool) -> float:
-    """Megatron-LM's FLOPs per iteration: 72 (96 with full recompute) · B·s·l·h² ·
-    (1 + s/(6h) + V/(16·l·h))."""
-    return (96 if full_recompute else 72) * batch * s * layers * h * h * (
-        1 + s / (6 * h) + vocab / (16 * layers * h))
-
-
-def layer_matmuls(model: ModelSpec, tokens: int, tp: int) -> list[tuple[int, int, int]]:
-    """(M, K, N) of one block's forward matmuls on one TP rank."""
-    h, f = model.d_model, model.ffn_hidden
-    kv = model.kv_heads_per_rank(tp) * model.head_dim
-    mlp_in = 2 if model.gated_mlp else 1
-    return [(tokens, h, h // tp + 2 * kv), (tokens, h // tp, h),
-            (tokens, h, mlp_in * f // tp), (tokens, f // tp, h)]
-
-
-def attention_core_flops(model: ModelSpec, b: int, s_q: int, s_kv: int, tp: int) -> float:
-    """QK^T and softmax·V of one block's forward on one TP rank."""
-    return 4 * b * s_q * s_kv * model.d_model / tp
-
-
-def step_flops(model: ModelSpec, training: Training, recompute: str = "none") -> float:
-    """FLOPs of one step over all ranks (``none``: the model FLOPs MFU is quoted in)."""
-    tokens, s = training.tokens, training.seq_len
-    matmul = sum(2 * m * k * n for m, k, n in layer_matmuls(model, tokens, 1))
-    core = attention_core_flops(model, training.global_batch, s, s, 1)
-    extra = {"none": 0.0, "selective": core, "full": matmul + core}[recompute]
-    logits = 2 * tokens * model.d_model * model.vocab_size
-    return model.n_layers * (3 * (matmul + core) + extra) + 3 * logits
 
 
 @dataclass(frozen=True)

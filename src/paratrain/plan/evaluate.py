@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass, field
 
 from .candidate import RECOMPUTE, SCHEDULES, Candidate, Training
-from .cost import StepTime, step_flops, step_time
+from .cost import StepTime, step_time
+from .flops import step_flops
 from .hardware import Cluster
 from .memory import Memory, rank_memory
 from .models import ModelSpec

@@ -27,7 +27,8 @@ from functools import lru_cache
 from .. import rules
 from ..layout import LayoutError
 from .candidate import RECOMPUTE, Candidate, Training
-from .cost import ORDER, StepTime, step_flops, step_time
+from .cost import ORDER, StepTime, step_time
+from .flops import step_flops
 from .hardware import GiB, Cluster, members_per_node
 from .memory import Memory, rank_memory, rank_states
 from .models import ModelSpec

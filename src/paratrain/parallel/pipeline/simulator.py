@@ -60,10 +60,10 @@ def simulate(tables: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.
     """Run ``tables`` on a model of the machine, the way the executor runs them.
 
     A forward takes ``f_cost``, a backward ``b_cost``, unless ``stage_costs`` gives the
-    cost of ("F" or "B", virtual stage) (stages that differ: measured ones, a heavy head). Each batch of transfers is posted
-    without blocking; a rank's batches complete one after another in posting order (a
-    stream of NCCL groups), each ``comm_cost`` after it and every peer batch holding its
-    matching transfers have started. A computation waits for the batch that carries its
+    cost of ("F" or "B", virtual stage): stages that differ (measured ones, a heavy head).
+    Each batch of transfers is posted without blocking; a rank's batches complete one
+    after another in posting order (a stream of NCCL groups), each ``comm_cost`` after it
+    and every peer batch holding its matching transfers have started. A computation waits for the batch that carries its
     input. Raises ``ScheduleError`` on a deadlock or a computation whose input never comes.
     """
     check_transfers(tables)

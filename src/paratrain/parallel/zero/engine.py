@@ -268,9 +268,9 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         """Unsharded parameters under their model names (collective: every rank calls it)."""
         out = {}
         for unit in self.units:
-            full = torch.empty_like(unit.flat.flat, device=unit.flat.device) if self.stage == 3 else unit.flat.flat
-            if self.stage == 3:
-                full.untyped_storage().resize_(unit.flat.padded * full.element_size())
+            full = unit.flat.flat
+            if self.stage == 3:  # gathered into a buffer of its own: the unit's may be freed
+                full = torch.empty(unit.flat.padded, dtype=full.dtype, device=unit.flat.device)
                 C.all_gather(full, unit.shard, self.group)
             for name, view in zip(unit.flat.names, unit.flat.copy_out(full)):
                 out[name] = view.detach().clone()
