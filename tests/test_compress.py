@@ -75,6 +75,18 @@ def compressor_checks() -> dict[str, float]:
     got = _average(Z.make_compressor(Z.parse("int8:noef"), VIEWS, NUMEL), big)
     out["int8_big_error"] = rel_error(got, _gather(big).mean(0))
     out["int8_error"] = rel_error(_average(Z.make_compressor(Z.parse("int8:noef"), VIEWS, NUMEL), _grads(0)), plain)
+    # A scale per block of 256: blocks 100x apart in size (as a layer next to the embedding)
+    # both keep their precision; one scale for a rank's whole chunk rounds the small to 0.
+    n = 8 * Z.INT8_BLOCK
+    torch.manual_seed(5 + dist.get_rank())
+    scales = torch.tensor([100.0, 0.01]).repeat(n // (2 * Z.INT8_BLOCK)).repeat_interleave(Z.INT8_BLOCK)
+    g = torch.randn(n) * scales
+    got = _average(Z.make_compressor(Z.parse("int8:noef"), [(0, torch.Size([n]))], n), g)
+    small = scales == 0.01
+    out["int8_small_block_error"] = rel_error(got[small], _gather(g).mean(0)[small])
+    # compress_start: the first reductions are the plain average; then compression starts.
+    late = Z.make_compressor(Z.CompressSpec("topk", fraction=0.1, start=2), VIEWS, NUMEL)
+    out["start_errors"] = [rel_error(_average(late, _grads(s)), _gather(_grads(s)).mean(0)) for s in range(3)]
     # Bytes: a quarter of the fp32 all-reduce for int8 (plus scales), half for fp16.
     for text in ("none", "fp16", "int8", "topk:0.1", "powersgd:2"):
         c = Z.make_compressor(Z.parse(text), VIEWS, NUMEL)
@@ -94,6 +106,8 @@ def test_compressors_exact_lossless_and_error_feedback():
         assert r[f"{text}_left"] > 1e-4, text
         assert all(x[f"{text}_replicas_differ"] == 0 for x in results), text
     assert r["int8_big_error"] <= 5e-3 and r["int8_error"] <= 2e-2, r
+    assert r["int8_small_block_error"] <= 2e-2, r["int8_small_block_error"]
+    assert max(r["start_errors"][:2]) <= 1e-6 and r["start_errors"][2] > 0.1, r["start_errors"]
     assert r["none_ratio"] == 1.0 and r["fp16_ratio"] == 2.0
     assert 3.5 < r["int8_ratio"] <= 4.0 and r["topk:0.1_ratio"] > 1.5 and r["powersgd:2_ratio"] > 1.5
 
@@ -110,6 +124,12 @@ def test_order_places_tp_inside_or_across_nodes():
 def test_compress_setting_is_checked_before_launch(tmp_path):
     assert Z.parse("topk:0.01") == Z.CompressSpec("topk", fraction=0.01)
     assert Z.parse("powersgd:4:noef").text == "powersgd:4:noef"
+    # compress_start: by default the larger of the warm-up and 10% of the steps (torch's advice)
+    assert tiny_config(str(tmp_path), steps=100, warmup_steps=5, compress="int8").compress_spec.start == 10
+    assert tiny_config(str(tmp_path), steps=100, warmup_steps=15, compress="int8").compress_spec.start == 15
+    assert tiny_config(str(tmp_path), compress="int8", compress_start=0).compress_spec.start == 0
+    with pytest.raises(ConfigError, match="compress_start"):
+        tiny_config(str(tmp_path), compress="int8", compress_start=-2)
     for bad, match in [("gzip", "compress='gzip'"), ("topk", "compress="), ("topk:0", r"\(0, 1\]"),
                        ("powersgd:x", "positive integer"), ("fp16:noef", "residual"),
                        ("int8:3", "compress=")]:
@@ -133,7 +153,8 @@ def test_lossless_compression_equals_none_with_accumulation_zero1_and_resume(tmp
         "fp16-zero1": tiny_config(t + "/e", nproc=2, compress="fp16", **z1),
         "fp16": tiny_config(t + "/f", nproc=2, compress="fp16"),
         "powersgd": tiny_config(t + "/g", nproc=2, compress="powersgd:2", **saving),
-        "int8-zero1": tiny_config(t + "/h", nproc=2, compress="int8", **saving, **z1),
+        # compress_start=4 with a checkpoint at 3: the resumed run must know it reduced 3 times
+        "int8-zero1": tiny_config(t + "/h", nproc=2, compress="int8", compress_start=4, **saving, **z1),
     }
     runs = run_world(train_runs, 2, configs)[0]
     assert_same_run(runs["topk-acc"], runs["none-acc"])
@@ -143,7 +164,7 @@ def test_lossless_compression_equals_none_with_accumulation_zero1_and_resume(tmp
     resumed = run_world(train_runs, 2, {
         "powersgd": tiny_config(t + "/g2", nproc=2, compress="powersgd:2",
                                 resume=t + "/g/checkpoints/step-3", **resume),
-        "int8-zero1": tiny_config(t + "/h2", nproc=2, compress="int8",
+        "int8-zero1": tiny_config(t + "/h2", nproc=2, compress="int8", compress_start=4,
                                   resume=t + "/h/checkpoints/step-3", **resume, **z1),
         # other buckets: the saved state does not fit, so it starts fresh, and the run differs
         "other buckets": tiny_config(t + "/g3", nproc=2, compress="powersgd:2",
@@ -172,7 +193,7 @@ def test_compressed_training_converges_like_uncompressed(tmp_path):
     from paratrain.train.config import load
 
     configs = [load(None, dict(preset="small", seq_len=64, global_batch=8, steps=300, eval_every=0,
-                               eval_batches=4, progress=False, nproc=2, compress=method,
+                               eval_batches=16, progress=False, nproc=2, compress=method,
                                run_dir=str(tmp_path / method.replace(":", "_")))).validate()
                for method in CONVERGENCE]
     losses = dict(zip(CONVERGENCE, run_world(final_val_losses, 2, configs, timeout_s=7200)[0]))

@@ -58,10 +58,10 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
         plan.act_dtype = dtype or plan.act_dtype
         return ZeroDataParallel(model, group, p.zero, cfg.optim, param_dtype=dtype,
                                 offload=p.offload, tp=tp, pp_group=pp_group,
-                                reshard_after_forward=cfg.reshard_after_forward, compress=p.compress,
+                                reshard_after_forward=cfg.reshard_after_forward, compress=cfg.compress_spec,
                                 plan=plan)
     allocate(model, mesh.device)
-    dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=p.compress)
+    dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=cfg.compress_spec)
     return ReplicatedEngine(dp, cfg.optim, tp, pp_group, plan=plan)
 
 

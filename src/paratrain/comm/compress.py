@@ -22,12 +22,15 @@ so nothing is lost, only delayed. The invariant, over any number of steps:
 sum over ranks of (gradients + residual at start) = group size x average + residual now.
 
 int8 cannot overflow: no reduction ever runs on int8 values. Each rank quantizes its
-bucket in ``p`` chunks (a scale per chunk) and an all-to-all hands chunk k of every rank
-to rank k, which dequantizes and sums them in fp32 (a reduce-scatter in a wider type,
-done locally); the owner re-quantizes its averaged chunk and an all-gather of int8 chunks
-returns the result to everyone. The re-quantization error of chunk k goes into rank k's
-residual (times p, as it is an error of the average), so the invariant still holds. Each
-rank sends 2(p-1)/p bytes per entry: a quarter of an fp32 ring all-reduce.
+bucket in blocks of ``INT8_BLOCK`` entries, one fp32 scale per block (block-wise, as
+QSGD's buckets and 8-bit optimizers do: one scale per large chunk rounds every entry
+below 1/254 of the chunk's largest to zero), and an all-to-all hands chunk k (a run of
+blocks) of every rank to rank k, which dequantizes and sums them in fp32 (a
+reduce-scatter in a wider type, done locally); the owner re-quantizes its averaged chunk
+and an all-gather of int8 chunks returns the result to everyone. The re-quantization
+error of chunk k goes into rank k's residual (times p, as it is an error of the
+average), so the invariant still holds. Each rank sends 2(p-1)/p (1 + 4/INT8_BLOCK)
+bytes per entry: 0.254 of an fp32 ring all-reduce.
 
 PowerSGD (Vogels et al. 2019): per parameter matrix M (the gradient plus residual, viewed
 as rows x columns, transposed so rows <= columns), P = M Q with the previous step's Q
@@ -73,6 +76,10 @@ class CompressSpec:
     """PowerSGD: rank of the approximation."""
     error_feedback: bool = True
     """Keep what was not sent and add it to the next gradient (int8, topk, powersgd)."""
+    start: int = 0
+    """Reductions of each bucket (one per optimizer step) averaged uncompressed before
+    compression starts, as torch's ``start_powerSGD_iter``: early training is the most
+    sensitive to a compressed gradient."""
 
     @property
     def text(self) -> str:
@@ -81,8 +88,11 @@ class CompressSpec:
         return self.method + arg + (":noef" if lossy and not self.error_feedback else "")
 
 
-def parse(text: str) -> CompressSpec:
-    """``'powersgd:4'`` -> CompressSpec; raises CompressError naming the field and the forms."""
+def parse(text: "str | CompressSpec") -> CompressSpec:
+    """``'powersgd:4'`` -> CompressSpec (a spec is returned as it is); raises CompressError
+    naming the field and the forms."""
+    if isinstance(text, CompressSpec):
+        return text
     parts = str(text).strip().lower().split(":")
     method, args = parts[0], parts[1:]
     bad = CompressError(f"compress={text!r} is not understood; write one of {FORMS}")
@@ -110,11 +120,11 @@ def parse(text: str) -> CompressSpec:
     return CompressSpec(method, error_feedback=ef)  # type: ignore[arg-type]
 
 
-def check(text: str, zero: int) -> CompressSpec:
+def check(text: "str | CompressSpec", zero: int) -> CompressSpec:
     """Parse ``text`` and refuse layouts it cannot compose with."""
     spec = parse(text)
     if spec.method != "none" and zero >= 2:
-        raise CompressError(f"compress={text!r} with zero={zero}: ZeRO-2/3 reduce-scatter every "
+        raise CompressError(f"compress={spec.text!r} with zero={zero}: ZeRO-2/3 reduce-scatter every "
                             f"microbatch's gradient into shards and keep no full gradient to "
                             f"compress or to hold a residual for; use --zero 1 (or 0) with --compress")
     return spec
@@ -169,10 +179,19 @@ class Compressor:
         """Bytes this rank has sent for this bucket since the counter was last reset."""
         self.dense_bytes = 0
         """Bytes an uncompressed all-reduce of the same buckets would have sent."""
+        self.start = 0
+        """Reductions averaged uncompressed before compression starts (CompressSpec.start)."""
+        self.reductions = 0
+        """Reductions so far (kept in checkpoints while ``start`` matters)."""
 
     def reduce(self, bucket: torch.Tensor, group: ProcessGroup) -> Pending:
         """Launch the average of ``bucket`` over ``group``; it is in ``bucket`` after wait()."""
-        self.dense_bytes += all_reduce_bytes(bucket.numel() * bucket.element_size(), C.size(group))
+        nbytes = all_reduce_bytes(bucket.numel() * bucket.element_size(), C.size(group))
+        self.dense_bytes += nbytes
+        self.reductions += 1
+        if self.reductions <= self.start:  # not yet: the plain average, no residual
+            self._sent(nbytes)
+            return _plain_average(bucket, group)
         return self._reduce(bucket, group)
 
     def _reduce(self, bucket: torch.Tensor, group: ProcessGroup) -> Pending:
@@ -190,11 +209,17 @@ class Compressor:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors that a checkpoint must keep for the run to resume exactly."""
-        return {"residual": self.residual} if self.residual is not None else {}
+        state = {"residual": self.residual} if self.residual is not None else {}
+        if self.start:
+            state["reductions"] = torch.tensor(self.reductions)
+        return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, value in state.items():
-            getattr(self, name).copy_(value)
+            if name == "reductions":
+                self.reductions = int(value)
+            else:
+                getattr(self, name).copy_(value)
 
 
 class NoCompression(Compressor):
@@ -202,7 +227,11 @@ class NoCompression(Compressor):
 
     def _reduce(self, bucket, group):
         self._sent(all_reduce_bytes(bucket.numel() * bucket.element_size(), C.size(group)))
-        return Pending(C.all_reduce(bucket, group, op="avg", async_op=True))
+        return _plain_average(bucket, group)
+
+
+def _plain_average(bucket: torch.Tensor, group: ProcessGroup) -> Pending:
+    return Pending(C.all_reduce(bucket, group, op="avg", async_op=True))
 
 
 class Cast(Compressor):
@@ -240,39 +269,47 @@ def _unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed[:, :-4], packed[:, -4:].contiguous().view(torch.float32).view(-1)
 
 
+INT8_BLOCK = 256
+"""Most entries per int8 scale: 4 bytes of scale per 256 of data (1.6%)."""
+
+
 class Int8(Compressor):
-    """int8 with a scale per chunk: all-to-all, fp32 sum, re-quantize, all-gather."""
+    """int8 with a scale per block: all-to-all, fp32 sum, re-quantize, all-gather."""
 
     def _reduce(self, bucket, group):
         p, n = C.size(group), self.numel
-        chunk = math.ceil(n / p)
-        x = torch.zeros(p * chunk, device=bucket.device)
+        # Rank k averages chunk k, a run of equal blocks of at most INT8_BLOCK entries
+        # (equal sizes keep the padding under one entry per block).
+        blocks = math.ceil(math.ceil(n / p) / INT8_BLOCK)
+        size = math.ceil(n / (p * blocks))
+        x = torch.zeros(p * blocks * size, device=bucket.device)
         x[:n] = self._with_residual(bucket)
-        q, scale = _quantize(x.view(p, chunk))
+        q, scale = _quantize(x.view(-1, size))
         if self.residual is not None:
             self.residual.copy_((x - _dequantize(q, scale).view(-1))[:n])
-        send = _pack(q, scale)
+        send = _pack(q, scale).view(p, -1)  # chunk k: blocks k*blocks .. (k+1)*blocks
         recv = torch.empty_like(send)
         self._sent(all_to_all_bytes(send.numel(), p))
         work = C.all_to_all(recv, send, group, async_op=True)
-        return Pending(work, lambda: self._finish(bucket, recv, group, chunk))
+        return Pending(work, lambda: self._finish(bucket, recv, group, blocks, size))
 
-    def _finish(self, bucket, recv, group, chunk):
+    def _finish(self, bucket, recv, group, blocks, size):
         p, me, n = C.size(group), C.rank(group), self.numel
-        q, scale = _unpack(recv)
-        mean = _dequantize(q, scale).sum(dim=0, keepdim=True) / p  # fp32: cannot overflow
-        q2, scale2 = _quantize(mean)
+        q, scale = _unpack(recv.view(-1, size + 4))
+        mean = _dequantize(q, scale).view(p, -1).sum(dim=0) / p  # fp32: cannot overflow
+        q2, scale2 = _quantize(mean.view(blocks, size))
         if self.residual is not None:  # the error of the average, kept by the chunk's owner
+            chunk = blocks * size
             lo, hi = me * chunk, min(n, (me + 1) * chunk)
             if hi > lo:
-                self.residual[lo:hi] += p * (mean - _dequantize(q2, scale2))[0, :hi - lo]
-        send = _pack(q2, scale2)
+                self.residual[lo:hi] += p * (mean - _dequantize(q2, scale2).view(-1))[:hi - lo]
+        send = _pack(q2, scale2).view(-1)
         out = torch.empty(p * send.numel(), dtype=torch.int8, device=send.device)
         self._sent(all_gather_bytes(send.numel(), p))
-        work = C.all_gather(out, send.view(-1), group, async_op=True)
+        work = C.all_gather(out, send, group, async_op=True)
 
         def unpack():
-            q_all, s_all = _unpack(out.view(p, -1))
+            q_all, s_all = _unpack(out.view(-1, size + 4))
             bucket.copy_(_dequantize(q_all, s_all).view(-1)[:n])
         return Pending(work, unpack)
 
@@ -320,6 +357,13 @@ def make_compressor(spec: CompressSpec, views: list[tuple[int, torch.Size]], num
                     seed: int = 0, device: torch.device | None = None) -> Compressor:
     """The compressor for one bucket of ``numel`` entries holding parameters at
     (offset, shape) ``views`` (PowerSGD compresses each matrix on its own)."""
+    compressor = _make(spec, views, numel, seed, device)
+    compressor.start = spec.start if spec.method != "none" else 0
+    return compressor
+
+
+def _make(spec: CompressSpec, views: list[tuple[int, torch.Size]], numel: int,
+          seed: int, device: torch.device | None) -> Compressor:
     if spec.method == "none":
         return NoCompression(numel, device=device)
     if spec.method in ("fp16", "bf16"):

@@ -173,4 +173,4 @@ class PowerSGD(Compressor):
             if name.startswith("q"):
                 self.qs[int(name[1:])].copy_(value)
             else:
-                getattr(self, name).copy_(value)
+                super().load_state_dict({name: value})

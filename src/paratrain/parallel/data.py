@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..comm import collectives as C
-from ..comm.compress import CompressorSet, parse
+from ..comm.compress import CompressorSet, CompressSpec, parse
 
 
 @dataclass
@@ -76,7 +76,7 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group: ProcessGroup, bucket_mb: float = 4.0,
-                 broadcast_from_first: bool = True, compress: str = "none"):
+                 broadcast_from_first: bool = True, compress: "str | CompressSpec" = "none"):
         super().__init__()
         self.module = module
         self.group = group

@@ -12,7 +12,7 @@ combination and returns a resolved copy, before any process is started.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,6 +63,15 @@ class Config:
         """ZeRO-3's choice (``parallel.reshard_after_forward``) resolved for this layout."""
         choice = self.parallel.reshard_after_forward
         return self.parallel.pp == 1 if choice == "auto" else choice == "yes"
+
+    @property
+    def compress_spec(self) -> compress.CompressSpec:
+        """``parallel.compress`` parsed, with ``compress_start`` resolved (-1: the larger of
+        the warm-up and 10% of the steps)."""
+        p, start = self.parallel, self.parallel.compress_start
+        if start < 0:
+            start = max(self.optim.warmup_steps, self.train.steps // 10)
+        return replace(compress.parse(p.compress), start=start)
 
     @property
     def micro_batch(self) -> int:

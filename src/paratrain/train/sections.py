@@ -53,6 +53,11 @@ class ParallelConfig:
     """Gradient compression of the data-parallel reduction: none, fp16, bf16, int8,
     topk:FRACTION or powersgd:RANK; int8/topk/powersgd keep an error-feedback residual
     (append :noef to drop it). With --zero 0 or 1."""
+    compress_start: int = -1
+    """Optimizer steps averaged uncompressed before compression starts (torch's
+    start_powerSGD_iter): early steps are the most sensitive to a compressed gradient.
+    -1: the larger of the learning-rate warm-up and 10% of the steps, as torch's PowerSGD
+    documentation advises."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: auto (nccl with GPUs, else gloo), gloo or nccl."""
     timeout_s: float = 300.0

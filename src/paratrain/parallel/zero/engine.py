@@ -39,7 +39,7 @@ from torch.distributed import ProcessGroup
 
 from ...accounting import storage_bytes
 from ...comm import collectives as C
-from ...comm.compress import CompressorSet, all_reduce_bytes, check
+from ...comm.compress import CompressorSet, CompressSpec, all_reduce_bytes, check
 from ...comm.ring import ring_all_gather
 from ..engine import MOMENTS, merge_stages, plain_name
 from ..step import ScheduledStep, StepPlan
@@ -56,7 +56,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
                  param_dtype: torch.dtype | None = None, offload: bool = False,
                  track_peak: bool = False, tp: TensorParallel | None = None,
                  pp_group: ProcessGroup | None = None, reshard_after_forward: bool = True,
-                 compress: str = "none", plan: StepPlan | None = None):
+                 compress: "str | CompressSpec" = "none", plan: StepPlan | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
@@ -91,7 +91,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             (list(zip(u.flat.offsets, [p.shape for p in u.flat.params])), u.flat.padded)
             for u in self.units], device=self.units[0].flat.device if self.units else None)
         for unit, compressor in zip(self.units, self.compressors.items):
-            unit.compressor = compressor if compress != "none" else None
+            unit.compressor = compressor if self.compressors.spec.method != "none" else None
         # gloo's native reduce-scatter and all-gather are slower than its all-reduce and
         # than a ring on send/recv (see `paratrain bench comm`); NCCL's are not.
         self._gloo = dist.get_backend(group) == "gloo"
