@@ -61,7 +61,8 @@ def config(args, run_dir: str, **overrides):
 
     base = dict(preset=args.model, seq_len=args.seq_len, global_batch=args.global_batch,
                 steps=args.steps, eval_every=0, eval_batches=2, progress=False, run_dir=run_dir,
-                warmup_steps=min(20, args.steps // 3), nproc=4, bucket_mb=args.bucket_mb)
+                warmup_steps=min(20, args.steps // 3), nproc=4, bucket_mb=args.bucket_mb,
+                compress_start=2)  # as the hook's start_powerSGD_iter=2: the same steps compressed
     return load(None, {**base, **overrides}).validate()
 
 
@@ -295,7 +296,8 @@ def report(args, results: dict, planned: dict, log: str, load: float) -> None:
           "several buckets: 'collective mismatch')")
     print("torch peers: DDP(gradient_as_bucket_view=True, broadcast_buffers=False, same bucket_cap_mb), "
           f"powerSGD_hook(rank {args.rank}, start_powerSGD_iter=2, error feedback, warm start, "
-          "batch_tensors_with_same_shape=True)\n")
+          "batch_tensors_with_same_shape=True); paratrain: compress_start=2 (the same two "
+          "uncompressed steps)\n")
     none = results["paratrain none"]["step_s"]
     print(f"{'run':<32} {'step ms':>8} {'vs none':>8} {'sent B/step':>12} {'link B/step':>12} {'val loss':>9}")
     print("(sent: one rank's gradient bytes, paratrain's count; link: node 0's bytes over the shaped "

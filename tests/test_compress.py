@@ -1,7 +1,7 @@
 """Gradient compression: exactness where the arithmetic allows it, the error-feedback
 invariant, lossless settings equal to no compression, exact resume, and (slow) convergence.
 
-Slow convergence check (about 15 min on 2 loaded cores):
+Slow convergence check (about 5 min on a quiet 2-core machine):
     PYTHONPATH=src python -m pytest -q -m slow tests/test_compress.py -s
 """
 
@@ -201,19 +201,16 @@ def test_compressed_training_converges_like_uncompressed(tmp_path):
     print("\nfinal validation loss after 300 steps (dp2, small):")
     for method, loss in losses.items():
         print(f"  {method:<16} {loss:.4f}  {loss / base - 1:+.2%}")
-    # Broken compression shows far beyond these (e.g. no orthogonalization, a lost residual).
-    for method, bound in (("fp16", 1.03), ("bf16", 1.03), ("int8", 1.10), ("powersgd:4", 1.20),
-                          ("topk:0.01:noef", 1.15), ("topk:0.01", 1.80)):
+    # The issue's bars for fp16, bf16, int8 (3%) and PowerSGD rank 4 (8%). Measured
+    # (2026-11-23, compress_start 30, int8 scales per block, 16 validation batches): fp16
+    # -0.7%, bf16 -1.0%, int8 -1.5%, PowerSGD +5.2%, top-k 1% +16.3% with error feedback and
+    # +16.4% without. Before compress_start and int8's blocks: int8 +3.9%, PowerSGD +12.8%.
+    for method, bound in (("fp16", 1.03), ("bf16", 1.03), ("int8", 1.03), ("powersgd:4", 1.08),
+                          ("topk:0.01:noef", 1.30), ("topk:0.01", 1.30)):  # top-k: broken is far worse
         assert losses[method] <= base * bound, (method, losses[method] / base - 1)
-    # The issue's bars. Measured (2026-11-22, this version): fp16 +1.9%, bf16 -0.5%, int8
-    # +3.9%, PowerSGD +12.8%, top-k 1% +54.6% with error feedback and +8.3% without (the
-    # first version, on another data order: int8 -3.8%, PowerSGD +6.3%). One 300-step run per
-    # method swings by several percent, and error feedback makes top-k 1% worse over 300
-    # steps (docs/compression.md, "top-k 1% under AdamW"): misses are reported as an expected
-    # failure with the numbers instead of a silent pass.
-    bars = {"int8 within 3%": losses["int8"] <= base * 1.03,
-            "powersgd:4 within 8%": losses["powersgd:4"] <= base * 1.08,
-            "topk:0.01 within 8%": losses["topk:0.01"] <= base * 1.08,
+    # top-k 1% misses the issue's pair of bars (docs/compression.md, "top-k 1% under AdamW"):
+    # reported as an expected failure with the numbers instead of a silent pass.
+    bars = {"topk:0.01 within 8%": losses["topk:0.01"] <= base * 1.08,
             "topk:0.01:noef worse than with feedback": losses["topk:0.01:noef"] >= losses["topk:0.01"] * 1.02}
     missed = [bar for bar, ok in bars.items() if not ok]
     if missed:
