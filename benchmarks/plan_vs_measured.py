@@ -105,7 +105,7 @@ def predicted_step_time(cfg: Config, calibration) -> float:
     cand = Candidate(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero,
                      micro_batch=cfg.micro_batch, microbatches=cfg.accumulation,
                      schedule=p.schedule, virtual_stages=p.virtual_stages,
-                     recompute=t.recompute, sequence_parallel=p.sp)
+                     recompute=t.recompute, sequence_parallel=p.sp, cp_method=p.cp_method)
     return step_time(model, training, local_cluster(p.nproc, calibration), cand).step
 
 

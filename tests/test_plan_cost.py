@@ -144,3 +144,42 @@ def test_sequence_parallel_is_timed_as_its_own_collectives():
     assert _tp_time(model, training, local, sp) > 1.5 * _tp_time(model, training, local, plain)
     h100 = Cluster(gpu_preset("h100-80g"), 8)
     assert _tp_time(model, training, h100, sp) == pytest.approx(_tp_time(model, training, h100, plain))
+
+
+def test_ulysses_is_timed_as_its_all_to_alls_and_searched_where_heads_split():
+    from paratrain.comm.cost import collective_time
+    from paratrain.plan.evaluate import evaluate, parse_layout
+    from paratrain.plan.export import config_tables
+    from paratrain.plan.search import Plan
+    from paratrain.plan.search import search
+
+    model, training = PRESETS["llama3-8b"], Training(16, 8192, "bf16")  # 32 heads, 8 KV heads
+    cluster = Cluster(gpu_preset("h100-80g"), 8)
+    ring = Candidate(1, 2, 1, 4, 0, 1, 16, recompute="full")
+    uly = ring.but(cp_method="ulysses")
+    link = cluster.link(uly.sizes(), ORDER, ("cp",))
+    tokens = 8192 // 4
+    q, kv = (tokens * heads * 128 * 2 for heads in (32 // 2, 8 // 2))  # per tp rank, bf16
+    one_way = sum(collective_time("all-to-all", n, 4, link.alpha, link.bw) for n in (q, kv, kv, q))
+    # forward, backward and full recompute's second forward: 3 x 4 all-to-alls per block
+    assert step_time(model, training, cluster, uly).cp == pytest.approx(16 * 32 * 3 * one_way)
+    assert step_time(model, training, cluster, uly).cp != step_time(model, training, cluster, ring).cp
+    # The search times both where cp divides each rank's heads (8 KV heads / tp2 = 4 here)...
+    def methods(**options) -> set:
+        return {(p.cand.tp, p.cand.cp, p.cand.cp_method) for p in search(
+            model, training, Cluster(gpu_preset("h100-80g"), 16), micro_batch=1,
+            recompute="full", zero=(0,), **options).plans}
+
+    both = methods()
+    assert {(2, 4, "ring"), (2, 4, "ulysses"), (4, 2, "ring"), (4, 2, "ulysses")} <= both
+    assert (4, 4, "ring") in both and (4, 4, "ulysses") not in both  # 2 KV heads per rank
+    assert (2, 8, "ring") in both and (2, 8, "ulysses") not in both
+    assert {m for _, _, m in methods(ulysses=False)} == {"ring"}
+    # ... and --layout names it, evaluates it and writes it to the run's config.
+    spec = parse_layout("tp2 cp4/ulysses mb1 rc=full z0")
+    assert spec.cp_method == "ulysses" and parse_layout("cp4 ring").cp_method == "ring"
+    found = search(model, training, cluster, micro_batch=1, recompute="full", zero=(0,))
+    best = evaluate(spec, model, training, cluster, found)
+    assert best.cand.cp_method == "ulysses" and best.time.cp == pytest.approx(16 * 32 * 3 * one_way)
+    plan = next(p for p in found.plans if p.cand == best.cand)
+    assert config_tables(plan, model, training)["parallel"]["cp_method"] == "ulysses"

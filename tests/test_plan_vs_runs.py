@@ -156,7 +156,7 @@ def test_calibration_pieces_measure_something():
     finally:
         torch.set_num_threads(threads)
     fits = calibrate.collective_alpha_beta(2, iters=2)
-    assert set(fits) == {"all-reduce", "all-gather", "reduce-scatter"}
+    assert set(fits) == {"all-reduce", "all-gather", "reduce-scatter", "all-to-all"}
     assert all(alpha >= 0 and beta > 0 for alpha, beta in fits.values())
 
 

@@ -13,7 +13,7 @@ thread per process, ``torch.set_num_threads(1)``):
   under autocast, casts that FLOP counts leave out); what a microbatch costs beyond its
   sequences is the fixed dispatch cost of its operators, per block.
 * **AdamW rate**: parameters per second of one ``torch.optim.AdamW`` step.
-* **gloo α and β** of all-reduce, all-gather and reduce-scatter, for worlds of 2 and 4
+* **gloo α and β** of all-reduce, all-gather, reduce-scatter and all-to-all, for worlds of 2 and 4
   processes: the median time of each collective (averaging, as data parallelism runs
   it) at several sizes, then the least-squares fit of ``comm.cost.fit_alpha_beta``.
 
@@ -39,9 +39,10 @@ CURVE_DIMS = (16, 32, 64, 128, 256, 512)
 span on CPU (tp-split widths, short microbatches)."""
 CURVE_OTHER = 512
 """The other two dimensions of the timed GEMMs."""
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
-"""What data parallelism and ZeRO run; gloo's all-gather and reduce-scatter do not cost
-the half of an all-reduce that ring algorithms would, so each gets its own fit."""
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+"""What data parallelism, ZeRO and Ulysses run; gloo's all-gather, reduce-scatter and
+all-to-all do not cost what ring algorithms would next to its all-reduce, so each gets
+its own fit."""
 COLLECTIVE_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 """Bytes of the timed collectives: from latency- to bandwidth-bound."""
 EFFICIENCY_BATCH = 4
@@ -206,7 +207,9 @@ def _collective_times(ops: list[str], sizes: list[int], iters: int
             call = {"all-reduce": functools.partial(C.all_reduce, full, group, op="avg"),
                     "all-gather": functools.partial(C.all_gather, full, part, group),
                     "reduce-scatter": functools.partial(C.reduce_scatter, part, full, group,
-                                                        op="avg")}[op]
+                                                        op="avg"),
+                    "all-to-all": functools.partial(C.all_to_all, torch.empty_like(full), full,
+                                                    group)}[op]
             call()  # warm-up: connections, buffers
             samples = torch.zeros(iters, dtype=torch.float64)
             a = torch.randn(256, 256)

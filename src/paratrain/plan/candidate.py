@@ -65,7 +65,7 @@ class Candidate:
     pp: int
     """Pipeline stages."""
     cp: int
-    """Context-parallel ranks (ring attention)."""
+    """Context-parallel ranks (``cp_method``: ring attention or Ulysses)."""
     zero: int
     """ZeRO stage over the dp x cp ranks that hold the same parameters."""
     micro_batch: int
@@ -85,6 +85,9 @@ class Candidate:
     """Ranks one ZeRO-3 shard spans: 0 for all dp x cp ranks; fewer is hybrid sharding
     (HSDP: shard within the group, replicate across groups; planner only, ``train``
     does not run it)."""
+    cp_method: str = "ring"
+    """Context parallelism's attention: ``ring`` (K,V passed around, overlapped with the
+    attention core) or ``ulysses`` (all-to-alls to head sharding and back, exposed)."""
 
     def but(self, **changes) -> Candidate:
         """A copy with ``changes``: ``dataclasses.replace`` without its per-call field
@@ -128,7 +131,8 @@ class Candidate:
         sched = "" if self.pp == 1 else (
             f" {self.schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         hsdp = f"/hsdp{self.shard_group}" if self.hsdp else ""
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} z{self.zero}{hsdp}{sched} "
+        uly = "/ulysses" if self.cp > 1 and self.cp_method == "ulysses" else ""
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}{uly} z{self.zero}{hsdp}{sched} "
                 f"mb{self.micro_batch}x{self.microbatches} rc={self.recompute}")
 
 

@@ -14,7 +14,8 @@ Per microbatch and stage: TP (with SP: all-gather + reduce-scatter, the all-redu
 cost where they share α and β) 2 collectives forward and 2 backward per block, 2 more per
 block when full recompute repeats the forward; CP ring attention passes K,V around the
 ring (cp - 1 steps forward, K,V and their gradients backward), overlapped with the
-attention core it feeds; PP sends one activation forward and one gradient backward per
+attention core it feeds, while Ulysses runs 4 all-to-alls forward (q, k, v to head
+sharding, the output back) and 4 backward, on the critical path; PP sends one activation forward and one gradient backward per
 model chunk. TP and PP time is exposed (on the critical path).
 
 **Overlap of DP/ZeRO.** Gradient reduction starts while backward runs, bucket by bucket,
@@ -215,7 +216,7 @@ def step_time(model: ModelSpec, training: Training, cluster: Cluster,
                            cand.micro_batch, cand.recompute, cand.virtual_stages, cand.sp)
     tp, cp, pp = _micro_comm(model, training, cluster, Candidate(
         cand.dp, cand.tp, cand.pp, cand.cp, 0, cand.micro_batch, 1, cand.schedule,
-        cand.virtual_stages, cand.recompute, cand.sequence_parallel))
+        cand.virtual_stages, cand.recompute, cand.sequence_parallel, cp_method=cand.cp_method))
     m, p, v = cand.microbatches, cand.pp, cand.virtual_stages
     per_micro = micro.fwd + micro.bwd + tp + cp + pp
     bubble = (p - 1) / v * per_micro
@@ -253,6 +254,9 @@ def _cp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
              micro: _Micro) -> float:
     if cand.cp == 1:
         return 0.0
+    passes = 2 if cand.recompute == "full" else 1
+    if cand.cp_method == "ulysses":
+        return max_layers(model, cand) * (passes + 1) * _ulysses_time(model, training, cluster, cand)
     link = cluster.link(cand.sizes(), ORDER, ("cp",), p2p=True)
     kv = 2 * cand.micro_batch * training.seq_len // cand.cp * training.act_bytes * (
         model.kv_heads_per_rank(cand.tp) * model.head_dim)
@@ -260,8 +264,18 @@ def _cp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     overlap = cluster.gpu.overlap_cost
     fwd = exposed((cand.cp - 1) * step, micro.attention, overlap)
     bwd = exposed((cand.cp - 1) * 2 * step, 2 * micro.attention, overlap)
-    passes = 2 if cand.recompute == "full" else 1
     return max_layers(model, cand) * (passes * fwd + bwd)
+
+
+def _ulysses_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate) -> float:
+    """One attention's all-to-alls in one direction: q, k, v from sequence to head
+    sharding and the output back (the backward pass runs the same four on gradients).
+    nccl-tests' all-to-all size is each rank's input: its s/cp tokens of those heads."""
+    link = cluster.link(cand.sizes(), ORDER, ("cp",))
+    tokens = cand.micro_batch * training.seq_len // cand.cp
+    q = tokens * model.n_heads // cand.tp * model.head_dim * training.act_bytes
+    kv = tokens * model.kv_heads_per_rank(cand.tp) * model.head_dim * training.act_bytes
+    return sum(link_collective_time(cluster, link, "all-to-all", n, cand.cp) for n in (q, kv, kv, q))
 
 
 def _pp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate) -> float:

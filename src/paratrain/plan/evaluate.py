@@ -3,7 +3,8 @@ breakdown even when it does not fit, why not and by how much, and where it would
 
 A layout spec fixes any subset of the choices, written as the tables print them:
 ``dp8 tp8 pp4 cp1 v2 zero1 mb1 recompute=selective`` (also ``z1``, ``tp8+sp``,
-``rc=sel``, ``mb1x16``, ``gpipe`` / ``1f1b`` / ``interleaved`` / ``interleaved/v2``).
+``rc=sel``, ``mb1x16``, ``gpipe`` / ``1f1b`` / ``interleaved`` / ``interleaved/v2``,
+``ring`` / ``ulysses`` or ``cp2/ulysses`` for context parallelism's attention).
 What it leaves out is searched: the best completion that fits is shown, or, when none
 fits, the one closest to fitting.
 """
@@ -21,7 +22,7 @@ from .memory import Memory, rank_memory
 from .models import ModelSpec
 from .search import SearchResult, divisors, layout_problems, rank_key
 
-_SIZE = re.compile(r"(dp|tp|pp|cp)(\d+)(\+sp)?")
+_SIZE = re.compile(r"(dp|tp|pp|cp)(\d+)(\+sp)?(?:/(ring|ulysses))?")
 _ALIASES = {"sel": "selective", "no": "none", "off": "none"}
 
 
@@ -51,6 +52,8 @@ class LayoutSpec:
     """``none``, ``selective`` or ``full``."""
     shard_group: int | None = None
     """HSDP shard group (``hsdp8``, ``z3/hsdp8``; planner only)."""
+    cp_method: str | None = None
+    """Context parallelism's attention: ``ring`` or ``ulysses``."""
     text: str = ""
     """The string it was parsed from."""
 
@@ -62,6 +65,10 @@ def parse_layout(text: str) -> LayoutSpec:
         low = token.lower()
         if m := _SIZE.fullmatch(low):
             values[m.group(1)] = int(m.group(2))
+            if m.group(4):
+                values["cp_method"] = m.group(4)
+        elif low in ("ring", "ulysses"):
+            values["cp_method"] = low
         elif m := re.fullmatch(r"(?:zero|z)([0-3])(?:/hsdp(\d+))?", low):
             values["zero"] = int(m.group(1))
             if m.group(2):
@@ -162,8 +169,10 @@ def _choices(spec, model, training, dp, tp, pp, cp):
             for zero in _options(spec.zero, (0, 1, 2, 3) if dp * cp > 1 else (0,)):
                 for mb in _options(spec.micro_batch, divisors(per_replica)):
                     for rc in _options(spec.recompute, RECOMPUTE):
-                        yield Candidate(dp, tp, pp, cp, zero, mb, max(per_replica // mb, 1),
-                                        schedule, v, rc, shard_group=spec.shard_group or 0)
+                        for method in _options(spec.cp_method, ("ring", "ulysses") if cp > 1 else ("ring",)):
+                            yield Candidate(dp, tp, pp, cp, zero, mb, max(per_replica // mb, 1),
+                                            schedule, v, rc, shard_group=spec.shard_group or 0,
+                                            cp_method=method)
 
 
 def evaluate_candidate(model: ModelSpec, training: Training, cluster: Cluster,

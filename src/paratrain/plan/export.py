@@ -6,7 +6,7 @@ The config has three tables (the mapping from a plan):
                ffn_hidden, max_seq_len (at least the planned seq_len), tie_embeddings.
                paratrain's model is Llama-style, so a GPT-3/BLOOM shape becomes the
                Llama-style model of the same size.
-``[parallel]`` dp, tp, pp, cp, zero from the layout; sp = (tp > 1); cp_method = "ring";
+``[parallel]`` dp, tp, pp, cp, cp_method, zero from the layout; sp = (tp > 1);
                schedule ("gpipe" | "1f1b" | "interleaved"; "1f1b" when pp = 1, where it
                has no effect); microbatches (per step per replica, i.e. gradient
                accumulation steps); virtual_stages.
@@ -39,7 +39,7 @@ def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str,
         "model": {**({"preset": model.name} if model.name in TRAIN_PRESETS else {}),
                   **model.gpt_fields(training.seq_len)},
         "parallel": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "zero": c.zero,
-                     "sp": c.sp, "cp_method": "ring",
+                     "sp": c.sp, "cp_method": c.cp_method,
                      "schedule": c.schedule if c.pp > 1 else "1f1b",
                      "microbatches": c.microbatches, "virtual_stages": c.virtual_stages},
         "data": {"seq_len": training.seq_len},

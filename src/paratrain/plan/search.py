@@ -125,6 +125,8 @@ class _Problem:
     uneven_stages: bool = True
     """Allow pipeline stages with unequal block counts (False: layers % pp == 0, as
     Megatron-LM required before 2023)."""
+    ulysses: bool = True
+    """Search Ulysses beside ring attention for cp > 1 (False: a framework without it)."""
 
     @property
     def paratrain(self) -> bool:
@@ -137,20 +139,20 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
            micro_batch: int | None = None, recompute: str | None = None,
            zero: tuple[int, ...] = (0, 1, 2, 3), context_parallel: bool = True,
            sequence_parallel: bool = True, hsdp: bool = True,
-           uneven_stages: bool = True) -> SearchResult:
+           uneven_stages: bool = True, ulysses: bool = True) -> SearchResult:
     """Every valid layout of ``model`` on ``cluster``, ranked by predicted step time.
     ``micro_batch`` / ``recompute`` fix those choices instead of searching them; ``zero``
     lists the ZeRO stages to consider; ``context_parallel``, ``sequence_parallel``,
-    ``hsdp`` and ``uneven_stages`` False leave those out (what a given framework cannot
-    run). HSDP is never
+    ``hsdp``, ``uneven_stages`` and ``ulysses`` False leave those out (what a given
+    framework cannot run). HSDP is never
     searched on the local cluster: ``train`` does not run it."""
     start = time.perf_counter()
     result = SearchResult(plans=[])
     problem = _Problem(model, training, cluster, micro_batch,
                        (recompute,) if recompute else RECOMPUTE, step_flops(model, training),
                        context_parallel, sequence_parallel,
-                       hsdp and cluster.kind != "local" and 3 in zero, uneven_stages)
-    for shape in _shapes(problem, result):
+                       hsdp and cluster.kind != "local" and 3 in zero, uneven_stages, ulysses)
+    for shape in _cp_methods(problem, _shapes(problem, result), result):
         for cand in _schedules(problem, shape, result):
             fitted: set = set()
             for stage in zero if cand.shard > 1 else (0,):
@@ -236,6 +238,17 @@ def _shapes(problem: _Problem, result: SearchResult):
                     yield shape
 
 
+def _cp_methods(problem: _Problem, shapes, result: SearchResult):
+    """Each shape with ring attention, and with Ulysses too where cp > 1 and its heads
+    split over cp."""
+    for shape in shapes:
+        yield shape
+        if shape.cp > 1 and problem.ulysses:
+            uly = shape.but(cp_method="ulysses")
+            if _valid(problem, uly, 1, uly.describe().rsplit(" z", 1)[0], result):
+                yield uly
+
+
 def _valid(problem: _Problem, cand: Candidate, v: int, label: str,
            result: SearchResult) -> bool:
     try:
@@ -249,7 +262,7 @@ def _valid(problem: _Problem, cand: Candidate, v: int, label: str,
 def _check_model(model: ModelSpec, seq_len: int, cand: Candidate, v: int) -> None:
     """``rules.check_split``: the rules ``train`` and the strategies apply."""
     rules.check_split(rules.Shape(model.n_heads, model.n_kv_heads, model.n_layers, model.ffn_hidden),
-                      rules.Split(cand.tp, cand.cp, cand.pp, v, seq_len))
+                      rules.Split(cand.tp, cand.cp, cand.pp, v, seq_len, cand.cp_method))
 
 
 def _schedules(problem: _Problem, shape: Candidate, result: SearchResult):
@@ -318,7 +331,7 @@ def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...]
         m = per_replica // mb
         trial = Candidate(cand.dp, cand.tp, cand.pp, cand.cp, cand.zero, mb, m, cand.schedule,
                           cand.virtual_stages, cand.recompute, cand.sequence_parallel,
-                          cand.shard_group)
+                          cand.shard_group, cand.cp_method)
         if trial.schedule == "interleaved" and m % trial.pp:
             result.reject("interleaved needs microbatches divisible by pp", trial.describe(),
                           lambda: f"{m} microbatches % pp={trial.pp} != 0 (Megatron's rule)")
