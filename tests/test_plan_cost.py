@@ -183,3 +183,19 @@ def test_ulysses_is_timed_as_its_all_to_alls_and_searched_where_heads_split():
     assert best.cand.cp_method == "ulysses" and best.time.cp == pytest.approx(16 * 32 * 3 * one_way)
     plan = next(p for p in found.plans if p.cand == best.cand)
     assert config_tables(plan, model, training)["parallel"]["cp_method"] == "ulysses"
+
+
+def test_hidden_collectives_cost_cpu_only_their_transfer():
+    # gloo's threads sleep through a collective's latency: hidden behind compute on CPU
+    # processes it costs only its bytes' share; on GPUs all of it at overlap_cost.
+    from paratrain.plan.cost import hidden_cost
+    from paratrain.plan.hardware import Link, local_cluster
+
+    fits = {"all-gather": [4e-3, 0.5e9]}
+    cal = Calibration({"fp32": 40e9}, cores=2, alpha=1e-4, beta=1e9, memory=4 << 30, comm={"4": fits})
+    local, link = local_cluster(4, cal), Link(1e9, 1e-4, "local")
+    transfer = 3 / 4 * 1e6 / 0.5e9  # ring all-gather of 1 MB on 4 ranks, bytes term
+    share = transfer / (3 * 4e-3 + transfer)
+    assert hidden_cost(local, link, "all-gather", 1e6, 4) == pytest.approx(local.gpu.overlap_cost * share)
+    h100 = Cluster(gpu_preset("h100-80g"), 8)
+    assert hidden_cost(h100, link, "all-gather", 1e6, 4) == h100.gpu.overlap_cost

@@ -30,7 +30,8 @@ The part longer than the compute it overlaps is exposed, and the hidden part is 
 free either: communication kernels take SMs and memory bandwidth from the compute they
 run beside, charged as ``GpuSpec.overlap_cost`` of the hidden time (0.1 on GPUs, an
 assumption, not a fit; 1 for CPU processes that fill every core, where gloo's threads
-take their time from the compute). CP's exchange is charged the same way.
+take their time from the compute, but only for a collective's transfer term: through
+its latency they sleep; ``hidden_cost``). CP's exchange is charged the same way.
 
 **Bubble.** With per-microbatch stage time t, a pipeline of p stages, m microbatches and
 v chunks per rank idles (p - 1)/v · t per step: a bubble fraction (p - 1)/(v·m + p - 1).
@@ -59,11 +60,28 @@ collective_time = lru_cache(maxsize=1 << 16)(alpha_beta.collective_time)
 p2p_time = lru_cache(maxsize=1 << 12)(alpha_beta.p2p_time)
 
 
+def _alpha_beta(cluster: Cluster, link: Link, op: str) -> tuple[float, float]:
+    """The cluster's measured α and β for ``op`` if it has them, else the link's."""
+    return next(((a, b) for name, a, b in cluster.gpu.collectives if name == op),
+                (link.alpha, link.bw))
+
+
 def link_collective_time(cluster: Cluster, link: Link, op: str, nbytes: float, p: int) -> float:
     """``op`` over ``link``, with the cluster's measured α and β for ``op`` if it has them."""
-    alpha, beta = next(((a, b) for name, a, b in cluster.gpu.collectives if name == op),
-                       (link.alpha, link.bw))
-    return collective_time(op, nbytes, p, alpha, beta)
+    return collective_time(op, nbytes, p, *_alpha_beta(cluster, link, op))
+
+
+def hidden_cost(cluster: Cluster, link: Link, op: str, nbytes: float, p: int) -> float:
+    """What a second of ``op`` hidden behind compute still costs the step: the GPU's
+    ``overlap_cost`` of all of it (NCCL's kernels hold SMs through the latency too), and
+    on CPU processes only of its transfer term, the bytes gloo's threads copy and reduce:
+    through the latency they sleep on a socket, and the compute has the core."""
+    cost = cluster.gpu.overlap_cost
+    if cluster.kind != "local":
+        return cost
+    alpha, beta = _alpha_beta(cluster, link, op)
+    total = collective_time(op, nbytes, p, alpha, beta)
+    return cost * (1 - alpha_beta.latency_steps(op, p) * alpha / total) if total > 0 else cost
 
 
 def exposed(comm: float, window: float, overlap_cost: float = 0.1) -> float:
@@ -297,22 +315,22 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     weight = grad = training.act_bytes
     if cluster.kind == "local" and cand.zero == 0:
         grad = 4  # paratrain's bf16 data parallelism is autocast over fp32 weights and grads
-    overlap = cluster.gpu.overlap_cost
 
-    def coll(op: str, nbytes: float, calls: int = 1) -> float:  # calls pay α each
-        return calls * link_collective_time(cluster, link, op, nbytes / calls, n)
+    def coll(op: str, nbytes: float, window: float) -> float:
+        return exposed(link_collective_time(cluster, link, op, nbytes, n), window,
+                       hidden_cost(cluster, link, op, nbytes, n))
 
     # Under a pipeline paratrain accumulates a stage's gradient through the step and
     # reduces it once, and ZeRO-3 keeps a stage's gathered units through the step
     # (zero.md): once per step, whatever the microbatches.
     m = 1 if cand.pp > 1 else cand.microbatches
     if cand.zero == 0:
-        return exposed(coll("all-reduce", psi * grad), micro.bwd, overlap)
-    gather = exposed(coll("all-gather", psi * weight), micro.fwd, overlap)
+        return coll("all-reduce", psi * grad, micro.bwd)
+    gather = coll("all-gather", psi * weight, micro.fwd)
     if cand.zero == 1:
-        return exposed(coll("reduce-scatter", psi * grad), micro.bwd, overlap) + gather
+        return coll("reduce-scatter", psi * grad, micro.bwd) + gather
     if cand.zero == 2:
-        return m * exposed(coll("reduce-scatter", psi * grad), micro.bwd, overlap) + gather
+        return m * coll("reduce-scatter", psi * grad, micro.bwd) + gather
     return _zero3_time(model, cluster, cand, micro, psi * weight, psi * grad, m)
 
 
@@ -334,19 +352,22 @@ def _zero3_time(model: ModelSpec, cluster: Cluster, cand: Candidate, micro: _Mic
     n, g = cand.shard, cand.zero_shard
     link, replicas = zero3_links(cluster, cand)
     units = max_layers(model, cand)
-    overlap = cluster.gpu.overlap_cost
 
-    def per_unit(op: str, nbytes: float) -> float:
-        return link_collective_time(cluster, link, op, nbytes / units, g)
+    def per_unit(op: str, nbytes: float) -> tuple[float, float]:  # (time, hidden cost)
+        return (link_collective_time(cluster, link, op, nbytes / units, g),
+                hidden_cost(cluster, link, op, nbytes / units, g))
 
-    gather, scatter = per_unit("all-gather", weight_bytes), per_unit("reduce-scatter", grad_bytes)
-    fwd = prefetched(gather, micro.fwd / units, units, overlap)
-    bwd = prefetched((gather if cand.pp == 1 else 0.0) + scatter, micro.bwd / units, units,
-                     overlap)
+    (gather, g_cost), (scatter, s_cost) = (per_unit("all-gather", weight_bytes),
+                                           per_unit("reduce-scatter", grad_bytes))
+    fwd = prefetched(gather, micro.fwd / units, units, g_cost)
+    back_gather = gather if cand.pp == 1 else 0.0
+    bwd_cost = (back_gather * g_cost + scatter * s_cost) / max(back_gather + scatter, 1e-30)
+    bwd = prefetched(back_gather + scatter, micro.bwd / units, units, bwd_cost)
     total = m * (fwd + bwd)
     if g < n:
-        total += exposed(link_collective_time(cluster, replicas, "all-reduce", grad_bytes / g,
-                                              n // g), micro.bwd, overlap)
+        nbytes = grad_bytes / g
+        total += exposed(link_collective_time(cluster, replicas, "all-reduce", nbytes, n // g),
+                         micro.bwd, hidden_cost(cluster, replicas, "all-reduce", nbytes, n // g))
     return total
 
 
