@@ -121,7 +121,7 @@ def summary(records: list[dict[str, Any]], per_rank: list[dict[str, int]], wall_
     ]
     if evals:
         lines.append(f"val loss      {evals[-1]['val_loss']:.4f} (step {evals[-1]['step']})")
-    if "comm_bytes" in steps[-1]:
+    if any(r.get("comm_bytes") for r in steps):  # no data-parallel reduction: nothing to say
         sent = sum(r["comm_bytes"] for r in steps) / len(steps)
         dense = sum(r["comm_bytes"] * r["comm_ratio"] for r in steps) / len(steps)
         lines.append(f"gradients     {human_bytes(sent)} sent per step and rank "
