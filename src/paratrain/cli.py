@@ -59,7 +59,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str,
         kind = _flag_kind(kinds[f.name], options, default)
         flag = "--" + f.name.replace("_", "-")
         limits = f"; {schema.describe_limits(f.name)}" if kind in (int, float) and not options else ""
-        help_text = f"{docs.get(f.name, '')} (default: {default!r}{limits})"
+        # argparse %-formats help strings: a literal % in a docstring must be doubled.
+        help_text = f"{docs.get(f.name, '')} (default: {default!r}{limits})".replace("%", "%%")
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
