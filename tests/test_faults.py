@@ -36,8 +36,9 @@ TIMEOUT_S = 4
 def start(tmp: Path, run_dir: Path, *extra: str, ignore_sigint: bool = False) -> subprocess.Popen:
     """`paratrain train` in the background, its temporary files under ``tmp``."""
     def child() -> None:
-        if ignore_sigint:  # as a job started with `&` from a script
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # SIG_IGN as a job started with `&` from a script; else the default, whatever this
+        # pytest inherited (a suite run in the background ignores SIGINT, and so would the run)
+        signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_sigint else signal.SIG_DFL)
 
     return subprocess.Popen([sys.executable, "-m", "paratrain", "train", *TINY, "--run-dir", str(run_dir),
                              *extra], env={**os.environ, "TMPDIR": str(tmp)}, preexec_fn=child,
