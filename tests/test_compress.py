@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from distributed import run_world
 from paratrain.comm import compress as Z
+from paratrain.comm.int8 import INT8_BLOCK
 from paratrain.comm.powersgd import PowerSGD
 from paratrain.train.config import ConfigError
 from helpers import assert_same_run, rel_error, tail, tiny_config, train_runs
@@ -77,9 +78,9 @@ def compressor_checks() -> dict[str, float]:
     out["int8_error"] = rel_error(_average(Z.make_compressor(Z.parse("int8:noef"), VIEWS, NUMEL), _grads(0)), plain)
     # A scale per block of 256: blocks 100x apart in size (as a layer next to the embedding)
     # both keep their precision; one scale for a rank's whole chunk rounds the small to 0.
-    n = 8 * Z.INT8_BLOCK
+    n = 8 * INT8_BLOCK
     torch.manual_seed(5 + dist.get_rank())
-    scales = torch.tensor([100.0, 0.01]).repeat(n // (2 * Z.INT8_BLOCK)).repeat_interleave(Z.INT8_BLOCK)
+    scales = torch.tensor([100.0, 0.01]).repeat(n // (2 * INT8_BLOCK)).repeat_interleave(INT8_BLOCK)
     g = torch.randn(n) * scales
     got = _average(Z.make_compressor(Z.parse("int8:noef"), [(0, torch.Size([n]))], n), g)
     small = scales == 0.01
