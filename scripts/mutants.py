@@ -31,6 +31,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -147,17 +148,21 @@ def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, 
     env = {**os.environ, "PYTHONPATH": str(copy / "src")}
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
     start = time.perf_counter()
+    # Its own session, so that a timeout ends pytest's whole tree: a mutant that breaks a
+    # job's exit would otherwise leave ranks computing through every later mutant's timing.
+    pytest = subprocess.Popen(cmd, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
     try:
-        done = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
-                              timeout=timeout, start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        out, err = pytest.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(pytest.pid, signal.SIGKILL)
+        out, _ = pytest.communicate()
         return "timeout", time.perf_counter() - start, out[-2000:]
     seconds = time.perf_counter() - start
-    tail = (done.stdout + done.stderr)[-4000:]
-    if done.returncode == 0:
+    tail = (out + err)[-4000:]
+    if pytest.returncode == 0:
         return "pass", seconds, tail
-    return ("error" if done.returncode in (4, 5) else "fail"), seconds, tail
+    return ("error" if pytest.returncode in (4, 5) else "fail"), seconds, tail
 
 
 def check(mutants: list[Mutant], timeout: float, baseline: bool = True) -> int:

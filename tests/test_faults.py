@@ -33,16 +33,16 @@ TINY = ["--model", "tiny", "--seq-len", "32", "--eval-every", "0", "--no-progres
 TIMEOUT_S = 4
 
 
-def start(tmp: Path, run_dir: Path, *extra: str, ignore_sigint: bool = False) -> subprocess.Popen:
+def start(background, tmp: Path, run_dir: Path, *extra: str, ignore_sigint: bool = False) -> subprocess.Popen:
     """`paratrain train` in the background, its temporary files under ``tmp``."""
     def child() -> None:
         # SIG_IGN as a job started with `&` from a script; else the default, whatever this
         # pytest inherited (a suite run in the background ignores SIGINT, and so would the run)
         signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_sigint else signal.SIG_DFL)
 
-    return subprocess.Popen([sys.executable, "-m", "paratrain", "train", *TINY, "--run-dir", str(run_dir),
-                             *extra], env={**os.environ, "TMPDIR": str(tmp)}, preexec_fn=child,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return background([sys.executable, "-m", "paratrain", "train", *TINY, "--run-dir", str(run_dir), *extra],
+                      env={**os.environ, "TMPDIR": str(tmp)}, preexec_fn=child,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int, timeout_s: float = 120) -> None:
@@ -85,8 +85,8 @@ def strict_json(path: Path) -> list[dict]:
 
 
 # ---- hangs and dead ranks --------------------------------------------------------------------
-def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
-    proc = start(tmp_path, tmp_path / "run", "--steps", "100000", "--timeout-s", str(TIMEOUT_S))
+def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(tmp_path, background):
+    proc = start(background, tmp_path, tmp_path / "run", "--steps", "100000", "--timeout-s", str(TIMEOUT_S))
     wait_for_steps(proc, tmp_path / "run" / "metrics.jsonl", 2)
     ranks = rank_pids(proc.pid)
     os.kill(ranks[1], signal.SIGSTOP)
@@ -101,8 +101,8 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
     assert not any(alive(pid) for pid in ranks) and not leftovers(tmp_path)
 
 
-def test_a_killed_rank_ends_the_job_at_once_naming_it(tmp_path):
-    proc = start(tmp_path, tmp_path / "run", "--steps", "100000", "--timeout-s", "60")
+def test_a_killed_rank_ends_the_job_at_once_naming_it(tmp_path, background):
+    proc = start(background, tmp_path, tmp_path / "run", "--steps", "100000", "--timeout-s", "60")
     wait_for_steps(proc, tmp_path / "run" / "metrics.jsonl", 2)
     ranks = rank_pids(proc.pid)
     os.kill(ranks[1], signal.SIGKILL)
@@ -142,9 +142,9 @@ def test_the_watchdog_reports_a_wait_stuck_past_the_timeout_and_nothing_else():
 
 
 # ---- the launcher's end, and one run per directory ---------------------------------------------
-def test_ctrl_c_and_a_killed_launcher_leave_nothing_behind_and_runs_do_not_share_a_directory(tmp_path):
+def test_ctrl_c_and_a_killed_launcher_leave_nothing_behind_and_runs_do_not_share_a_directory(tmp_path, background):
     run_dir = tmp_path / "run"
-    first = start(tmp_path, run_dir, "--steps", "100000")
+    first = start(background, tmp_path, run_dir, "--steps", "100000")
     wait_for_steps(first, run_dir / "metrics.jsonl", 2)
     ranks = rank_pids(first.pid)
     assert main(["train", *TINY, "--steps", "2", "--run-dir", str(run_dir)]) == 2  # refused
@@ -156,7 +156,7 @@ def test_ctrl_c_and_a_killed_launcher_leave_nothing_behind_and_runs_do_not_share
     assert not (run_dir / ".lock").exists()
 
     (run_dir / "metrics.jsonl").unlink()  # wait for the second run's own steps
-    second = start(tmp_path, run_dir, "--steps", "100000", ignore_sigint=True)
+    second = start(background, tmp_path, run_dir, "--steps", "100000", ignore_sigint=True)
     wait_for_steps(second, run_dir / "metrics.jsonl", 2)
     ranks = rank_pids(second.pid)
     second.kill()

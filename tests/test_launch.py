@@ -62,9 +62,9 @@ def read_metrics(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_two_torchrun_agents_train_as_two_nodes(tmp_path):
+def test_two_torchrun_agents_train_as_two_nodes(tmp_path, background):
     port = free_port()
-    agents = [subprocess.Popen(
+    agents = [background(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "paratrain-test",
          "-m", "paratrain", "train", *TINY, "--run-dir", str(tmp_path)],

@@ -149,11 +149,11 @@ def wait_for(path: Path, job: subprocess.Popen, timeout_s: float = 400) -> None:
 
 
 @pytest.mark.timeout(900)  # ~50 s on a quiet machine; minutes when it is loaded
-def test_a_killed_torchrun_job_restarts_resumes_and_ends_like_an_uninterrupted_run(tmp_path):
+def test_a_killed_torchrun_job_restarts_resumes_and_ends_like_an_uninterrupted_run(tmp_path, background):
     from test_launch import free_port
 
     env = {**os.environ, "PYTHONPATH": SRC}
-    job = subprocess.Popen(
+    job = background(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
          "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}",
          "-m", "paratrain", *TRAIN],  # no --run-dir, no --resume: auto, by runs/latest
