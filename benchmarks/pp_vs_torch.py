@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.comm import collectives as C
 from paratrain.launch import spawn
 from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.parallel.pipeline import (Recorder, gather_timeline, run_schedule, schedule,
@@ -136,7 +137,7 @@ def timed(step, i: int) -> tuple[float, float, float]:
     return wall.item(), cpu_loss[0].item(), cpu_loss[1].item()
 
 
-def _shares(recorder: Recorder, pp: int, kind: str) -> dict[str, float]:
+def _shares(recorder: Recorder, pp: int, kind: str, costs: tuple[float, float]) -> dict[str, float]:
     """Bubble, and the shares of the step spent waiting for transfers and posting them:
     median over this rank's steps (on a shared machine a rank that is not scheduled looks
     idle, and a median resists those steps), averaged over ranks."""
@@ -145,22 +146,55 @@ def _shares(recorder: Recorder, pp: int, kind: str) -> dict[str, float]:
     mine = torch.tensor([statistics.median(s.bubble for s in steps)]
                         + [statistics.median(p[k] for p in parts) for k in ("wait", "post")])
     dist.all_reduce(mine)
+    stages, floor = _stage_bubble(steps, kind, pp, costs)
     return {**dict(zip(("bubble", "wait", "post"), (mine / pp).tolist())),
-            "stages": _stage_bubble(steps, kind, pp)}
+            "stages": stages, "floor": floor}
 
 
-def _stage_bubble(steps, kind: str, pp: int) -> float:
-    """The bubble of a perfect executor (no transfer or Python cost) with this run's own
-    stages: each rank's median forward and backward time, measured, fed to the schedule
-    simulator. Stages are not equal (the last one also runs the head and the loss), and the
-    textbook (p - 1) / (m + p - 1) assumes they are."""
+def _stage_bubble(steps, kind: str, pp: int, transfer: tuple[float, float]) -> tuple[float, float]:
+    """The bubble of a perfect executor with this run's own stages (each rank's median
+    forward and backward time, measured, fed to the schedule simulator): with free
+    transfers, and with each transfer and each post costing what ``transfer_costs``
+    measured. Stages are not equal (the last one also runs the head and the loss), and the
+    textbook (p - 1) / (m + p - 1) assumes they are; nor are transfers free."""
     mine = torch.tensor([statistics.median(i.end - i.start for st in steps for i in st.intervals
                                            if i.kind == k) for k in ("F", "B")])
     costs = [torch.zeros(2) for _ in range(pp)]
     dist.all_gather(costs, mine)
     stage_costs = {(k, s): c[j].item() for s, c in enumerate(costs) for j, k in enumerate("FB")}
-    return simulate(schedule(kind, pp, len([i for i in steps[0].intervals if i.kind == "F"])),
-                    stage_costs=stage_costs).bubble
+    tables = schedule(kind, pp, len([i for i in steps[0].intervals if i.kind == "F"]))
+    return (simulate(tables, stage_costs=stage_costs).bubble,
+            simulate(tables, stage_costs=stage_costs, comm_cost=transfer[0], post_cost=transfer[1]).bubble)
+
+
+def transfer_costs(args, rounds: int = 200) -> tuple[float, float]:
+    """What a transfer costs between ranks 0 and 1 with the others idle, as the executor
+    makes one: (one-way time of one activation: half the median round trip; time to post
+    a batch of one receive and one send: the median ``send_recv`` call). gloo over loopback;
+    a transfer on a pipeline's critical path costs at least this."""
+    act = torch.zeros(args.batch // args.microbatches, args.seq, MODEL.d_model)
+    back = torch.zeros_like(act)
+    rank, trips, posts = dist.get_rank(), [], []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(act, 1)
+            dist.recv(act, 1)
+        elif rank == 1:
+            dist.recv(act, 0)
+            dist.send(act, 0)
+        trips.append(time.perf_counter() - start)
+        dist.barrier()
+        if rank < 2:
+            start = time.perf_counter()
+            works = C.send_recv([C.P2P("recv", back, 1 - rank), C.P2P("send", act, 1 - rank)],
+                                dist.group.WORLD)
+            posts.append(time.perf_counter() - start)
+            C.wait_all(works)
+    costs = torch.tensor([statistics.median(trips) / 2, statistics.median(posts) if posts else 0.0])
+    dist.broadcast(costs, src=0)
+    return costs[0].item(), costs[1].item()
 
 
 def world(args, pp: int) -> dict:
@@ -175,17 +209,17 @@ def world(args, pp: int) -> dict:
     for sweep in range(args.sweeps):
         for key, (step, _) in runners.items():
             times[key] += [timed(step, 1 + sweep * args.steps + i)[:2] for i in range(args.steps)]
-    bubbles = {}
+    bubbles, costs = {}, transfer_costs(args)
     for kind in SCHEDULES:
         recorder = runners[(kind, "paratrain")][1]
-        bubbles[kind] = _shares(recorder, pp, kind)
+        bubbles[kind] = _shares(recorder, pp, kind, costs)
         if args.timeline:
             timeline = gather_timeline(recorder, dist.group.WORLD, kind, args.microbatches)
             if rank == 0:
                 timeline.save(f"{args.timeline}-{kind}-pp{pp}.json")
     return {"times": {k: statistics.median(w for w, _ in v) for k, v in times.items()},
             "cpu": {k: statistics.median(c for _, c in v) for k, v in times.items()},
-            "first_loss": first_loss, "bubbles": bubbles}
+            "first_loss": first_loss, "bubbles": bubbles, "transfer_s": costs[0], "post_s": costs[1]}
 
 
 def main() -> None:
@@ -224,6 +258,9 @@ def _pair(result: dict, kind: str, theory: float) -> dict:
             "ratio": round(ours / peer, 3), "paratrain_cpu_ms": round(cpu_ours, 1),
             "peer_cpu_ms": round(cpu_peer, 1), "cpu_ratio": round(cpu_ours / cpu_peer, 3),
             "bubble_theory": round(theory, 4), "bubble_these_stages": round(shares["stages"], 4),
+            "transfer_ms": round(result["transfer_s"] * 1e3, 3),
+            "post_ms": round(result["post_s"] * 1e3, 3),
+            "bubble_floor": round(shares["floor"], 4),
             "bubble_measured": round(shares["bubble"], 4),
             "waiting": round(shares["wait"], 4), "posting": round(shares["post"], 4),
             "same_first_loss": abs(first[(kind, "paratrain")] / first[(kind, "torch")] - 1) < 1e-5}
@@ -234,19 +271,26 @@ def _print_table(pairs: dict, microbatches: int) -> None:
           f"stage split and the same {microbatches} microbatches, scale_grads=False "
           f"(both scale the loss by the token count themselves)")
     print("bubble: theory = (p-1)/(m+p-1) for equal stages; stages = a perfect executor with "
-          "this run's measured per-stage forward/backward times (the simulator)")
+          "this run's measured per-stage forward/backward times (the simulator); floor = the "
+          "same, each transfer and each post costing what it costs on this machine (measured below)")
     print(f"{'':>12} {'step time, median ms':^28} {'CPU ms, all ranks':^24} "
-          f"{'paratrain bubble':^44}")
+          f"{'paratrain bubble':^53}")
     print(f"{'pp':>3} {'schedule':>8} {'paratrain':>10} {'torch':>9} {'ratio':>7} "
-          f"{'paratrain':>10} {'torch':>7} {'ratio':>6} {'theory':>8} {'stages':>8} {'measured':>9} "
+          f"{'paratrain':>10} {'torch':>7} {'ratio':>6} {'theory':>8} {'stages':>8} {'floor':>8} "
+          f"{'measured':>9} "
           f"{'waiting':>8} {'posting':>8}  same loss")
     for (pp, kind), r in pairs.items():
         print(f"{pp:>3} {kind:>8} {r['paratrain_ms']:>10.1f} {r['peer_ms']:>9.1f} "
               f"{r['ratio']:>7.2f} {r['paratrain_cpu_ms']:>10.0f} {r['peer_cpu_ms']:>7.0f} "
               f"{r['cpu_ratio']:>6.2f} {r['bubble_theory']:>8.1%} {r['bubble_these_stages']:>8.1%} "
+              f"{r['bubble_floor']:>8.1%} "
               f"{r['bubble_measured']:>9.1%} "
               f"{r['waiting']:>8.1%} {r['posting']:>8.1%}  "
               f"{'yes' if r['same_first_loss'] else 'NO'}")
+    for pp in sorted({pp for pp, _ in pairs}):
+        r = next(r for (p, _), r in pairs.items() if p == pp)
+        print(f"pp={pp}: one activation's one-way transfer (ranks idle) {r['transfer_ms']:.3f} ms; "
+              f"posting a batch (one receive, one send) {r['post_ms']:.3f} ms")
 
 
 if __name__ == "__main__":

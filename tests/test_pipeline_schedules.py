@@ -196,3 +196,14 @@ def test_simulator_takes_unequal_stage_costs():
                    stage_costs={("F", 1): 2, ("B", 1): 4})
     assert sim.makespan == 1 + 4 * (2 + 4) + 2
     assert sim.busy == [12, 24] and abs(sim.bubble - (1 - 36 / 54)) < 1e-12
+
+
+def test_simulator_charges_each_post_to_its_rank():
+    # GPipe, p=2, m=1: rank 0 posts (send x, receive g) after its forward; rank 1 posts its
+    # receive first (off the critical path) and its send after the backward: two posts on
+    # the critical path, each delaying everything after it.
+    tables = schedule("gpipe", 2, 1)
+    assert simulate(tables).makespan == 6
+    sim = simulate(tables, post_cost=0.25)
+    assert sim.makespan == 6.5 and sim.busy == [3, 3]
+    assert [(i.start, i.end) for i in sim.intervals[1] if i.kind == "POST"] == [(0, 0.25), (4.25, 4.5)]

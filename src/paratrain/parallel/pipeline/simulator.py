@@ -56,7 +56,8 @@ class Simulation:
 
 def simulate(tables: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.0,
              comm_cost: float = 0.0,
-             stage_costs: Mapping[tuple[str, int], float] | None = None) -> Simulation:
+             stage_costs: Mapping[tuple[str, int], float] | None = None,
+             post_cost: float = 0.0) -> Simulation:
     """Run ``tables`` on a model of the machine, the way the executor runs them.
 
     A forward takes ``f_cost``, a backward ``b_cost``, unless ``stage_costs`` gives the
@@ -64,14 +65,16 @@ def simulate(tables: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.
     Each batch of transfers is posted without blocking; a rank's batches complete one
     after another in posting order (a stream of NCCL groups), each ``comm_cost`` after it
     and every peer batch holding its matching transfers have started. A computation waits for the batch that carries its
-    input. Raises ``ScheduleError`` on a deadlock or a computation whose input never comes.
+    input. Posting a batch occupies its rank for ``post_cost`` (the backend's cost of
+    starting transfers, which a CPU backend pays on the rank's own core); the batch starts
+    after it. Raises ``ScheduleError`` on a deadlock or a computation whose input never comes.
     """
     check_transfers(tables)
     p = len(tables)
     v = max((a.stage for t in tables for a in t), default=0) // max(p, 1) + 1
     base, stage_costs = {"F": f_cost, "B": b_cost}, stage_costs or {}
     sim = _SimState(p, p * v - 1, lambda a: stage_costs.get((a.kind, a.stage), base[a.kind]),
-                    comm_cost, [batches(t) for t in tables])
+                    comm_cost, [batches(t) for t in tables], post_cost)
     sim.run()
     return Simulation(sim.intervals, max(sim.finish_times(), default=0.0),
                       [busy_time(iv) for iv in sim.intervals], sim.peak, v)
@@ -92,8 +95,10 @@ class _Batch:
 class _SimState:
     """Clocks, positions and batches of every rank, advanced by a worklist."""
 
-    def __init__(self, p: int, last: int, cost: Callable[[Action], float], comm: float, items: list):
+    def __init__(self, p: int, last: int, cost: Callable[[Action], float], comm: float, items: list,
+                 post_cost: float = 0.0):
         self.p, self.last, self.cost, self.comm, self.items = p, last, cost, comm, items
+        self.post_cost = post_cost
         self.pos, self.clock = [0] * p, [0.0] * p
         self.intervals: list[list[Interval]] = [[] for _ in range(p)]
         self.last_batch: list[_Batch | None] = [None] * p
@@ -164,6 +169,9 @@ class _SimState:
         return True
 
     def _post(self, r: int, actions: list[Action]) -> None:
+        if self.post_cost:
+            start, self.clock[r] = self.clock[r], self.clock[r] + self.post_cost
+            self.intervals[r].append(Interval("POST", -1, -1, start, self.clock[r]))
         batch = _Batch(r, actions, post=self.clock[r], prev=self.last_batch[r])
         if batch.prev is not None:
             batch.prev.next = batch
