@@ -24,10 +24,19 @@ from .compress import Compressor, Pending, all_gather_bytes, all_to_all_bytes
 
 
 def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of ``x`` to int8 with one scale per row (max |x| maps to 127)."""
-    scale = x.abs().amax(dim=1) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.round(x / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+    """Rows of ``x`` to int8 with one scale per row (max |x| maps to 127).
+
+    Multiplying by 127 / max |x| keeps every product within ±127 (up to rounding), so no
+    clamp is needed: on one core, three passes over the bucket instead of five."""
+    amax = x.abs().amax(dim=1)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # a zero row stays 0
+    return torch.round(x * inverse[:, None]).to(torch.int8), amax / 127
+
+
+def _subtract_dequantized(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x -= dequantize(q, scale)``, in place, rows as in ``_quantize``: the quantization
+    error, which error feedback keeps."""
+    return x.addcmul_(q.to(torch.float32), scale[:, None], value=-1)
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -60,7 +69,7 @@ class Int8(Compressor):
         x[:n] = self._with_residual(bucket)
         q, scale = _quantize(x.view(-1, size))
         if self.residual is not None:
-            self.residual.copy_((x - _dequantize(q, scale).view(-1))[:n])
+            self.residual.copy_(_subtract_dequantized(x.view(-1, size), q, scale).view(-1)[:n])
         send = _pack(q, scale).view(p, -1)  # chunk k: blocks k*blocks .. (k+1)*blocks
         recv = torch.empty_like(send)
         self._sent(all_to_all_bytes(send.numel(), p))
@@ -70,13 +79,14 @@ class Int8(Compressor):
     def _finish(self, bucket, recv, group, blocks, size):
         p, me, n = C.size(group), C.rank(group), self.numel
         q, scale = _unpack(recv.view(-1, size + 4))
-        mean = _dequantize(q, scale).view(p, -1).sum(dim=0) / p  # fp32: cannot overflow
+        mean = _dequantize(q, scale / p).view(p, -1).sum(dim=0)  # fp32: cannot overflow
         q2, scale2 = _quantize(mean.view(blocks, size))
         if self.residual is not None:  # the error of the average, kept by the chunk's owner
             chunk = blocks * size
             lo, hi = me * chunk, min(n, (me + 1) * chunk)
             if hi > lo:
-                self.residual[lo:hi] += p * (mean - _dequantize(q2, scale2).view(-1))[:hi - lo]
+                error = _subtract_dequantized(mean.view(blocks, size), q2, scale2).view(-1)
+                self.residual[lo:hi].add_(error[:hi - lo], alpha=p)
         send = _pack(q2, scale2).view(-1)
         out = torch.empty(p * send.numel(), dtype=torch.int8, device=send.device)
         self._sent(all_gather_bytes(send.numel(), p))
