@@ -57,7 +57,7 @@ class ParallelConfig:
     """Optimizer steps averaged uncompressed before compression starts (torch's
     start_powerSGD_iter): early steps are the most sensitive to a compressed gradient.
     -1: the larger of the learning-rate warm-up and 10% of the steps, as torch's PowerSGD
-    documentation advises."""
+    documentation advises. top-k then warms its sparsity up in stages of this length."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: auto (nccl with GPUs, else gloo), gloo or nccl."""
     timeout_s: float = 300.0
