@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from typing import Callable, Iterator
@@ -16,9 +17,10 @@ def background() -> Iterator[Callable[..., subprocess.Popen]]:
     """``subprocess.Popen`` for a command that cannot outlive its test.
 
     A test that fails while its job runs (``--steps 100000``, a torchrun agent) would leave
-    the job computing for as long as the machine is up, slowing every later test: the job
-    is killed when the test ends, and Linux kills it if pytest itself is killed (a timeout).
-    Its ranks follow, since each rank dies with its launcher.
+    the job computing for as long as the machine is up, slowing every later test. Each job
+    gets a process group of its own, killed whole when the test ends: the ranks too, even
+    where a deliberate bug (scripts/mutants.py) stops them dying with their launcher. Linux
+    kills the job itself if pytest is killed (a timeout).
     """
     started: list[subprocess.Popen] = []
 
@@ -28,11 +30,13 @@ def background() -> Iterator[Callable[..., subprocess.Popen]]:
             if preexec_fn is not None:
                 preexec_fn()
 
-        started.append(subprocess.Popen(cmd, preexec_fn=child, **kwargs))
+        started.append(subprocess.Popen(cmd, preexec_fn=child, start_new_session=True, **kwargs))
         return started[-1]
 
     yield start
     for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group outlives its leader
+        except ProcessLookupError:
+            pass
+        proc.communicate()
