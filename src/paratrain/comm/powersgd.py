@@ -55,15 +55,18 @@ class Matrix:
         m = flat[self.offset:self.offset + self.rows * self.cols].view(self.rows, self.cols)
         return m.t() if self.transposed else m
 
-    def add_product(self, flat: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                    alpha: float, beta: float = 1.0) -> None:
+    def add_product(self, flat: torch.Tensor, p: torch.Tensor, q: torch.Tensor, alpha: float,
+                    beta: float = 1.0, out: torch.Tensor | None = None) -> None:
         """matrix = beta * matrix + alpha * P Q^T (in the short x long orientation), written
-        in the parameter's own contiguous layout (beta=0 ignores what was there)."""
-        m = flat[self.offset:self.offset + self.rows * self.cols].view(self.rows, self.cols)
-        if self.transposed:
-            m.addmm_(q, p.t(), beta=beta, alpha=alpha)
+        in the parameter's own contiguous layout (beta=0 ignores what was there), into
+        ``flat`` or, read from ``flat``, into the same place of ``out`` (one pass, no copy)."""
+        span = slice(self.offset, self.offset + self.rows * self.cols)
+        m = flat[span].view(self.rows, self.cols)
+        a, b = (q, p.t()) if self.transposed else (p, q.t())
+        if out is None:
+            m.addmm_(a, b, beta=beta, alpha=alpha)
         else:
-            m.addmm_(p, q.t(), beta=beta, alpha=alpha)
+            torch.addmm(m, a, b, beta=beta, alpha=alpha, out=out[span].view(self.rows, self.cols))
 
 
 def _views(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -144,10 +147,9 @@ class PowerSGD(Compressor):
         bases = orthogonalize_all(self.ps)
         for m, b, q in zip(self.matrices, bases, self.qs):
             torch.mm(m.of(x).t(), b, out=q)  # this rank's Q = M^T P
-        if self.residual is not None:  # what this rank's projection did not send
-            self.residual.copy_(x).index_fill_(0, self.small, 0)
-            for m, b, q in zip(self.matrices, bases, self.qs):
-                m.add_product(self.residual, b, q, alpha=-1.0)
+        if self.residual is not None:  # what this rank's projection did not send: M - P Q^T
+            for m, b, q in zip(self.matrices, bases, self.qs):  # (the small tensors' stays 0)
+                m.add_product(x, b, q, alpha=-1.0, out=self.residual)
         x.index_copy_(0, self.small, self.first[:self.small.numel()].div_(p))
         if not self.matrices:
             return self._done(bucket, x)
