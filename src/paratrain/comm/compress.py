@@ -189,8 +189,10 @@ class Compressor:
         raise NotImplementedError
 
     def _with_residual(self, bucket: torch.Tensor) -> torch.Tensor:
-        """The bucket in fp32 plus what earlier steps did not send (a new tensor)."""
-        x = bucket.detach().to(torch.float32, copy=True)
+        """The bucket in fp32 plus what earlier steps did not send, in the bucket itself when
+        it is fp32: its average overwrites it anyway, and on CPU a fresh bucket-sized tensor
+        costs more than the arithmetic (page faults on first touch)."""
+        x = bucket.detach() if bucket.dtype == torch.float32 else bucket.detach().float()
         if self.residual is not None:
             x += self.residual
         return x
@@ -283,13 +285,15 @@ class TopK(Compressor):
         out = torch.empty(p * payload.numel(), dtype=payload.dtype, device=payload.device)
         self._sent(all_gather_bytes(payload.numel() * 4, p))
         work = C.all_gather(out, payload, group, async_op=True)
-        return Pending(work, lambda: self._finish(bucket, out.view(p, -1), p, values.numel()))
+        return Pending(work, lambda: self._finish(bucket, x, out.view(p, -1), values.numel()))
 
-    def _finish(self, bucket, out, p, k):
+    @staticmethod
+    def _finish(bucket, x, out, k):
         values = out[:, :k].reshape(-1)
         index = out[:, k:].contiguous().view(torch.int32).reshape(-1).long()
-        total = torch.zeros(self.numel, device=out.device).index_add_(0, index, values)
-        bucket.copy_(total / p)
+        x.zero_().index_add_(0, index, values).div_(out.shape[0])
+        if x is not bucket:  # a bucket of another dtype got an fp32 working copy
+            bucket.copy_(x)
         return None
 
 

@@ -23,33 +23,31 @@ from . import collectives as C
 from .compress import Compressor, Pending, all_gather_bytes, all_to_all_bytes
 
 
-def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of ``x`` to int8 with one scale per row (max |x| maps to 127).
+def _quantize(x: torch.Tensor, scratch: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` to int8 in ``out`` (rows x (columns + 4): each row's fp32 scale rides
+    in its last four bytes, one message), max |x| mapping to 127. ``scratch`` (x's shape)
+    is left holding the rounded values as floats; returns the scales.
 
     Multiplying by 127 / max |x| keeps every product within ±127 (up to rounding), so no
-    clamp is needed: on one core, three passes over the bucket instead of five."""
-    amax = x.abs().amax(dim=1)
+    clamp is needed. Every pass writes into a buffer the compressor keeps: on CPU a fresh
+    bucket-sized tensor costs more than the arithmetic (page faults on first touch)."""
+    amax = torch.abs(x, out=scratch).amax(dim=1)
     inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # a zero row stays 0
-    return torch.round(x * inverse[:, None]).to(torch.int8), amax / 127
+    torch.mul(x, inverse[:, None], out=scratch).round_()
+    scale = amax / 127
+    out[:, :-4].copy_(scratch)
+    out[:, -4:].copy_(scale.view(torch.int8).view(-1, 4))
+    return scale
 
 
-def _subtract_dequantized(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x -= dequantize(q, scale)``, in place, rows as in ``_quantize``: the quantization
-    error, which error feedback keeps."""
-    return x.addcmul_(q.to(torch.float32), scale[:, None], value=-1)
+def _scales(packed: torch.Tensor) -> torch.Tensor:
+    """The fp32 scales of rows packed by ``_quantize``."""
+    return packed[:, -4:].contiguous().view(torch.float32).view(-1)
 
 
-def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.to(torch.float32) * scale[:, None]
-
-
-def _pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 rows followed by their fp32 scale's four bytes: one message per row."""
-    return torch.cat([q, scale.contiguous().view(torch.int8).view(-1, 4)], dim=1)
-
-
-def _unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return packed[:, :-4], packed[:, -4:].contiguous().view(torch.float32).view(-1)
+def _dequantize(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Packed int8 rows back to fp32, in ``out`` (their shape less the scale bytes)."""
+    return out.copy_(packed[:, :-4]).mul_(_scales(packed)[:, None])
 
 
 INT8_BLOCK = 256
@@ -59,40 +57,52 @@ INT8_BLOCK = 256
 class Int8(Compressor):
     """int8 with a scale per block: all-to-all, fp32 sum, re-quantize, all-gather."""
 
-    def _reduce(self, bucket, group):
-        p, n = C.size(group), self.numel
+    def _buffers(self, p: int) -> tuple[int, int]:
+        """Blocks per chunk and entries per block for a group of ``p``, and (once) the work
+        buffers, 10 bytes per entry: the padded fp32 bucket, a float scratch, and the int8
+        messages sent and received (the all-gather reuses the all-to-all's)."""
         # Rank k averages chunk k, a run of equal blocks of at most INT8_BLOCK entries
         # (equal sizes keep the padding under one entry per block).
-        blocks = math.ceil(math.ceil(n / p) / INT8_BLOCK)
-        size = math.ceil(n / (p * blocks))
-        x = torch.zeros(p * blocks * size, device=bucket.device)
-        x[:n] = self._with_residual(bucket)
-        q, scale = _quantize(x.view(-1, size))
-        if self.residual is not None:
-            self.residual.copy_(_subtract_dequantized(x.view(-1, size), q, scale).view(-1)[:n])
-        send = _pack(q, scale).view(p, -1)  # chunk k: blocks k*blocks .. (k+1)*blocks
-        recv = torch.empty_like(send)
-        self._sent(all_to_all_bytes(send.numel(), p))
-        work = C.all_to_all(recv, send, group, async_op=True)
-        return Pending(work, lambda: self._finish(bucket, recv, group, blocks, size))
+        blocks = math.ceil(math.ceil(self.numel / p) / INT8_BLOCK)
+        size = math.ceil(self.numel / (p * blocks))
+        if getattr(self, "_shape", None) != (p, blocks, size):
+            self._shape = (p, blocks, size)
+            rows, dev = p * blocks, self.device
+            self._x = torch.zeros(rows, size, device=dev)  # the padding stays 0
+            self._scratch = torch.empty(rows, size, device=dev)
+            self._send, self._recv = (torch.empty(rows, size + 4, dtype=torch.int8, device=dev)
+                                      for _ in range(2))
+        return blocks, size
 
-    def _finish(self, bucket, recv, group, blocks, size):
+    def _reduce(self, bucket, group):
+        p, n = C.size(group), self.numel
+        blocks, size = self._buffers(p)
+        x, flat = self._x, self._x.view(-1)
+        flat[:n].copy_(bucket.detach())
+        if self.residual is not None:
+            flat[:n].add_(self.residual)
+        scale = _quantize(x, self._scratch, self._send)
+        if self.residual is not None:  # what was not sent: x - dequantized
+            self.residual.copy_(x.addcmul_(self._scratch, scale[:, None], value=-1).view(-1)[:n])
+        self._sent(all_to_all_bytes(self._send.numel(), p))
+        work = C.all_to_all(self._recv.view(p, -1), self._send.view(p, -1), group, async_op=True)
+        return Pending(work, lambda: self._finish(bucket, group, blocks, size))
+
+    def _finish(self, bucket, group, blocks, size):
         p, me, n = C.size(group), C.rank(group), self.numel
-        q, scale = _unpack(recv.view(-1, size + 4))
-        mean = _dequantize(q, scale / p).view(p, -1).sum(dim=0)  # fp32: cannot overflow
-        q2, scale2 = _quantize(mean.view(blocks, size))
+        parts = _dequantize(self._recv, self._scratch).view(p, blocks, size)
+        mean = torch.sum(parts, dim=0, out=self._x[:blocks]).div_(p)  # fp32: cannot overflow
+        mine = self._send[:blocks]
+        scale = _quantize(mean, self._scratch[:blocks], mine)
         if self.residual is not None:  # the error of the average, kept by the chunk's owner
             chunk = blocks * size
             lo, hi = me * chunk, min(n, (me + 1) * chunk)
             if hi > lo:
-                error = _subtract_dequantized(mean.view(blocks, size), q2, scale2).view(-1)
+                error = mean.addcmul_(self._scratch[:blocks], scale[:, None], value=-1).view(-1)
                 self.residual[lo:hi].add_(error[:hi - lo], alpha=p)
-        send = _pack(q2, scale2).view(-1)
-        out = torch.empty(p * send.numel(), dtype=torch.int8, device=send.device)
-        self._sent(all_gather_bytes(send.numel(), p))
-        work = C.all_gather(out, send, group, async_op=True)
+        self._sent(all_gather_bytes(mine.numel(), p))
+        work = C.all_gather(self._recv.view(-1), mine.reshape(-1), group, async_op=True)
 
         def unpack():
-            q_all, s_all = _unpack(out.view(-1, size + 4))
-            bucket.copy_(_dequantize(q_all, s_all).view(-1)[:n])
+            bucket.copy_(_dequantize(self._recv, self._scratch).view(-1)[:n])
         return Pending(work, unpack)

@@ -132,9 +132,7 @@ class PowerSGD(Compressor):
             q.copy_(torch.randn(q.shape, generator=gen))
 
     def _reduce(self, bucket: torch.Tensor, group: ProcessGroup) -> Pending:
-        x = bucket.detach() if bucket.dtype == torch.float32 else bucket.detach().float()
-        if self.residual is not None:
-            x.add_(self.residual)
+        x = self._with_residual(bucket)
         torch.index_select(x, 0, self.small, out=self.first[:self.small.numel()])
         for m, q, p in zip(self.matrices, self.qs, self.ps):
             torch.mm(m.of(x), q, out=p)  # with the previous step's Q: warm start
