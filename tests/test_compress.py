@@ -76,6 +76,14 @@ def compressor_checks() -> dict[str, float]:
     got = _average(Z.make_compressor(Z.parse("int8:noef"), VIEWS, NUMEL), big)
     out["int8_big_error"] = rel_error(got, _gather(big).mean(0))
     out["int8_error"] = rel_error(_average(Z.make_compressor(Z.parse("int8:noef"), VIEWS, NUMEL), _grads(0)), plain)
+    # A block of denormal values (127 / max overflows fp32) and a block of zeros stay
+    # finite, and lose nothing: sent plus residual is the gradient.
+    tiny = _grads(0)
+    tiny[:NUMEL // 4], tiny[NUMEL // 4:NUMEL // 2] = 1e-39, 0.0
+    c = Z.make_compressor(Z.parse("int8"), VIEWS, NUMEL)
+    avg = _average(c, tiny)
+    out["int8_tiny_finite"] = bool(avg.isfinite().all() and c.residual.isfinite().all())
+    out["int8_tiny_invariant"] = rel_error(p * avg + _gather(c.residual).sum(0), _gather(tiny).sum(0))
     # A scale per block of 256: blocks 100x apart in size (as a layer next to the embedding)
     # both keep their precision; one scale for a rank's whole chunk rounds the small to 0.
     n = 8 * INT8_BLOCK
@@ -123,6 +131,7 @@ def test_compressors_exact_lossless_and_error_feedback():
         assert all(x[f"{text}_replicas_differ"] == 0 for x in results), text
     assert r["int8_big_error"] <= 5e-3 and r["int8_error"] <= 2e-2, r
     assert r["int8_small_block_error"] <= 2e-2, r["int8_small_block_error"]
+    assert all(x["int8_tiny_finite"] for x in results) and r["int8_tiny_invariant"] <= 1e-6, r
     assert max(r["start_errors"][:2]) <= 1e-6 and r["start_errors"][2] > 0.1, r["start_errors"]
     assert r["none_ratio"] == 1.0 and r["fp16_ratio"] == 2.0
     assert 3.5 < r["int8_ratio"] <= 4.0 and r["topk:0.1_ratio"] > 1.5 and r["powersgd:2_ratio"] > 1.5

@@ -23,6 +23,14 @@ from . import collectives as C
 from .compress import Compressor, Pending, all_gather_bytes, all_to_all_bytes
 
 
+INT8_BLOCK = 256
+"""Most entries per int8 scale: 4 bytes of scale per 256 of data (1.6%)."""
+SMALLEST_SCALE = 2.0 ** -100
+"""The least scale: 1 / scale must stay finite in fp32, which fails for a block whose
+largest entry is denormal (an inf there made the residual NaN). A block below 127 times
+this quantizes to 0 and keeps its values in the residual; zero blocks stay exact."""
+
+
 def _quantize(x: torch.Tensor, scratch: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` to int8 in ``out`` (rows x (columns + 4): each row's fp32 scale rides
     in its last four bytes, one message), max |x| mapping to 127. ``scratch`` (x's shape)
@@ -32,9 +40,8 @@ def _quantize(x: torch.Tensor, scratch: torch.Tensor, out: torch.Tensor) -> torc
     clamp is needed. Every pass writes into a buffer the compressor keeps: on CPU a fresh
     bucket-sized tensor costs more than the arithmetic (page faults on first touch)."""
     amax = torch.abs(x, out=scratch).amax(dim=1)
-    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # a zero row stays 0
-    torch.mul(x, inverse[:, None], out=scratch).round_()
-    scale = amax / 127
+    scale = amax.clamp_(min=SMALLEST_SCALE * 127) / 127
+    torch.mul(x, scale.reciprocal()[:, None], out=scratch).round_()
     out[:, :-4].copy_(scratch)
     out[:, -4:].copy_(scale.view(torch.int8).view(-1, 4))
     return scale
@@ -49,9 +56,6 @@ def _dequantize(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Packed int8 rows back to fp32, in ``out`` (their shape less the scale bytes)."""
     return out.copy_(packed[:, :-4]).mul_(_scales(packed)[:, None])
 
-
-INT8_BLOCK = 256
-"""Most entries per int8 scale: 4 bytes of scale per 256 of data (1.6%)."""
 
 
 class Int8(Compressor):
