@@ -212,6 +212,10 @@ def worker(args) -> None:
         r = out[label] = paratrain_run(placement_config(args, f"{tmp}/{order}", order))
         if r:
             r["step_s"] = statistics.median(r.pop("times"))
+    from paratrain.bench.compress import arithmetic
+    from paratrain.models.gpt import GPT
+
+    out["arithmetic"] = arithmetic([m.format(r=args.rank) for m in METHODS], GPT(config(args, "unused").model))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.barrier()
@@ -263,12 +267,11 @@ def predictions(args, delayed: bool) -> dict[str, float]:
 
 
 def run_cluster(args, out: str) -> tuple[str, int]:
+    forwarded = ("steps", "model", "rank", "global_batch", "seq_len", "tp_global_batch", "tp_seq_len",
+                 "tp_steps", "bucket_mb", "repeats")
     cmd = [sys.executable, str(ROOT / "scripts" / "cluster.py"), "--bandwidth", args.bandwidth,
            "--latency", args.latency, "--measure-link", "--", str(Path(__file__).resolve()), "--worker",
-           "--out", out, "--steps", str(args.steps), "--model", args.model, "--rank", str(args.rank),
-           "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
-           "--tp-global-batch", str(args.tp_global_batch), "--tp-seq-len", str(args.tp_seq_len),
-           "--tp-steps", str(args.tp_steps), "--bucket-mb", str(args.bucket_mb), "--repeats", str(args.repeats)]
+           "--out", out, *(x for k in forwarded for x in ("--" + k.replace("_", "-"), str(getattr(args, k))))]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     return done.stdout + done.stderr, done.returncode
@@ -299,9 +302,11 @@ def report(args, results: dict, planned: dict, log: str, load: float) -> None:
           "batch_tensors_with_same_shape=True); paratrain: compress_start=2 (the same two "
           "uncompressed steps)\n")
     none = results["paratrain none"]["step_s"]
-    print(f"{'run':<32} {'step ms':>8} {'vs none':>8} {'sent B/step':>12} {'link B/step':>12} {'val loss':>9}")
-    print("(sent: one rank's gradient bytes, paratrain's count; link: node 0's bytes over the shaped "
-          "link for the whole run, start-up and evaluation included, / steps)")
+    work = results.get("arithmetic", {})
+    print(f"{'run':<32} {'step ms':>8} {'vs none':>8} {'work ms':>8} {'sent B/step':>12} {'link B/step':>12} {'val loss':>9}")
+    print("(work: the method's own arithmetic for one reduction, on one core with no transfer; sent: one "
+          "rank's gradient bytes, paratrain's count; link: node 0's bytes over the shaped link for the "
+          "whole run, start-up and evaluation included, / steps)")
     for label, r in results.items():
         if label in PLACEMENTS or "loss" not in r and "error" not in r:
             continue
@@ -309,7 +314,9 @@ def report(args, results: dict, planned: dict, log: str, load: float) -> None:
             print(f"{label:<32} not run: {r['error']}")
             continue
         sent = f"{r['sent']:,}" if r.get("sent") is not None else "-"
-        print(f"{label:<32} {r['step_s'] * 1e3:>8.1f} {none / r['step_s']:>7.2f}x {sent:>12} "
+        own = work.get(label.removeprefix("paratrain "))
+        own = f"{own * 1e3:.1f}" if own is not None else "-"
+        print(f"{label:<32} {r['step_s'] * 1e3:>8.1f} {none / r['step_s']:>7.2f}x {own:>8} {sent:>12} "
               f"{r['link']:>12,.0f} {r['loss']:>9.4f}")
     share = comm_share(results)
     print(f"\ncommunication share of the uncompressed step at {args.bandwidth}: the fp32 all-reduce of the "

@@ -96,6 +96,9 @@ def compressor_checks() -> dict[str, float]:
     # compress_start: the first reductions are the plain average; then compression starts.
     late = Z.make_compressor(Z.CompressSpec("topk", fraction=0.1, start=2), VIEWS, NUMEL)
     out["start_errors"] = [rel_error(_average(late, _grads(s)), _gather(_grads(s)).mean(0)) for s in range(3)]
+    # Each method's own work, timed by rank 0 alone (benchmarks/two_nodes.py prints it).
+    from paratrain.bench.compress import arithmetic
+    out["work_s"] = arithmetic(["none", "powersgd:2"], torch.nn.Sequential(torch.nn.Linear(24, 8), torch.nn.Linear(8, 24)))
     # Bytes: a quarter of the fp32 all-reduce for int8 (plus scales), half for fp16.
     for text in ("none", "fp16", "int8", "topk:0.1", "powersgd:2"):
         c = Z.make_compressor(Z.parse(text), VIEWS, NUMEL)
@@ -131,6 +134,8 @@ def test_compressors_exact_lossless_and_error_feedback():
         assert all(x[f"{text}_replicas_differ"] == 0 for x in results), text
     assert r["int8_big_error"] <= 5e-3 and r["int8_error"] <= 2e-2, r
     assert r["int8_small_block_error"] <= 2e-2, r["int8_small_block_error"]
+    assert set(r["work_s"]) == {"none", "powersgd:2"} and all(v > 0 for v in r["work_s"].values())
+    assert all(x["work_s"] == {} for x in results[1:])
     assert all(x["int8_tiny_finite"] for x in results) and r["int8_tiny_invariant"] <= 1e-6, r
     assert max(r["start_errors"][:2]) <= 1e-6 and r["start_errors"][2] > 0.1, r["start_errors"]
     assert r["none_ratio"] == 1.0 and r["fp16_ratio"] == 2.0

@@ -7,7 +7,8 @@ from paratrain.plan.calibrate import fit_curve
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.compute import (elementwise_bytes, gemm_efficiency, matmul_time,
                                     unfused_attention_time)
-from paratrain.plan.cost import prefetched, step_time, zero3_links
+from paratrain.plan.cost import step_time, zero3_links
+from paratrain.plan.overlap import prefetched
 from paratrain.plan.evaluate import parse_layout
 from paratrain.plan.export import config_tables, trainable
 from paratrain.plan.hardware import GB, Cluster, gpu_preset

@@ -188,7 +188,7 @@ def test_ulysses_is_timed_as_its_all_to_alls_and_searched_where_heads_split():
 def test_hidden_collectives_cost_cpu_only_their_transfer():
     # gloo's threads sleep through a collective's latency: hidden behind compute on CPU
     # processes it costs only its bytes' share; on GPUs all of it at overlap_cost.
-    from paratrain.plan.cost import hidden_cost
+    from paratrain.plan.overlap import hidden_cost
     from paratrain.plan.hardware import Link, local_cluster
 
     fits = {"all-gather": [4e-3, 0.5e9]}

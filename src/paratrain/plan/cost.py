@@ -42,52 +42,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..comm import cost as alpha_beta
 from .candidate import Candidate, Training
 from .compute import attention_time, elementwise_bytes, matmul_time, unfused_attention_time
 from .flops import attention_core_flops, layer_matmuls
 from .hardware import Cluster, Link, members_per_node
 from .models import ModelSpec
+from .overlap import exposed, hidden_cost, link_collective_time, p2p_time, prefetched
 
 ORDER = ("tp", "cp", "pp", "dp")  # Layout's default order, fastest first
 OPTIMIZER_BYTES = {"adam": 28, "sgd": 20}
 """Bytes the update reads and writes per parameter (gradient, master weight, states,
 new weight): Adam 2 + 8 + 8 + 8 + 2, SGD with momentum 2 + 8 + 8 + 2 (same for fp32)."""
-
-
-# The search asks the same questions many times: remember the answers.
-collective_time = lru_cache(maxsize=1 << 16)(alpha_beta.collective_time)
-p2p_time = lru_cache(maxsize=1 << 12)(alpha_beta.p2p_time)
-
-
-def _alpha_beta(cluster: Cluster, link: Link, op: str) -> tuple[float, float]:
-    """The cluster's measured α and β for ``op`` if it has them, else the link's."""
-    return next(((a, b) for name, a, b in cluster.gpu.collectives if name == op),
-                (link.alpha, link.bw))
-
-
-def link_collective_time(cluster: Cluster, link: Link, op: str, nbytes: float, p: int) -> float:
-    """``op`` over ``link``, with the cluster's measured α and β for ``op`` if it has them."""
-    return collective_time(op, nbytes, p, *_alpha_beta(cluster, link, op))
-
-
-def hidden_cost(cluster: Cluster, link: Link, op: str, nbytes: float, p: int) -> float:
-    """What a second of ``op`` hidden behind compute still costs the step: the GPU's
-    ``overlap_cost`` of all of it (NCCL's kernels hold SMs through the latency too), and
-    on CPU processes only of its transfer term, the bytes gloo's threads copy and reduce:
-    through the latency they sleep on a socket, and the compute has the core."""
-    cost = cluster.gpu.overlap_cost
-    if cluster.kind != "local":
-        return cost
-    alpha, beta = _alpha_beta(cluster, link, op)
-    total = collective_time(op, nbytes, p, alpha, beta)
-    return cost * (1 - alpha_beta.latency_steps(op, p) * alpha / total) if total > 0 else cost
-
-
-def exposed(comm: float, window: float, overlap_cost: float = 0.1) -> float:
-    """Cost of ``comm`` seconds of communication overlapped with ``window`` of compute,
-    of which ``overlap_cost`` of the hidden part still slows the step."""
-    return max(0.0, comm - window) + overlap_cost * min(comm, window)
 
 
 @dataclass(frozen=True)
@@ -332,15 +297,6 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     if cand.zero == 2:
         return m * coll("reduce-scatter", psi * grad, micro.bwd) + gather
     return _zero3_time(model, cluster, cand, micro, psi * weight, psi * grad, m)
-
-
-def prefetched(comm: float, compute: float, units: int, overlap_cost: float) -> float:
-    """Exposed seconds of ``units`` collectives of ``comm`` seconds each, each unit's issued
-    one unit ahead (prefetch depth 1) while the unit before it computes for ``compute``:
-    the first is waited for, every later one shows where it is longer than the compute
-    beside it. A deeper prefetch changes neither term for equal units: the link is busy
-    either way; it only holds more gathered units in memory."""
-    return comm + (units - 1) * exposed(comm, compute, overlap_cost)
 
 
 def _zero3_time(model: ModelSpec, cluster: Cluster, cand: Candidate, micro: _Micro,
