@@ -17,6 +17,7 @@ Usage (from the repository root)::
     python scripts/mutants.py              # every mutant (long: tens of minutes on 2 cores)
     python scripts/mutants.py --ci         # the fast subset (tests/test_mutants.py runs it)
     python scripts/mutants.py --only NAME [--only NAME2]
+    python scripts/mutants.py --jobs 2     # two mutants at a time, each in its own copy
     python scripts/mutants.py --list
 
 Before any mutant, the selected mutants' tests run once on the unmutated copy and must pass
@@ -29,14 +30,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,21 +169,21 @@ def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, 
     return ("error" if pytest.returncode in (4, 5) else "fail"), seconds, tail
 
 
-def check(mutants: list[Mutant], timeout: float, baseline: bool = True) -> int:
-    """Apply each mutant in turn to a temporary copy; print one line each and a summary."""
+def check(mutants: list[Mutant], timeout: float, baseline: bool = True, jobs: int = 1) -> int:
+    """Apply each mutant to a temporary copy, ``jobs`` copies (and mutants) at a time; print
+    one line each and a summary."""
     with tempfile.TemporaryDirectory(prefix="paratrain-mutants-") as tmp:
-        copy = Path(tmp)
-        copy_repo(copy)
-        if baseline:
-            tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
-            status, seconds, tail = run_tests(copy, tests, timeout * 2)
-            if status != "pass":
-                print(f"baseline: the unmutated tests do not pass ({status}, {seconds:.0f} s); "
-                      f"fix them first\n{tail}", flush=True)
-                return 2
-            print(f"baseline: {len(tests)} tests pass unmutated ({seconds:.0f} s)", flush=True)
-        missed = []
-        for m in mutants:
+        copies: queue.Queue[Path] = queue.Queue()
+        for i in range(max(1, min(jobs, len(mutants)))):
+            copy = Path(tmp) / str(i)
+            copy_repo(copy)
+            copies.put(copy)
+        if baseline and not _baseline(copies.queue[0], mutants, timeout):
+            return 2
+        lock = threading.Lock()
+
+        def one(m: Mutant) -> bool:  # caught?
+            copy = copies.get()
             target = copy / m.file
             original = target.read_text()
             target.write_text(original.replace(m.old, m.new, 1))
@@ -187,18 +191,39 @@ def check(mutants: list[Mutant], timeout: float, baseline: bool = True) -> int:
                 status, seconds, tail = run_tests(copy, m.tests, timeout)
             finally:
                 target.write_text(original)
-            verdict = {"fail": "caught", "pass": "MISSED", "timeout": "TIMEOUT", "error": "ERROR"}[status]
-            print(f"{verdict:8s} {m.name:40s} {seconds:6.1f} s  {m.file}", flush=True)
-            if status == "fail":  # say which test failed, and how
-                failed = [ln for ln in tail.splitlines() if ln.startswith(("FAILED", "ERROR"))]
-                print(f"         {(failed or ['(see pytest output)'])[0][:200]}", flush=True)
-            else:
-                missed.append(m.name)
-                print("         " + tail.strip().replace("\n", "\n         ")[-1200:], flush=True)
-    caught = len(mutants) - len(missed)
-    print(f"summary: {caught}/{len(mutants)} mutants caught"
+                copies.put(copy)
+            with lock:
+                _report(m, status, seconds, tail)
+            return status == "fail"
+
+        with ThreadPoolExecutor(copies.qsize()) as pool:
+            caught = list(pool.map(one, mutants))
+    missed = [m.name for m, ok in zip(mutants, caught) if not ok]
+    print(f"summary: {len(mutants) - len(missed)}/{len(mutants)} mutants caught"
           + (f"; not caught: {', '.join(missed)}" if missed else ""), flush=True)
     return 1 if missed else 0
+
+
+def _baseline(copy: Path, mutants: list[Mutant], timeout: float) -> bool:
+    """The selected mutants' tests pass on the unmutated copy (else every mutant looks caught)."""
+    tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+    status, seconds, tail = run_tests(copy, tests, timeout * 2)
+    if status != "pass":
+        print(f"baseline: the unmutated tests do not pass ({status}, {seconds:.0f} s); "
+              f"fix them first\n{tail}", flush=True)
+        return False
+    print(f"baseline: {len(tests)} tests pass unmutated ({seconds:.0f} s)", flush=True)
+    return True
+
+
+def _report(m: Mutant, status: str, seconds: float, tail: str) -> None:
+    verdict = {"fail": "caught", "pass": "MISSED", "timeout": "TIMEOUT", "error": "ERROR"}[status]
+    print(f"{verdict:8s} {m.name:40s} {seconds:6.1f} s  {m.file}", flush=True)
+    if status == "fail":  # say which test failed, and how
+        failed = [ln for ln in tail.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+        print(f"         {(failed or ['(see pytest output)'])[0][:200]}", flush=True)
+    else:
+        print("         " + tail.strip().replace("\n", "\n         ")[-1200:], flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds per mutant's test run (default 900)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip running the tests on the unmutated copy first")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="mutants tested at a time, each in its own copy (default 1; single-"
+                             "process tests leave a core idle, so 2 suits a 2-core machine)")
     parser.add_argument("--dir", type=Path, default=MUTANT_DIR, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
@@ -234,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     if not mutants:
         print("error: no mutants selected", file=sys.stderr)
         return 2
-    return check(mutants, args.timeout, baseline=not args.no_baseline)
+    if args.jobs < 1:
+        print("error: --jobs must be at least 1", file=sys.stderr)
+        return 2
+    return check(mutants, args.timeout, baseline=not args.no_baseline, jobs=args.jobs)
 
 
 if __name__ == "__main__":
