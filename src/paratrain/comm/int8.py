@@ -61,6 +61,11 @@ def _dequantize(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 class Int8(Compressor):
     """int8 with a scale per block: all-to-all, fp32 sum, re-quantize, all-gather."""
 
+    def __init__(self, numel: int, error_feedback: bool = True, device: torch.device | None = None):
+        super().__init__(numel, error_feedback, device)
+        self._shape: tuple[int, int, int] | None = None
+        """(group size, blocks per chunk, entries per block) the work buffers are sized for."""
+
     def _buffers(self, p: int) -> tuple[int, int]:
         """Blocks per chunk and entries per block for a group of ``p``, and (once) the work
         buffers, 10 bytes per entry: the padded fp32 bucket, a float scratch, and the int8
@@ -69,7 +74,7 @@ class Int8(Compressor):
         # (equal sizes keep the padding under one entry per block).
         blocks = math.ceil(math.ceil(self.numel / p) / INT8_BLOCK)
         size = math.ceil(self.numel / (p * blocks))
-        if getattr(self, "_shape", None) != (p, blocks, size):
+        if self._shape != (p, blocks, size):
             self._shape = (p, blocks, size)
             rows, dev = p * blocks, self.device
             self._x = torch.zeros(rows, size, device=dev)  # the padding stays 0
