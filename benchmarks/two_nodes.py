@@ -23,7 +23,8 @@ training with no gradient communication at all ("compute only": the floor no com
 can beat, so none / compute-only bounds any method's speed-up, Amdahl's law) and the fp32
 gradient all-reduce with no compute ("all-reduce alone").
 
-Step time is the median over the steps after the first three, of all repeats; "link bytes/step" is what
+Step time is the median over the steps after the first three, of all repeats; "work" is a
+method's own arithmetic per reduction, timed by rank 0 alone; "link bytes/step" is what
 node 0's end of the veth pair sent per step (measured, every rank of node 0 included);
 "sent bytes/step" is paratrain's own count for one rank (``comm_bytes``). The last line is
 JSON: paratrain = the best paratrain method's step time, peer = torch's powerSGD_hook's,
