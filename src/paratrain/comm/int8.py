@@ -57,7 +57,6 @@ def _dequantize(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.copy_(packed[:, :-4]).mul_(_scales(packed)[:, None])
 
 
-
 class Int8(Compressor):
     """int8 with a scale per block: all-to-all, fp32 sum, re-quantize, all-gather."""
 
