@@ -78,6 +78,12 @@ def compressor_checks() -> dict[str, float]:
     got = _average(Z.make_compressor(Z.parse("int8:noef"), VIEWS, NUMEL), big)
     out["int8_big_error"] = rel_error(got, _gather(big).mean(0))
     out["int8_error"] = rel_error(_average(Z.make_compressor(Z.parse("int8:noef"), VIEWS, NUMEL), _grads(0)), plain)
+    # A bf16 bucket is averaged in an fp32 working copy and written back in bf16.
+    half = _grads(0).bfloat16()
+    want = _gather(half.float()).mean(0)
+    for text in ("topk:1.0", "powersgd:8"):
+        got = _average(Z.make_compressor(Z.parse(text), VIEWS, NUMEL), half)
+        out[f"{text}_bf16_error"] = rel_error(got.float(), want) if got.dtype == torch.bfloat16 else 1.0
     # A block of denormal values (127 / max overflows fp32) and a block of zeros stay
     # finite, and lose nothing: sent plus residual is the gradient.
     tiny = _grads(0)
@@ -138,6 +144,7 @@ def test_compressors_exact_lossless_and_error_feedback():
     assert r["int8_small_block_error"] <= 2e-2, r["int8_small_block_error"]
     assert set(r["work_s"]) == {"none", "powersgd:2"} and all(v > 0 for v in r["work_s"].values())
     assert all(x["work_s"] == {} for x in results[1:])
+    assert r["topk:1.0_bf16_error"] <= 1e-2 and r["powersgd:8_bf16_error"] <= 1e-2, r
     assert all(x["int8_tiny_finite"] for x in results) and r["int8_tiny_invariant"] <= 1e-6, r
     assert max(r["start_errors"][:2]) <= 1e-6 and r["start_errors"][2] > 0.1, r["start_errors"]
     assert r["none_ratio"] == 1.0 and r["fp16_ratio"] == 2.0

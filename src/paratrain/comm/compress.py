@@ -292,7 +292,7 @@ class TopK(Compressor):
         values = out[:, :k].reshape(-1)
         index = out[:, k:].contiguous().view(torch.int32).reshape(-1).long()
         x.zero_().index_add_(0, index, values).div_(out.shape[0])
-        if x is not bucket:  # a bucket of another dtype got an fp32 working copy
+        if x.dtype != bucket.dtype:  # a bucket of another dtype got an fp32 working copy
             bucket.copy_(x)
         return None
 

@@ -162,7 +162,7 @@ class PowerSGD(Compressor):
 
     @staticmethod
     def _done(bucket: torch.Tensor, x: torch.Tensor) -> None:
-        if x is not bucket:  # a bucket of another dtype got an fp32 working copy
+        if x.dtype != bucket.dtype:  # a bucket of another dtype got an fp32 working copy
             bucket.copy_(x)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
