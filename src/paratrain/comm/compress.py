@@ -197,6 +197,12 @@ class Compressor:
             x += self.residual
         return x
 
+    @staticmethod
+    def _write_back(bucket: torch.Tensor, x: torch.Tensor) -> None:
+        """Put the average, computed in ``_with_residual``'s ``x``, into ``bucket``."""
+        if x.dtype != bucket.dtype:  # a bucket of another dtype got an fp32 working copy
+            bucket.copy_(x)
+
     def _sent(self, nbytes: int) -> None:
         self.sent_bytes += nbytes
 
@@ -287,13 +293,11 @@ class TopK(Compressor):
         work = C.all_gather(out, payload, group, async_op=True)
         return Pending(work, lambda: self._finish(bucket, x, out.view(p, -1), values.numel()))
 
-    @staticmethod
-    def _finish(bucket, x, out, k):
+    def _finish(self, bucket, x, out, k):
         values = out[:, :k].reshape(-1)
         index = out[:, k:].contiguous().view(torch.int32).reshape(-1).long()
         x.zero_().index_add_(0, index, values).div_(out.shape[0])
-        if x.dtype != bucket.dtype:  # a bucket of another dtype got an fp32 working copy
-            bucket.copy_(x)
+        self._write_back(bucket, x)
         return None
 
 

@@ -150,20 +150,15 @@ class PowerSGD(Compressor):
                 m.add_product(x, b, q, alpha=-1.0, out=self.residual)
         x.index_copy_(0, self.small, self.first[:self.small.numel()].div_(p))
         if not self.matrices:
-            return self._done(bucket, x)
+            return self._write_back(bucket, x)
         self._sent(all_reduce_bytes(self.second.numel() * 4, p))
         work = C.all_reduce(self.second, group, op="sum", async_op=True)
 
         def decompress() -> None:  # the summed Q stays in self.qs: next step's warm start
             for m, b, q in zip(self.matrices, bases, self.qs):
                 m.add_product(x, b, q, alpha=1.0 / p, beta=0.0)
-            self._done(bucket, x)
+            self._write_back(bucket, x)
         return Pending(work, decompress)
-
-    @staticmethod
-    def _done(bucket: torch.Tensor, x: torch.Tensor) -> None:
-        if x.dtype != bucket.dtype:  # a bucket of another dtype got an fp32 working copy
-            bucket.copy_(x)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {**super().state_dict(), **{f"q{i}": q for i, q in enumerate(self.qs)}}
