@@ -17,15 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..comm.compress import make_compressor, parse
-
-
-def bucket_views(model: torch.nn.Module) -> tuple[list[tuple[int, torch.Size]], int]:
-    """(offset, shape) of every parameter in one bucket holding them all, and its size."""
-    views, at = [], 0
-    for p in model.parameters():
-        views.append((at, p.shape))
-        at += p.numel()
-    return views, at
+from ..parallel.data import make_buckets
 
 
 def reduction_seconds(method: str, views: list[tuple[int, torch.Size]], numel: int,
@@ -44,13 +36,17 @@ def reduction_seconds(method: str, views: list[tuple[int, torch.Size]], numel: i
 
 
 def arithmetic(methods: list[str], model: torch.nn.Module) -> dict[str, float]:
-    """``reduction_seconds`` of each method on one bucket of ``model``'s parameters, timed
-    by rank 0 alone while the other ranks wait (so it has a core to itself); every rank
-    must call it, and gets the numbers on rank 0 only."""
+    """``reduction_seconds`` of each method on one bucket of all of ``model``'s parameters,
+    laid out as data parallelism lays it out, timed by rank 0 alone while the other ranks
+    wait (so it has a core to itself); every rank must call it, and gets the numbers on
+    rank 0 only."""
     solo, _ = dist.new_subgroups(1)
     got = {}
     if dist.get_rank() == 0:
-        views, numel = bucket_views(model)
-        got = {method: reduction_seconds(method, views, numel, solo) for method in methods}
+        params = [p for p in model.parameters() if p.requires_grad]
+        bucket = make_buckets(params[::-1], bucket_bytes=1 << 62)[0]  # one bucket, DDP's order
+        views = [(bucket.offsets[p], p.shape) for p in bucket.params]
+        got = {method: reduction_seconds(method, views, bucket.buffer.numel(), solo)
+               for method in methods}
     dist.barrier()
     return got
