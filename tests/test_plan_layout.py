@@ -85,6 +85,16 @@ def test_evaluate_candidate_reports_every_broken_rule():
     assert "spans nodes" in text and "micro batch 7" in text and ev.time is not None
 
 
+def test_a_layout_that_cannot_be_costed_says_why_once():
+    """126 layers cannot fill pp16 x v8 = 128 chunks: the broken rule is also what stops
+    the costing, and the report names it once, not twice."""
+    cluster = Cluster(gpu_preset("h100-80g"), 8192, 8)
+    ev = evaluate_candidate(PRESETS["llama3-405b"], Training(2048, 8192), cluster,
+                            Candidate(64, 8, 16, 1, 2, 1, 32, "interleaved", 8, "none"))
+    assert ev.memory is None and len(ev.problems) == 1, ev.problems
+    assert "126 layers cannot be split" in ev.problems[0]
+
+
 ZERO3_PUBLISHED = {384: 144, 768: 88, 1536: 44}
 """Narayanan et al. 2021, Table 2: TFLOP/s per GPU of ZeRO-3 (no model parallelism) on
 GPT-3 175B, batch 1536, A100s; PTD-P (tp8 x pp12 x dp) holds about 150 at every size."""

@@ -87,6 +87,21 @@ def test_grouped_kv_and_no_dropout_store_less():
         layer_activation_bytes(llama, 4096, 1, 1, False, "none", elem=2)
 
 
+
+def test_swiglu_block_counted_tensor_by_tensor():
+    """A Llama block under FlashAttention, no dropout, TP t with SP, every tensor it keeps:
+    norm inputs, QKV input and MLP input (4 sbh, sequence-sharded); Q (sbh/t) and K, V
+    (grouped heads); the attention output; gate, up and product (3 ffn each, as
+    Megatron-core's fused SwiGLU keeps them: silu(gate) is recomputed); the fp32
+    log-sum-exp per row and head."""
+    llama, s, b, t, e = PRESETS["llama3-405b"], 8192, 1, 8, 2
+    h, f = llama.d_model, llama.ffn_hidden
+    kv = llama.n_kv_heads * h // llama.n_heads
+    expected = (e * s * b * 4 * h / t
+                + e * s * b * (h + 2 * kv + h + 3 * f) / t
+                + 4 * llama.n_heads * s * b / t)
+    assert layer_activation_bytes(llama, s, b, t, True, "none") == pytest.approx(expected)
+
 def test_inflight_microbatches():
     assert inflight_microbatches("gpipe", 4, 16) == 16
     assert inflight_microbatches("1f1b", 4, 16) == 4

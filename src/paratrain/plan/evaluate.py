@@ -184,7 +184,9 @@ def evaluate_candidate(model: ModelSpec, training: Training, cluster: Cluster,
         memory = rank_memory(model, training, cand, paratrain)
         times = step_time(model, training, cluster, cand)
     except (ZeroDivisionError, ValueError, IndexError) as err:
-        return Evaluation(cand, None, None, problems + [f"cannot be costed: {err}"])
+        # A broken rule is often why costing fails: say the same thing once.
+        costing = [] if str(err) in problems else [f"cannot be costed: {err}"]
+        return Evaluation(cand, None, None, problems + costing)
     overflow = max(0.0, memory.total - cluster.memory_limit)
     if overflow:
         problems.append(f"does not fit: needs {_gib(memory.total)} of "

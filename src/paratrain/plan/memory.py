@@ -103,8 +103,10 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int, sp: bool,
     Counted tensors (sbh = s·b·h elements of ``elem`` bytes; masks are 1 byte):
     outside the TP region, both norm inputs, the QKV and MLP inputs, the dropout masks;
     inside it Q, K, V (K and V shrink with grouped KV heads), the output-projection input
-    and the MLP's intermediates (GELU: its input and output; unfused SwiGLU as paratrain's
-    model runs it: gate, silu(gate), up and their product); the attention scores
+    and the MLP's intermediates (GELU: its input and output; SwiGLU as Megatron-core's
+    fused ``SwiGLUFunction`` keeps it: gate and up, its one saved input, and their
+    product, which the output projection saves; silu(gate) is recomputed in backward,
+    where an unfused block would store it too); the attention scores
     (softmax output, plus dropout mask and output when training with dropout) unless
     ``flash``: FlashAttention / SDPA's fused kernels (what Megatron-core with Transformer
     Engine, torchtitan and DeepSpeed run today) never store them, only one fp32
@@ -118,7 +120,7 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int, sp: bool,
     masks = 2 if model.dropout else 0
     outside = (4 * elem + masks) * sbh
     kv = 2 * model.n_kv_heads / a
-    mlp = (4 if model.gated_mlp else 2) * model.ffn_hidden / h
+    mlp = (3 if model.gated_mlp else 2) * model.ffn_hidden / h  # SwiGLU: gate, up, product
     inside = elem * (2 + kv + mlp) * sbh
     scores = 0.0
     if recompute == "none" and flash:  # fp32 log-sum-exp per row and head; no s x s
