@@ -56,15 +56,31 @@ def test_unfused_attention_costs_more_than_flash():
     flash = step_time(model, Training(1, 2048), cluster, cand).compute
     unfused = step_time(model, Training(1, 2048, flash_attention=False), cluster, cand).compute
     assert unfused > 1.05 * flash
-    # Beyond its two batched GEMMs per head, the unfused core moves the scores through
-    # HBM: written, read and written by softmax, read by softmax·V (2 bytes each), and
-    # dropout's read, write and 1-byte mask.
+    # Beyond its two GEMMs, each one launch batched over the heads, the unfused core moves
+    # the scores through HBM: written, read and written by softmax, read by softmax·V
+    # (2 bytes each), and dropout's read, write and 1-byte mask.
     heads, s, d = 96 // 8, 2048, 128
     rate = A100.peak_flops * A100.efficiency
-    gemms = heads * (matmul_time(s, d, s, rate, A100.half_dim, A100, 2)
-                     + matmul_time(s, s, d, rate, A100.half_dim, A100, 2))
+    gemms = (matmul_time(s, d, s, rate, A100.half_dim, A100, 2, heads)
+             + matmul_time(s, s, d, rate, A100.half_dim, A100, 2, heads))
     core = unfused_attention_time(model, 1, s, s, 8, rate, A100.half_dim, A100, 2)
     assert core - gemms == pytest.approx(heads * s * s * (4 * 2 + 5) / A100.hbm_bw)
+
+
+def test_batched_gemm_tiles_share_the_waves():
+    """softmax·V of one head, (2048, 2048, 96), has 16 output tiles: alone it would leave
+    92 of the A100's 108 SMs idle; Megatron's ``bmm`` runs every head in one launch, so
+    384 heads' 6144 tiles fill 57 waves and only the partial tile (96 of 128 columns) and
+    the short K (sat) are lost."""
+    one = gemm_efficiency(2048, 2048, 96, A100.half_dim, A100.sms, A100.mamf_shape)
+    batched = gemm_efficiency(2048, 2048, 96, A100.half_dim, A100.sms, A100.mamf_shape, 384)
+    sat = (96 / (96 + 128)) / (2048 / (2048 + 128))
+    waves = 6144 / (57 * 108)
+    assert one == pytest.approx(sat * 16 / 108 * 96 / 128)
+    assert batched == pytest.approx(sat * waves * 96 / 128)
+    rate = A100.peak_flops * A100.efficiency
+    assert matmul_time(2048, 2048, 96, rate, A100.half_dim, A100, 2, 384) == pytest.approx(
+        384 * 2 * 2048 * 2048 * 96 / (rate * batched))
 
 
 def test_prefetch_hides_all_but_the_first_gather():

@@ -55,8 +55,9 @@ TILE = (128, 128)
 
 @lru_cache(maxsize=1 << 16)
 def gemm_efficiency(m: int, k: int, n: int, half_dim: float, sms: int,
-                    ref: tuple[int, int, int] | None) -> float:
-    """Fraction of ``peak · efficiency`` a GEMM of shape (m, k, n) reaches (at most 1)."""
+                    ref: tuple[int, int, int] | None, batch: int = 1) -> float:
+    """Fraction of ``peak · efficiency`` a GEMM of shape (m, k, n) reaches (at most 1);
+    ``batch`` GEMMs of that shape in one strided-batched launch share the waves."""
     d = min(m, k, n)
     sat = d / (d + half_dim) if half_dim else 1.0
     if ref is not None and half_dim:
@@ -64,17 +65,19 @@ def gemm_efficiency(m: int, k: int, n: int, half_dim: float, sms: int,
         sat /= r / (r + half_dim)
     wave = 1.0
     if sms:
-        tiles = math.ceil(m / TILE[0]) * math.ceil(n / TILE[1])
+        tiles = batch * math.ceil(m / TILE[0]) * math.ceil(n / TILE[1])
         wave = tiles / (math.ceil(tiles / sms) * sms)
         wave *= m * n / (math.ceil(m / TILE[0]) * TILE[0] * math.ceil(n / TILE[1]) * TILE[1])
     return min(1.0, sat * wave)
 
 
-def matmul_time(m: int, k: int, n: int, rate: float, half_dim: float, gpu, elem: int) -> float:
-    """Seconds of one (m, k, n) GEMM: FLOPs at the shape's rate, or its bytes at HBM
-    bandwidth, whichever is longer. ``rate`` is peak · efficiency of the precision."""
-    eff = gemm_efficiency(m, k, n, half_dim, gpu.sms, gpu.mamf_shape)
-    return max(2 * m * k * n / (rate * eff), elem * (m * k + k * n + m * n) / gpu.hbm_bw)
+def matmul_time(m: int, k: int, n: int, rate: float, half_dim: float, gpu, elem: int,
+                batch: int = 1) -> float:
+    """Seconds of ``batch`` (m, k, n) GEMMs in one launch: FLOPs at the shape's rate, or
+    their bytes at HBM bandwidth, whichever is longer. ``rate`` is peak · efficiency of
+    the precision."""
+    eff = gemm_efficiency(m, k, n, half_dim, gpu.sms, gpu.mamf_shape, batch)
+    return batch * max(2 * m * k * n / (rate * eff), elem * (m * k + k * n + m * n) / gpu.hbm_bw)
 
 
 def attention_time(flops: float, s_q: int, rate: float, half_dim: float) -> float:
@@ -87,15 +90,16 @@ def attention_time(flops: float, s_q: int, rate: float, half_dim: float) -> floa
 def unfused_attention_time(model: ModelSpec, b: int, s_q: int, s_kv: int, tp: int,
                            rate: float, half_dim: float, gpu, elem: int) -> float:
     """Seconds of one block's attention core forward without FlashAttention: QK^T and
-    softmax·V as batched GEMMs per head, (s_q, head_dim, s_kv) and (s_q, s_kv, head_dim),
-    at the GEMM curve, plus the scores' traffic at HBM bandwidth: QK^T writes them,
+    softmax·V, (s_q, head_dim, s_kv) and (s_q, s_kv, head_dim) per head, each one
+    strided-batched GEMM over every head of the microbatch (Megatron's ``baddbmm`` and
+    ``bmm``), at the GEMM curve with the heads' tiles sharing the waves, plus the scores' traffic at HBM bandwidth: QK^T writes them,
     a fused scale-mask-softmax reads and writes them, softmax·V reads them, and with
     dropout its kernel reads, writes and stores a 1-byte mask (no causal skipping: the
     masked half is computed and moved too)."""
     heads = b * model.n_heads // tp
     d = model.head_dim
-    gemms = heads * (matmul_time(s_q, d, s_kv, rate, half_dim, gpu, elem)
-                     + matmul_time(s_q, s_kv, d, rate, half_dim, gpu, elem))
+    gemms = (matmul_time(s_q, d, s_kv, rate, half_dim, gpu, elem, heads)
+             + matmul_time(s_q, s_kv, d, rate, half_dim, gpu, elem, heads))
     passes = 4 * elem + ((2 * elem + 1) if model.dropout else 0)
     return gemms + heads * s_q * s_kv * passes / gpu.hbm_bw
 
