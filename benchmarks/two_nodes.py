@@ -44,8 +44,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["none", "fp16", "bf16", "int8", "topk:0.01", "powersgd:{r}"]
@@ -206,12 +206,10 @@ def worker(args) -> None:
             if got and "times" in got:
                 got["times"] = out.get(label, {}).get("times", []) + got["times"]
             out[label] = got
+    for label, order in PLACEMENTS.items():
+        out[label] = paratrain_run(placement_config(args, f"{tmp}/{order}", order))
     for r in out.values():
         if r and "times" in r:
-            r["step_s"] = statistics.median(r.pop("times"))
-    for label, order in PLACEMENTS.items():
-        r = out[label] = paratrain_run(placement_config(args, f"{tmp}/{order}", order))
-        if r:
             r["step_s"] = statistics.median(r.pop("times"))
     from paratrain.bench.compress import arithmetic
     from paratrain.models.gpt import GPT
@@ -253,10 +251,11 @@ def predictions(args, delayed: bool) -> dict[str, float]:
             return _link(self, tuple(sizes[a] for a in self.order), self.order, axes, p2p)
 
     local = local_cluster(4, load_calibration(args.calibration))
-    alpha = seconds(args.latency) if delayed else 20e-6
-    # Measured per-collective fits describe loopback only: drop them so links decide.
-    gpu = dataclasses.replace(local.gpu, collectives=(), network_bw=rate_bytes(args.bandwidth),
-                              network_alpha=alpha)
+    # gloo's latency per ring step is the same over veth as over loopback, plus the link's
+    # delay if applied; per-collective fits describe loopback only: the two links decide.
+    alpha = local.gpu.nvlink_alpha + (seconds(args.latency) if delayed else 0.0)
+    gpu = dataclasses.replace(local.gpu, collectives=(), network_bw=min(
+        rate_bytes(args.bandwidth), local.gpu.nvlink_bw), network_alpha=alpha)
     cfg = placement_config(args, "unused", "tp-cp-pp-dp")
     model = from_gpt_config(cfg.model, cfg.model_preset)
     training = Training(cfg.train.global_batch, cfg.data.seq_len, "fp32")
@@ -290,9 +289,7 @@ def comm_share(results: dict) -> dict[str, float]:
 
 
 def report(args, results: dict, planned: dict, log: str, load: float) -> None:
-    for line in log.splitlines():
-        if line.startswith("cluster:"):
-            print(line)
+    print(*(line for line in log.splitlines() if line.startswith("cluster:")), sep="\n")
     print(f"\n{args.model} model, dp4 on 2 nodes x 2 processes, {args.global_batch} x {args.seq_len} "
           f"tokens per step, {args.steps} steps; load average {load:.1f} (the machine is shared: "
           f"times are noisy, compare within this run)")
@@ -357,12 +354,10 @@ def main() -> int:
     p.add_argument("--tp-global-batch", type=int, default=16, help="placement runs: sequences per step")
     p.add_argument("--tp-seq-len", type=int, default=128, help="placement runs: tokens per sequence")
     p.add_argument("--tp-steps", type=int, default=8, help="placement runs: steps")
-    p.add_argument("--bucket-mb", type=float, default=100.0,
-                   help="gradient bucket size for every run (default 100: one bucket; torch's "
-                        "powerSGD_hook aborts on gloo with several, see the docstring)")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="times every dp4 run is repeated (in alternating order); step time is the "
-                        "median over all repeats' steps")
+    p.add_argument("--bucket-mb", type=float, default=100.0, help="gradient bucket size for every "
+                   "run (default 100: one bucket; torch's powerSGD_hook aborts on gloo with several)")
+    p.add_argument("--repeats", type=int, default=2, help="times every dp4 run is repeated (in "
+                   "alternating order); step time is the median over all repeats' steps")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD rank, both implementations")
     p.add_argument("--calibration", help="planner calibration (default: the planner's cache; "
                    "made by `paratrain plan --cluster local --calibrate`)")
@@ -373,6 +368,10 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    try:  # bad sizes fail here, before the cluster starts
+        config(args, "unused"), placement_config(args, "unused", "tp-cp-pp-dp")
+    except ValueError as exc:
+        raise SystemExit(f"two_nodes: {exc}") from None
     if os.geteuid() != 0:
         print("two_nodes: needs root to build the cluster (scripts/cluster.py)", file=sys.stderr)
         return 2
