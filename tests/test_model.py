@@ -39,3 +39,25 @@ def test_positions_select_rope_rows():
 def test_bad_shapes_are_rejected(bad, words):
     with pytest.raises(ValueError, match=words):
         GPTConfig(**{**dict(d_model=64, n_heads=4), **bad})
+
+
+def test_swiglu_keeps_gate_and_up_and_matches_autograd_bitwise():
+    """The block's SwiGLU saves gate and up only (silu recomputed in backward, 3 ffn-wide
+    tensors per token with w2's input, as the planner counts) and its gradients are
+    bitwise those of autograd's unfused ``F.silu(gate) * up``, in fp32 and bf16."""
+    import torch.nn.functional as F
+
+    from paratrain.models.gpt import _SwiGLUProduct
+
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        gate, up = (torch.randn(8, 48, dtype=dtype, requires_grad=True) for _ in range(2))
+        grad = torch.randn(8, 48, dtype=dtype)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            fused = _SwiGLUProduct.apply(gate, up)
+        assert len(saved) == 2 and saved[0] is gate and saved[1] is up
+        expected_grads = torch.autograd.grad(F.silu(gate) * up, (gate, up), grad)
+        assert torch.equal(fused, F.silu(gate) * up)
+        for got, want in zip(torch.autograd.grad(fused, (gate, up), grad), expected_grads):
+            assert torch.equal(got, want), dtype

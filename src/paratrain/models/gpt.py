@@ -219,6 +219,24 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
+class _SwiGLUProduct(torch.autograd.Function):
+    """silu(gate) * up, saving only gate and up and recomputing silu in backward (as
+    Megatron-core's fused SwiGLU does): the MLP keeps 3 tensors of the ffn width per token
+    (gate, up, and the product w2 saves) instead of 4. The backward runs the same kernels
+    as autograd's unfused graph, so gradients are bitwise those of ``F.silu(gate) * up``."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        d_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        return d_gate, F.silu(gate).mul_(grad)  # in place: one temporary, not two
+
+
 class SwiGLU(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -227,7 +245,7 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(_SwiGLUProduct.apply(self.w1(x), self.w3(x)))
 
 
 class Block(nn.Module):

@@ -104,7 +104,7 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int, sp: bool,
     outside the TP region, both norm inputs, the QKV and MLP inputs, the dropout masks;
     inside it Q, K, V (K and V shrink with grouped KV heads), the output-projection input
     and the MLP's intermediates (GELU: its input and output; SwiGLU as Megatron-core's
-    fused ``SwiGLUFunction`` keeps it: gate and up, its one saved input, and their
+    fused ``SwiGLUFunction`` and paratrain's block keep it: gate and up, and their
     product, which the output projection saves; silu(gate) is recomputed in backward,
     where an unfused block would store it too); the attention scores
     (softmax output, plus dropout mask and output when training with dropout) unless

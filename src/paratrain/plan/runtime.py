@@ -107,7 +107,7 @@ def paratrain_layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int = 
     * attention: q, k, v (KV heads repeated to all heads) and the output of the flash
       kernel (4·c·h), its log-sum-exp (4 bytes per head), wo's input (c·h); selective
       recompute keeps only the kernel's inputs q, k, v before the repeat (c·(h + 2kv));
-    * SwiGLU: gate, silu(gate), up and their product (4·c·f);
+    * SwiGLU: gate, up and their product (3·c·f; silu(gate) is recomputed in backward);
     * full recompute: only the block input (r·h).
     """
     if mode not in MODES:
@@ -135,7 +135,7 @@ def paratrain_layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int = 
     # With tp > 1 the row-parallel outputs (wo, w2: full h, full sequence, partial sums)
     # stay alive until backward: measured, tests/test_plan_peaks.py.
     row_parallel = 2 * c * h if t > 1 else 0
-    inside = attention + 4 * c * f // t + row_parallel
+    inside = attention + 3 * c * f // t + row_parallel
     return tokens * (outside + inside)
 
 
