@@ -77,6 +77,31 @@ def test_tp_all_reduce_is_the_ring_formula():
     assert step_time(model, training, cluster, cand).tp == pytest.approx(8 * collectives * ring)
 
 
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_backward_overlap_hides_the_input_gradient_reduction(sp):
+    """Megatron's column-parallel backward: the input-gradient all-reduce (SP: its
+    reduce-scatter; the all-gather before the row-parallel layer still waits) runs under
+    the layer's weight-gradient GEMM, and what hides costs overlap_cost of itself."""
+    from paratrain.comm.cost import collective_time
+    from paratrain.plan.compute import matmul_time
+    from paratrain.plan.flops import layer_matmuls
+    from paratrain.plan.overlap import exposed
+
+    model, gpu = ModelSpec("m", 4, 4096, 32, 32, 16384, 32000), gpu_preset("h100-80g")
+    cluster, cand = Cluster(gpu, 8), Candidate(1, 8, 1, 1, 0, 1, 8, sequence_parallel=sp)
+    plain, overlapped = (step_time(model, Training(8, 2048, tp_backward_overlap=o), cluster,
+                                   cand).tp for o in (False, True))
+    nbytes = 2048 * 4096 * 2
+    hidden = collective_time("reduce-scatter" if sp else "all-reduce", nbytes, 8,
+                             gpu.nvlink_alpha, gpu.nvlink_bw)
+    qkv, _, mlp_in, _ = layer_matmuls(model, 2048, 8)
+    saved = sum(hidden - exposed(hidden, matmul_time(k, m, n, gpu.peak_flops * gpu.efficiency,
+                                                     gpu.half_dim, gpu, 2), gpu.overlap_cost)
+                for m, k, n in (qkv, mlp_in))
+    assert saved > 0.5 * 2 * hidden
+    assert plain - overlapped == pytest.approx(8 * model.n_layers * saved)
+
 def test_links_follow_rank_order():
     cluster = Cluster(gpu_preset("h100-80g"), 64, gpus_per_node=8)
     sizes = {"tp": 4, "cp": 2, "pp": 2, "dp": 4}

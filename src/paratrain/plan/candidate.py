@@ -32,6 +32,11 @@ class Training:
     """Attention runs in a fused FlashAttention-style kernel (no s x s scores in memory);
     False: the unfused attention of software before 2022 (batched QK^T and softmax·V
     GEMMs, the scores written and read by softmax and dropout)."""
+    tp_backward_overlap: bool = False
+    """In backward, each column-parallel layer's input-gradient all-reduce (with SP: its
+    reduce-scatter) runs while the layer computes its weight gradient, as Megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` does (Megatron-LM and apex since
+    2022). False: paratrain's tensor parallelism, which runs them one after the other."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:

@@ -230,7 +230,22 @@ def _tp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     # Sequence parallelism turns each all-reduce into an all-gather and a reduce-scatter:
     # the same ring time where they share α and β, not where they are measured apart (gloo).
     ops = ("all-gather", "reduce-scatter") if cand.sp else ("all-reduce",)
-    return count * sum(link_collective_time(cluster, link, op, nbytes, cand.tp) for op in ops)
+    one = sum(link_collective_time(cluster, link, op, nbytes, cand.tp) for op in ops)
+    if not training.tp_backward_overlap:
+        return count * one
+    # The backward's two input-gradient reductions per block (QKV's and the MLP input's)
+    # hide behind the same layer's weight-gradient GEMM; under SP only the reduce-scatter
+    # half of each pair does, the all-gather before the row-parallel layer still waits.
+    hidden = link_collective_time(cluster, link, ops[-1], nbytes, cand.tp)
+    rate, _, half = _rates(training, cluster)
+    tokens = cand.micro_batch * training.seq_len // cand.cp
+    qkv, _, mlp_in, _ = layer_matmuls(model, tokens, cand.tp)
+    backward = sum(one - hidden + exposed(hidden, matmul_time(k, m, n, rate, half, cluster.gpu,
+                                                              training.act_bytes),
+                                          cluster.gpu.overlap_cost)
+                   for m, k, n in (qkv, mlp_in))
+    layers = max_layers(model, cand)
+    return (count - 2 * layers) * one + layers * backward
 
 
 def _cp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate,
