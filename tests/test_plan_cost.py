@@ -67,7 +67,7 @@ def test_bubble_share_of_the_step_equals_the_formula(p, m, v):
 
 def test_tp_all_reduce_is_the_ring_formula():
     model = ModelSpec("m", 4, 4096, 32, 32, 16384, 32000)
-    training = Training(8, 2048)
+    training = Training(8, 2048, tp_backward_overlap=False)  # every collective in turn
     gpu = gpu_preset("h100-80g")
     cluster = Cluster(gpu, 8)
     cand = Candidate(1, 8, 1, 1, 0, 1, 8)
@@ -163,7 +163,8 @@ def test_sequence_parallel_is_timed_as_its_own_collectives():
 
     fits = {"all-reduce": [1e-4, 1e9], "all-gather": [1e-4, 1e9], "reduce-scatter": [2e-3, 0.3e9]}
     cal = Calibration({"fp32": 40e9}, cores=2, alpha=1e-4, beta=1e9, memory=4 << 30, comm={"2": fits})
-    model, training = PRESETS["llama3-8b"], Training(8, 128, "fp32")
+    model = PRESETS["llama3-8b"]
+    training = Training(8, 128, "fp32", tp_backward_overlap=False)
     plain, sp = (Candidate(1, 2, 1, 1, 0, 8, 1, sequence_parallel=s) for s in (False, True))
     local = local_cluster(2, cal)
     assert _tp_time(model, training, local, sp) > 1.5 * _tp_time(model, training, local, plain)

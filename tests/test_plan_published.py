@@ -38,7 +38,7 @@ def published_rank(case: dict) -> tuple[int | None, float, str, str]:
     framework = dict(case.get("framework", {}))
     zero = tuple(framework.pop("zero", (0, 1, 2, 3)))
     flash = framework.pop("flash_attention", True)
-    overlap = framework.pop("tp_backward_overlap", False)
+    overlap = framework.pop("tp_backward_overlap", True)
     result = search(case_model(case), Training(case["global_batch"], case["seq_len"],
                                                flash_attention=flash,
                                                tp_backward_overlap=overlap),

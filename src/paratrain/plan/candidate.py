@@ -32,11 +32,12 @@ class Training:
     """Attention runs in a fused FlashAttention-style kernel (no s x s scores in memory);
     False: the unfused attention of software before 2022 (batched QK^T and softmax·V
     GEMMs, the scores written and read by softmax and dropout)."""
-    tp_backward_overlap: bool = False
-    """In backward, each column-parallel layer's input-gradient all-reduce (with SP: its
-    reduce-scatter) runs while the layer computes its weight gradient, as Megatron's
-    ``LinearWithGradAccumulationAndAsyncCommunication`` does (Megatron-LM and apex since
-    2022). False: paratrain's tensor parallelism, which runs them one after the other."""
+    tp_backward_overlap: bool = True
+    """In backward, the input-gradient all-reduce (with SP: the reduce-scatter) at each
+    tensor-parallel region's entry runs while the column-parallel layers reading that
+    input compute their weight gradients: paratrain's ``sequence.EnterColumnParallel``,
+    and Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` (Megatron-LM and
+    apex since 2022). False: software that runs them in turn (Megatron-LM in 2021)."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:

@@ -16,7 +16,9 @@ block when full recompute repeats the forward; CP ring attention passes K,V arou
 ring (cp - 1 steps forward, K,V and their gradients backward), overlapped with the
 attention core it feeds, while Ulysses runs 4 all-to-alls forward (q, k, v to head
 sharding, the output back) and 4 backward, on the critical path; PP sends one activation forward and one gradient backward per
-model chunk. TP and PP time is exposed (on the critical path).
+model chunk. TP and PP time is exposed (on the critical path), except each TP region's
+backward entry reduction, which hides behind its column-parallel layers' weight-gradient
+GEMMs (``Training.tp_backward_overlap``: paratrain's ``EnterColumnParallel``).
 
 **Overlap of DP/ZeRO.** Gradient reduction starts while backward runs, bucket by bucket,
 so it hides behind one microbatch's backward on the stage: DDP's all-reduce and ZeRO-1's
@@ -237,12 +239,12 @@ def _tp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     # hide behind the same layer's weight-gradient GEMM; under SP only the reduce-scatter
     # half of each pair does, the all-gather before the row-parallel layer still waits.
     hidden = link_collective_time(cluster, link, ops[-1], nbytes, cand.tp)
+    cost = hidden_cost(cluster, link, ops[-1], nbytes, cand.tp)
     rate, _, half = _rates(training, cluster)
     tokens = cand.micro_batch * training.seq_len // cand.cp
     qkv, _, mlp_in, _ = layer_matmuls(model, tokens, cand.tp)
     backward = sum(one - hidden + exposed(hidden, matmul_time(k, m, n, rate, half, cluster.gpu,
-                                                              training.act_bytes),
-                                          cluster.gpu.overlap_cost)
+                                                              training.act_bytes), cost)
                    for m, k, n in (qkv, mlp_in))
     layers = max_layers(model, cand)
     return (count - 2 * layers) * one + layers * backward
