@@ -4,6 +4,7 @@ a torchrun job whose rank is SIGKILLed coming back to finish like an uninterrupt
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -179,3 +180,24 @@ def test_a_killed_torchrun_job_restarts_resumes_and_ends_like_an_uninterrupted_r
     assert got.keys() == want.keys()
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     assert worst <= 1e-6, f"final state differs from the uninterrupted run's by {worst}"
+
+
+def test_each_torchrun_attempt_sees_its_own_keys_in_the_shared_store():
+    """The end-to-end restart test above catches a shared prefix only when a restarted rank
+    happens to read before its peer republishes; this catches it every time."""
+    from test_launch import free_port
+
+    from paratrain.launch import WorldSpec, _attempt_store
+
+    port = free_port()
+    server = torch.distributed.TCPStore("localhost", port, 1, is_master=True, wait_for_workers=False)
+    killed, restarted = (WorldSpec(rank=1, world_size=2, local_rank=1, backend="gloo",
+                                   init_method="env://", store_at=("localhost", port, True),
+                                   attempt=a, timeout_s=5.0) for a in (0, 1))
+    timeout = datetime.timedelta(seconds=5)
+    _attempt_store(killed, timeout).set("rank_0", "a dead peer's address")
+    again = _attempt_store(restarted, timeout)
+    assert not again.check(["rank_0"]), "a restarted attempt can read the killed attempt's keys"
+    again.set("rank_0", "a live address")
+    assert _attempt_store(killed, timeout).get("rank_0") == b"a dead peer's address"
+    del server
