@@ -86,11 +86,12 @@ def test_evaluate_candidate_reports_every_broken_rule():
 
 
 def test_a_layout_that_cannot_be_costed_says_why_once():
-    """126 layers cannot fill pp16 x v8 = 128 chunks: the broken rule is also what stops
-    the costing, and the report names it once, not twice."""
+    """126 layers cannot fill pp16 x v9 = 144 chunks (128 can: the embedding and the head
+    take one each): the broken rule is also what stops the costing, and the report names
+    it once, not twice."""
     cluster = Cluster(gpu_preset("h100-80g"), 8192, 8)
     ev = evaluate_candidate(PRESETS["llama3-405b"], Training(2048, 8192), cluster,
-                            Candidate(64, 8, 16, 1, 2, 1, 32, "interleaved", 8, "none"))
+                            Candidate(64, 8, 16, 1, 2, 1, 32, "interleaved", 9, "none"))
     assert ev.memory is None and len(ev.problems) == 1, ev.problems
     assert "126 layers cannot be split" in ev.problems[0]
 

@@ -98,7 +98,7 @@ def test_too_many_stages_reject_with_the_layout_message():
     model = ModelSpec("small", 6, 192, 6, 2, 512, 256, 128)
     result = search(model, Training(64, 128), Cluster(gpu_preset("h100-80g"), 64, 8))
     assert any("layers cannot be split" in r for r in result.rejected)
-    assert all(p.cand.pp <= 6 for p in result.plans)
+    assert all(p.cand.pp <= 6 + 2 for p in result.plans)  # the ends may hold no block
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])

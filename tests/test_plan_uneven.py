@@ -40,12 +40,33 @@ def test_train_cuts_the_planners_split():
     assert [len(r) for r in pipeline_split(8, 4)] == [2, 2, 2, 2]  # even: Megatron's split
 
 
-def test_one_rule_refuses_empty_stages():
+def test_one_rule_refuses_empty_stages_but_the_ends():
     with pytest.raises(ValueError, match="at least one layer"):
-        check_pipeline_split(4, 5)
+        check_pipeline_split(4, 7)
     with pytest.raises(LayoutError, match="at least one layer"):
-        rules.pipeline_split(5, pp=3, virtual_stages=2)
+        rules.pipeline_split(5, pp=4, virtual_stages=2)
     rules.pipeline_split(7, pp=3)  # uneven: fine
+    rules.pipeline_split(4, pp=3, virtual_stages=2)  # 6 chunks: the embedding and head alone
+    assert [len(r) for r in pipeline_split(4, 3, 2, 0.5, 0.7)] == [0, 1, 1, 1, 1, 0]
+    assert [len(r) for r in pipeline_split(4, 5, 1, 0.5, 0.7)] == [1, 1, 1, 1, 0]
+
+
+def test_llama3_interleaves_one_layer_per_chunk_with_the_ends_alone():
+    """Llama 3 405B's own interleaving (§3.3.2): 126 layers on 16 ranks x 8 chunks, the
+    embedding and the head as chunks of their own; the planner searches it."""
+    from paratrain.plan.models import PRESETS
+    from paratrain.plan.search import _virtual_stages
+
+    llama = PRESETS["llama3-405b"]
+    runs = pipeline_split(126, 16, 8, *llama_costs(llama))
+    assert [len(r) for r in runs] == [0] + [1] * 126 + [0]
+    assert llama.stage_layer_counts(16, 8) == (7,) + (8,) * 14 + (7,)
+    assert 8 in _virtual_stages(126, 16) and 7 in _virtual_stages(126, 16)
+
+
+def llama_costs(spec):
+    from paratrain.stages import head_costs
+    return head_costs(spec.vocab_size, spec.d_model, spec.layer_params(1))
 
 
 def config(tmp: str, n_layers: int, **parallel):
@@ -80,8 +101,8 @@ def assert_parity(got, want, what):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("uneven-ref"))
-    five, seven = run_world(run_steps, 1, [config(tmp, 5), config(tmp, 7)])[0]
-    return {5: five, 7: seven}
+    two, three, five, seven = run_world(run_steps, 1, [config(tmp, n) for n in (2, 3, 5, 7)])[0]
+    return {2: two, 3: three, 5: five, 7: seven}
 
 
 def test_five_layers_on_two_stages_match_one_process(references, tmp_path):
@@ -96,3 +117,12 @@ def test_five_layers_on_two_stages_match_one_process(references, tmp_path):
 def test_seven_layers_on_three_stages_match_one_process(references, tmp_path):
     cfg = config(str(tmp_path), 7, nproc=3, pp=3, schedule="1f1b", microbatches=4)
     assert_parity(run_world(run_steps, 3, [cfg])[0][0], references[7], "7 layers pp3")
+
+
+def test_chunks_holding_only_the_embedding_or_the_head_match_one_process(references, tmp_path):
+    """More chunks than blocks: 2 layers on pp2 x v2 put the embedding and the head in
+    chunks of their own; 3 layers leave one end alone."""
+    cfgs = [config(str(tmp_path), n, nproc=2, pp=2, schedule="interleaved", virtual_stages=2,
+                   microbatches=4) for n in (2, 3)]
+    for got, n in zip(run_world(run_steps, 2, cfgs)[0], (2, 3)):
+        assert_parity(got, references[n], f"{n} layers on 4 chunks")

@@ -74,7 +74,8 @@ def mlp_width(ffn: int, tp: int) -> None:
 
 
 def pipeline_split(n_layers: int, pp: int, virtual_stages: int = 1) -> None:
-    """Every virtual stage holds at least one block (uneven splits are balanced)."""
+    """Every virtual stage holds at least one block, but for ends that hold only the embedding
+    or the head (uneven splits are balanced; ``paratrain.stages``)."""
     try:
         check_pipeline_split(n_layers, pp, virtual_stages)
     except PipelineSplitError as err:

@@ -272,10 +272,21 @@ def _schedules(problem: _Problem, shape: Candidate, result: SearchResult):
         yield shape
         return
     yield replace(shape, schedule="1f1b")
-    for v in divisors(problem.model.n_layers // shape.pp)[1:]:
+    for v in _virtual_stages(problem.model.n_layers, shape.pp):
         cand = replace(shape, schedule="interleaved", virtual_stages=v)
         if _valid(problem, cand, v, cand.describe(), result):
             yield cand
+
+
+def _virtual_stages(n_layers: int, pp: int) -> list[int]:
+    """Chunks per rank worth searching: those that give every chunk the same blocks, and
+    one block per chunk with the embedding and the head as chunks of their own (Llama 3's
+    v8 for 126 layers on 16 ranks) where that count exists."""
+    vs = set(divisors(n_layers // pp)[1:])
+    ends = -(-(n_layers + 1) // pp)  # the fewest chunks per rank past one per block
+    if ends > 1 and pp * ends <= n_layers + 2:
+        vs.add(ends)
+    return sorted(vs)
 
 
 def _sweep(problem: _Problem, cand: Candidate, result: SearchResult,
