@@ -35,8 +35,8 @@ def test_every_field_is_a_flag():
 
 @pytest.mark.parametrize("overrides, words", [
     ({"pp": 2, "dp": 1, "virtual_stages": 3}, "needs --schedule interleaved"),
-    ({"pp": 2, "dp": 1, "virtual_stages": 2, "schedule": "interleaved", "preset": "tiny"}, "cannot be split into pp=2 x virtual_stages=2"),
-    ({"pp": 3, "dp": 1, "preset": "tiny", "seq_len": 32}, "2 layers cannot be split"),
+    ({"pp": 2, "dp": 1, "virtual_stages": 3, "schedule": "interleaved", "preset": "tiny"}, "cannot be split into pp=2 x virtual_stages=3"),
+    ({"pp": 5, "dp": 1, "preset": "tiny", "seq_len": 32}, "2 layers cannot be split"),
     ({"pp": 2, "dp": 1, "tie_embeddings": True}, "set tie_embeddings = false"),
     ({"zero": 1, "tie_embeddings": True}, "cannot shard tied embeddings"),
     ({"sp": True}, "needs --tp > 1"),

@@ -24,7 +24,7 @@ SHAPE = rules.Shape(n_heads=4, n_kv_heads=4, n_layers=4, ffn=128)
     (SHAPE, rules.Split(tp=3), "divide the 4 attention heads"),
     (rules.Shape(8, 3, 2, 96), rules.Split(tp=4), "KV heads"),
     (rules.Shape(4, 4, 2, 102), rules.Split(tp=4), "MLP width ffn_hidden=102"),
-    (SHAPE, rules.Split(pp=5), "4 layers cannot be split"),
+    (SHAPE, rules.Split(pp=7), "4 layers cannot be split"),
     (SHAPE, rules.Split(cp=4, seq_len=60), "multiple of 8"),
     (SHAPE, rules.Split(cp=8, seq_len=64, cp_method="ulysses"), "Ulysses"),
 ])
