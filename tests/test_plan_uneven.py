@@ -126,3 +126,13 @@ def test_chunks_holding_only_the_embedding_or_the_head_match_one_process(referen
                    microbatches=4) for n in (2, 3)]
     for got, n in zip(run_world(run_steps, 2, cfgs)[0], (2, 3)):
         assert_parity(got, references[n], f"{n} layers on 4 chunks")
+
+
+def test_sharded_chunks_holding_only_the_embedding_or_the_head_match_one_process(
+        references, tmp_path):
+    """ZeRO-2 and ZeRO-3 shard a chunk's units over its data-parallel group; an end chunk
+    with no block still shards (and gathers) the embedding or the head alone."""
+    cfgs = [config(str(tmp_path), 2, nproc=4, dp=2, pp=2, zero=zero, schedule="interleaved",
+                   virtual_stages=2, microbatches=4) for zero in (2, 3)]
+    for got, zero in zip(run_world(run_steps, 4, cfgs)[0], (2, 3)):
+        assert_parity(got, references[2], f"2 layers on 4 chunks, dp2 zero{zero}")
