@@ -8,8 +8,12 @@ right, and how far off are the seconds?
 
 Each layout trains ``--steps`` steps through ``paratrain.train.loop.train``, ``--rounds``
 times (the layouts of one world size share one spawned world per round); its time is
-the median over all runs' steps but the first of each (warm-up). The prediction is ``plan.cost.step_time`` on the local cluster
-of the calibration file (measured first if missing). Prints a table, the Spearman rank
+the median over all runs' steps but the first of each (warm-up). The prediction is
+``plan.cost.step_time`` on the local cluster of the calibration file (measured first if
+missing). Before each world the calibration's own model step is timed again, against the
+planner's time for it: how far the machine has moved since it was calibrated (on a shared
+VM, by 10-20% within minutes); the errors with every prediction scaled by that factor are
+printed too, as a diagnosis, not as the result. Prints a table, the Spearman rank
 correlation, and as the last line a JSON object: "paratrain" = median absolute relative
 error of the predictions, "ratio" = Spearman, "peer" = null (there is no torch-native
 planner to compare with).
@@ -22,11 +26,14 @@ import json
 import os
 import statistics
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.launch import spawn
 from paratrain.mesh import Mesh
-from paratrain.plan.calibrate import calibrate, write_calibration
+from paratrain.models.gpt import PRESETS
+from paratrain.plan.calibrate import (EFFICIENCY_BATCH, EFFICIENCY_SEQ, calibrate,
+                                      reference_step_time, write_calibration)
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.cost import step_time
 from paratrain.plan.hardware import DEFAULT_CALIBRATION, load_calibration, local_cluster
@@ -81,20 +88,32 @@ def step_times(cfg: Config) -> list[float]:
     return times[1:] or times
 
 
-def measure(args: argparse.Namespace, tmp: str) -> list[float]:
+def measure(args: argparse.Namespace, tmp: str) -> tuple[list[float], list[float]]:
     """Median step time of every layout over ``args.rounds`` rounds; each round visits
     every world size (layouts of one size share a world, in alternating order), so drift
-    in the machine's load hits all layouts alike."""
+    in the machine's load hits all layouts alike. Before each world, the calibration's own
+    model step is timed again in this process: how fast the machine runs right now."""
     samples: list[list[float]] = [[] for _ in LAYOUTS]
+    reference: list[float] = []
     for round_ in range(args.rounds):
         for nproc in sorted({n for _, n, _ in LAYOUTS}):
             mine = [i for i, (_, n, _) in enumerate(LAYOUTS) if n == nproc][::(-1) ** round_]
             configs = [build_config(args, f"{tmp}/{round_}-{i}", nproc, LAYOUTS[i][2])
                        for i in mine]
+            reference.append(reference_step_time())
             spawn(run_layouts, nproc, configs, timeout_s=900)
             for i, cfg in zip(mine, configs):
                 samples[i] += step_times(cfg)
-    return [statistics.median(s) for s in samples]
+    return [statistics.median(s) for s in samples], reference
+
+
+def predicted_reference_time(calibration) -> float:
+    """The planner's time for the calibration's model step (``reference_step_time``)."""
+    model = from_gpt_config(PRESETS["small"], "small")
+    cand = Candidate(dp=1, tp=1, pp=1, cp=1, zero=0, micro_batch=EFFICIENCY_BATCH,
+                     microbatches=1)
+    return step_time(model, Training(EFFICIENCY_BATCH, EFFICIENCY_SEQ, "fp32"),
+                     local_cluster(1, calibration), cand).compute
 
 
 def predicted_step_time(cfg: Config, calibration) -> float:
@@ -107,6 +126,23 @@ def predicted_step_time(cfg: Config, calibration) -> float:
                      schedule=p.schedule, virtual_stages=p.virtual_stages,
                      recompute=t.recompute, sequence_parallel=p.sp, cp_method=p.cp_method)
     return step_time(model, training, local_cluster(p.nproc, calibration), cand).step
+
+
+@dataclass
+class Drift:
+    """How fast the machine ran while measuring, against the calibration it is predicted
+    from: the calibration's model step timed before each world, and the planner's time
+    for that step."""
+
+    timings: list[float]
+    """Seconds of the reference step, one median per world spawned."""
+    predicted: float
+    """The planner's seconds for the same step."""
+
+    @property
+    def factor(self) -> float:
+        """Measured over predicted: above 1, the machine ran slower than calibrated."""
+        return statistics.median(self.timings) / self.predicted
 
 
 def ranks(values: list[float]) -> list[float]:
@@ -156,17 +192,18 @@ def main() -> None:
 
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="plan-vs-measured-") as tmp:
-        measured = measure(args, tmp)
+        measured, reference = measure(args, tmp)
     load = (load_before + os.getloadavg()[0]) / 2
     configs = [build_config(args, "unused", nproc, overrides) for _, nproc, overrides in LAYOUTS]
     predicted = [predicted_step_time(cfg, calibration) for cfg in configs]
+    drift = Drift(reference, predicted_reference_time(calibration))
 
-    report(args, calibration, predicted, measured, load)
+    report(args, calibration, predicted, measured, load, drift)
 
 
 def report(args: argparse.Namespace, calibration, predicted: list[float],
-           measured: list[float], load: float) -> None:
-    """The table, the summary line, and the JSON line (last)."""
+           measured: list[float], load: float, drift: Drift) -> None:
+    """The table, the summary lines, and the JSON line (last)."""
     errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
     rho = spearman(predicted, measured)
     width = max(len(label) for label, _, _ in LAYOUTS)
@@ -184,6 +221,15 @@ def report(args: argparse.Namespace, calibration, predicted: list[float],
         print(f"{label:<{width}}  {p * 1e3:>12.1f}  {m * 1e3:>11.1f}  {(p - m) / m:>+6.0%}")
     median = statistics.median(errors)
     print(f"\nmedian |error| {median:.1%}, Spearman rank correlation {rho:.3f}")
+    scaled = statistics.median(abs(p * drift.factor - m) / m for p, m in zip(predicted, measured))
+    print(f"machine speed while measuring: the calibration's model step ({EFFICIENCY_BATCH} "
+          f"sequences, one process), timed before each world, took "
+          f"{statistics.median(drift.timings) * 1e3:.0f} ms (median of {len(drift.timings)}, "
+          f"{min(drift.timings) * 1e3:.0f}-{max(drift.timings) * 1e3:.0f}) against the "
+          f"planner's {drift.predicted * 1e3:.0f} ms for it: {drift.factor:.2f}x (the "
+          f"machine's drift since calibrating, and the median a run sees against the\n"
+          f"calibration's fastest repeat); with every prediction scaled by that factor: "
+          f"median |error| {scaled:.1%}")
     print(json.dumps({
         "benchmark": "plan_vs_measured", "paratrain": round(median, 4), "peer": None,
         "ratio": round(rho, 4),
@@ -192,6 +238,9 @@ def report(args: argparse.Namespace, calibration, predicted: list[float],
         "model": args.model, "load_average": round(load, 2),
         "compute_model": "shape-aware matmul curve",
         "matmul_half_dim": calibration.matmul_half_dim,
+        "reference_step_ms": [round(t * 1e3, 1) for t in drift.timings],
+        "reference_predicted_ms": round(drift.predicted * 1e3, 1),
+        "drift": round(drift.factor, 3), "median_error_drift_scaled": round(scaled, 4),
         "layouts": {label: {"predicted_s": round(p, 5), "measured_s": round(m, 5)}
                     for (label, _, _), p, m in zip(LAYOUTS, predicted, measured)}}))
 

@@ -153,6 +153,7 @@ def test_calibration_pieces_measure_something():
         efficiency, overhead = calibrate.eager_costs("fp32", rate, half_dim)
         assert rate > 1e8 and half_dim >= 0 and 0 < efficiency <= 1 and overhead >= 0
         assert calibrate.adamw_rate(numel=1 << 16) > 1e5
+        assert 0 < calibrate.reference_step_time(b=1, runs=1) < 60
     finally:
         torch.set_num_threads(threads)
     fits = calibrate.collective_alpha_beta(2, iters=2)

@@ -176,6 +176,27 @@ def eager_costs(precision: str, rate: float, half_dim: float = 0.0) -> tuple[flo
     return efficiency, max(0.0, times[0] - per_sequence) / PRESETS["small"].n_layers
 
 
+def reference_step_time(b: int = EFFICIENCY_BATCH, runs: int = 5) -> float:
+    """Median seconds of ``runs`` single forward and backward steps of the ``small`` GPT
+    (fp32, ``b`` sequences, one thread): the step ``eager_costs`` fits, timed again later
+    to see how far the machine's own speed has moved since the calibration."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step, _ = _model_step("fp32", b)
+        step()  # warm-up
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def adamw_rate(numel: int = 1 << 21) -> float:
     """Parameters per second of one AdamW step (torch's default, foreach) on ``numel``
     parameters in tensors of a small model's sizes."""
