@@ -32,8 +32,8 @@ The part longer than the compute it overlaps is exposed, and the hidden part is 
 free either: communication kernels take SMs and memory bandwidth from the compute they
 run beside, charged as ``GpuSpec.overlap_cost`` of the hidden time (0.1 on GPUs, an
 assumption, not a fit; 1 for CPU processes that fill every core, where gloo's threads
-take their time from the compute, but only for a collective's transfer term: through
-its latency they sleep; ``hidden_cost``). CP's exchange is charged the same way.
+take their time from the compute: measured, a collective in flight beside compute costs
+the step about its whole time, docs/plan.md). CP's exchange is charged the same way.
 
 **Bubble.** With per-microbatch stage time t, a pipeline of p stages, m microbatches and
 v chunks per rank idles (p - 1)/v · t per step: a bubble fraction (p - 1)/(v·m + p - 1).
@@ -49,7 +49,7 @@ from .compute import attention_time, elementwise_bytes, matmul_time, unfused_att
 from .flops import attention_core_flops, layer_matmuls
 from .hardware import Cluster, Link, members_per_node
 from .models import ModelSpec
-from .overlap import exposed, hidden_cost, link_collective_time, p2p_time, prefetched
+from .overlap import exposed, link_collective_time, p2p_time, prefetched
 
 ORDER = ("tp", "cp", "pp", "dp")  # Layout's default order, fastest first
 OPTIMIZER_BYTES = {"adam": 28, "sgd": 20}
@@ -239,7 +239,7 @@ def _tp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     # hide behind the same layer's weight-gradient GEMM; under SP only the reduce-scatter
     # half of each pair does, the all-gather before the row-parallel layer still waits.
     hidden = link_collective_time(cluster, link, ops[-1], nbytes, cand.tp)
-    cost = hidden_cost(cluster, link, ops[-1], nbytes, cand.tp)
+    cost = cluster.gpu.overlap_cost
     rate, _, half = _rates(training, cluster)
     tokens = cand.micro_batch * training.seq_len // cand.cp
     qkv, _, mlp_in, _ = layer_matmuls(model, tokens, cand.tp)
@@ -300,7 +300,7 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
 
     def coll(op: str, nbytes: float, window: float) -> float:
         return exposed(link_collective_time(cluster, link, op, nbytes, n), window,
-                       hidden_cost(cluster, link, op, nbytes, n))
+                       cluster.gpu.overlap_cost)
 
     # Under a pipeline paratrain accumulates a stage's gradient through the step and
     # reduces it once, and ZeRO-3 keeps a stage's gathered units through the step
@@ -326,21 +326,17 @@ def _zero3_time(model: ModelSpec, cluster: Cluster, cand: Candidate, micro: _Mic
     link, replicas = zero3_links(cluster, cand)
     units = max_layers(model, cand)
 
-    def per_unit(op: str, nbytes: float) -> tuple[float, float]:  # (time, hidden cost)
-        return (link_collective_time(cluster, link, op, nbytes / units, g),
-                hidden_cost(cluster, link, op, nbytes / units, g))
-
-    (gather, g_cost), (scatter, s_cost) = (per_unit("all-gather", weight_bytes),
-                                           per_unit("reduce-scatter", grad_bytes))
-    fwd = prefetched(gather, micro.fwd / units, units, g_cost)
+    cost = cluster.gpu.overlap_cost
+    gather = link_collective_time(cluster, link, "all-gather", weight_bytes / units, g)
+    scatter = link_collective_time(cluster, link, "reduce-scatter", grad_bytes / units, g)
+    fwd = prefetched(gather, micro.fwd / units, units, cost)
     back_gather = gather if cand.pp == 1 else 0.0
-    bwd_cost = (back_gather * g_cost + scatter * s_cost) / max(back_gather + scatter, 1e-30)
-    bwd = prefetched(back_gather + scatter, micro.bwd / units, units, bwd_cost)
+    bwd = prefetched(back_gather + scatter, micro.bwd / units, units, cost)
     total = m * (fwd + bwd)
     if g < n:
         nbytes = grad_bytes / g
         total += exposed(link_collective_time(cluster, replicas, "all-reduce", nbytes, n // g),
-                         micro.bwd, hidden_cost(cluster, replicas, "all-reduce", nbytes, n // g))
+                         micro.bwd, cost)
     return total
 
 

@@ -3,8 +3,9 @@
 A collective costs α-β ring time (``paratrain.comm.cost``) on the link its group crosses,
 or with the cluster's own measured α and β for that collective. Overlapped with a window
 of compute, the part longer than the window shows (``exposed``), and the hidden part
-still costs ``hidden_cost`` of itself: on GPUs NCCL's kernels take SMs through all of it;
-on CPU processes gloo's threads take cores only for the bytes they copy and reduce.
+still costs the cluster's ``overlap_cost`` of itself: on GPUs NCCL's kernels take SMs
+from the compute; on CPU processes that fill every core, gloo's threads take the cores
+(measured: a collective in flight beside compute costs the step about its whole time).
 Per-unit collectives issued one unit ahead (ZeRO-3's gathers) show as ``prefetched``.
 """
 
@@ -29,19 +30,6 @@ def _alpha_beta(cluster: Cluster, link: Link, op: str) -> tuple[float, float]:
 def link_collective_time(cluster: Cluster, link: Link, op: str, nbytes: float, p: int) -> float:
     """``op`` over ``link``, with the cluster's measured α and β for ``op`` if it has them."""
     return collective_time(op, nbytes, p, *_alpha_beta(cluster, link, op))
-
-
-def hidden_cost(cluster: Cluster, link: Link, op: str, nbytes: float, p: int) -> float:
-    """What a second of ``op`` hidden behind compute still costs the step: the GPU's
-    ``overlap_cost`` of all of it (NCCL's kernels hold SMs through the latency too), and
-    on CPU processes only of its transfer term, the bytes gloo's threads copy and reduce:
-    through the latency they sleep on a socket, and the compute has the core."""
-    cost = cluster.gpu.overlap_cost
-    if cluster.kind != "local":
-        return cost
-    alpha, beta = _alpha_beta(cluster, link, op)
-    total = collective_time(op, nbytes, p, alpha, beta)
-    return cost * (1 - alpha_beta.latency_steps(op, p) * alpha / total) if total > 0 else cost
 
 
 def exposed(comm: float, window: float, overlap_cost: float = 0.1) -> float:
