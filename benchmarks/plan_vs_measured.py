@@ -4,16 +4,20 @@ pipeline GPipe and 1F1B, and their combinations at 2 and 4 processes): is the ra
 right, and how far off are the seconds?
 
     python benchmarks/plan_vs_measured.py [--model small] [--steps 5] [--rounds 4]
-                   [--global-batch 8] [--calibration FILE] [--recalibrate]
+                   [--global-batch 8] [--calibration FILE] [--recalibrate] [--no-refresh]
 
 Each layout trains ``--steps`` steps through ``paratrain.train.loop.train``, ``--rounds``
 times (the layouts of one world size share one spawned world per round); its time is
 the median over all runs' steps but the first of each (warm-up). The prediction is
 ``plan.cost.step_time`` on the local cluster of the calibration file (measured first if
-missing). Before each world the calibration's own model step is timed again, against the
-planner's time for it: how far the machine has moved since it was calibrated (on a shared
-VM, by 10-20% within minutes); the errors with every prediction scaled by that factor are
-printed too, as a diagnosis, not as the result. Prints a table, the Spearman rank
+missing). The machine's own speed moves by 10-20% within minutes on a shared VM, so by
+default (``--refresh``) every round first measures the single-process rates again
+(``calibrate.compute_rates``: matmul curves, the eager model's costs, AdamW; the
+collectives keep the first calibration's fits) and each layout's prediction is the median
+over the rounds' calibrations, as its measured time is the median over the rounds' steps.
+The first calibration's errors are printed beside them. Before each world the
+calibration's own model step is also timed, against the first calibration's time for it:
+how far the machine has moved (a diagnosis, printed, not the result). Prints a table, the Spearman rank
 correlation, and as the last line a JSON object: "paratrain" = median absolute relative
 error of the predictions, "ratio" = Spearman, "peer" = null (there is no torch-native
 planner to compare with).
@@ -26,14 +30,14 @@ import json
 import os
 import statistics
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from paratrain.launch import spawn
 from paratrain.mesh import Mesh
 from paratrain.models.gpt import PRESETS
 from paratrain.plan.calibrate import (EFFICIENCY_BATCH, EFFICIENCY_SEQ, calibrate,
-                                      reference_step_time, write_calibration)
+                                      compute_rates, reference_step_time, write_calibration)
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.cost import step_time
 from paratrain.plan.hardware import DEFAULT_CALIBRATION, load_calibration, local_cluster
@@ -88,14 +92,21 @@ def step_times(cfg: Config) -> list[float]:
     return times[1:] or times
 
 
-def measure(args: argparse.Namespace, tmp: str) -> tuple[list[float], list[float]]:
+def measure(args: argparse.Namespace, tmp: str, calibration
+            ) -> tuple[list[float], list[float], list]:
     """Median step time of every layout over ``args.rounds`` rounds; each round visits
     every world size (layouts of one size share a world, in alternating order), so drift
     in the machine's load hits all layouts alike. Before each world, the calibration's own
-    model step is timed again in this process: how fast the machine runs right now."""
+    model step is timed again in this process: how fast the machine runs right now. With
+    ``args.refresh``, each round starts by measuring the single-process rates again
+    (``compute_rates``, about 10 s): the calibrations the round's layouts are predicted
+    from."""
     samples: list[list[float]] = [[] for _ in LAYOUTS]
     reference: list[float] = []
+    calibrations = []
     for round_ in range(args.rounds):
+        if args.refresh:
+            calibrations.append(replace(calibration, **compute_rates(log=lambda _: None)))
         for nproc in sorted({n for _, n, _ in LAYOUTS}):
             mine = [i for i, (_, n, _) in enumerate(LAYOUTS) if n == nproc][::(-1) ** round_]
             configs = [build_config(args, f"{tmp}/{round_}-{i}", nproc, LAYOUTS[i][2])
@@ -104,7 +115,7 @@ def measure(args: argparse.Namespace, tmp: str) -> tuple[list[float], list[float
             spawn(run_layouts, nproc, configs, timeout_s=900)
             for i, cfg in zip(mine, configs):
                 samples[i] += step_times(cfg)
-    return [statistics.median(s) for s in samples], reference
+    return [statistics.median(s) for s in samples], reference, calibrations
 
 
 def predicted_reference_time(calibration) -> float:
@@ -187,26 +198,35 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--calibration", help="calibration file (default: the planner's)")
     parser.add_argument("--recalibrate", action="store_true", help="measure even if cached")
+    parser.add_argument("--refresh", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the single-process rates again at the start of every "
+                             "round and predict from those (the machine's speed drifts by "
+                             "10-20%% within minutes); --no-refresh: the first calibration only")
     args = parser.parse_args()
     calibration = get_calibration(args.calibration, args.recalibrate)
 
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="plan-vs-measured-") as tmp:
-        measured, reference = measure(args, tmp)
+        measured, reference, refreshed = measure(args, tmp, calibration)
     load = (load_before + os.getloadavg()[0]) / 2
     configs = [build_config(args, "unused", nproc, overrides) for _, nproc, overrides in LAYOUTS]
-    predicted = [predicted_step_time(cfg, calibration) for cfg in configs]
+    first = [predicted_step_time(cfg, calibration) for cfg in configs]
+    # Each layout's prediction is the median over the rounds' calibrations, as its
+    # measured time is the median over the rounds' steps.
+    predicted = [statistics.median(predicted_step_time(cfg, c) for c in refreshed)
+                 for cfg in configs] if refreshed else first
     drift = Drift(reference, predicted_reference_time(calibration))
 
-    report(args, calibration, predicted, measured, load, drift)
+    report(args, calibration, predicted, measured, load, drift, first)
 
 
 def report(args: argparse.Namespace, calibration, predicted: list[float],
-           measured: list[float], load: float, drift: Drift) -> None:
+           measured: list[float], load: float, drift: Drift, first: list[float]) -> None:
     """The table, the summary lines, and the JSON line (last)."""
-    errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
-    rho = spearman(predicted, measured)
+    median, rho = _errors(predicted, measured)
     width = max(len(label) for label, _, _ in LAYOUTS)
+    source = ("the median over the rounds' calibrations (single-process rates measured again "
+              "at each round's start)" if args.refresh else "the first calibration")
     print(f"\n{args.model}, global batch {args.global_batch} x {args.seq_len} tokens, "
           f"median of {args.rounds} x {args.steps - 1} steps per layout; calibration "
           f"{args.calibration or DEFAULT_CALIBRATION}\ncompute: the shape-aware matmul curve "
@@ -214,35 +234,46 @@ def report(args: argparse.Namespace, calibration, predicted: list[float],
           f"asymptotic, half at d = {calibration.matmul_half_dim.get('fp32', 0):.0f}"
           f"\nload average {load:.1f} on {calibration.cores} "
           f"cores while measuring (other work slows the measured times; the predictions "
-          f"are for an idle machine)\n")
-    print(f"{'layout':<{width}}  predicted ms  measured ms   error")
-    print(f"{'-' * width}  ------------  -----------  ------")
-    for (label, _, _), p, m in zip(LAYOUTS, predicted, measured):
-        print(f"{label:<{width}}  {p * 1e3:>12.1f}  {m * 1e3:>11.1f}  {(p - m) / m:>+6.0%}")
-    median = statistics.median(errors)
-    print(f"\nmedian |error| {median:.1%}, Spearman rank correlation {rho:.3f}")
-    scaled = statistics.median(abs(p * drift.factor - m) / m for p, m in zip(predicted, measured))
+          f"are for an idle machine)\npredicted: {source}\n")
+    print(f"{'layout':<{width}}  predicted ms  measured ms   error  first calibration")
+    print(f"{'-' * width}  ------------  -----------  ------  -----------------")
+    for (label, _, _), p, m, f in zip(LAYOUTS, predicted, measured, first):
+        print(f"{label:<{width}}  {p * 1e3:>12.1f}  {m * 1e3:>11.1f}  {(p - m) / m:>+6.0%}  "
+              f"{(f - m) / m:>+17.0%}")
+    first_median, first_rho = _errors(first, measured)
+    print(f"\nmedian |error| {median:.1%}, Spearman rank correlation {rho:.3f}"
+          f"\nfrom the first calibration only: median |error| {first_median:.1%}, "
+          f"Spearman {first_rho:.3f}")
+    scaled, _ = _errors([f * drift.factor for f in first], measured)
     print(f"machine speed while measuring: the calibration's model step ({EFFICIENCY_BATCH} "
           f"sequences, one process), timed before each world, took "
           f"{statistics.median(drift.timings) * 1e3:.0f} ms (median of {len(drift.timings)}, "
-          f"{min(drift.timings) * 1e3:.0f}-{max(drift.timings) * 1e3:.0f}) against the "
-          f"planner's {drift.predicted * 1e3:.0f} ms for it: {drift.factor:.2f}x (the "
-          f"machine's drift since calibrating, and the median a run sees against the\n"
-          f"calibration's fastest repeat); with every prediction scaled by that factor: "
-          f"median |error| {scaled:.1%}")
+          f"{min(drift.timings) * 1e3:.0f}-{max(drift.timings) * 1e3:.0f}) against the first "
+          f"calibration's {drift.predicted * 1e3:.0f} ms: {drift.factor:.2f}x; the first "
+          f"calibration's predictions scaled by that factor: median |error| {scaled:.1%}")
     print(json.dumps({
         "benchmark": "plan_vs_measured", "paratrain": round(median, 4), "peer": None,
         "ratio": round(rho, 4),
         "metric": "paratrain: median |relative error| of the predicted step time; "
                   "ratio: Spearman correlation of predicted and measured",
-        "model": args.model, "load_average": round(load, 2),
+        "model": args.model, "load_average": round(load, 2), "refresh": args.refresh,
         "compute_model": "shape-aware matmul curve",
         "matmul_half_dim": calibration.matmul_half_dim,
+        "first_calibration": {"median_error": round(first_median, 4),
+                              "spearman": round(first_rho, 4)},
         "reference_step_ms": [round(t * 1e3, 1) for t in drift.timings],
         "reference_predicted_ms": round(drift.predicted * 1e3, 1),
         "drift": round(drift.factor, 3), "median_error_drift_scaled": round(scaled, 4),
-        "layouts": {label: {"predicted_s": round(p, 5), "measured_s": round(m, 5)}
-                    for (label, _, _), p, m in zip(LAYOUTS, predicted, measured)}}))
+        "layouts": {label: {"predicted_s": round(p, 5), "measured_s": round(m, 5),
+                            "predicted_first_s": round(f, 5)}
+                    for (label, _, _), p, m, f in zip(LAYOUTS, predicted, measured, first)}}))
+
+
+def _errors(predicted: list[float], measured: list[float]) -> tuple[float, float]:
+    """(median |relative error|, Spearman correlation) of predictions against measurements."""
+    return (statistics.median(abs(p - m) / m for p, m in zip(predicted, measured)),
+            spearman(predicted, measured))
+
 
 if __name__ == "__main__":
     main()

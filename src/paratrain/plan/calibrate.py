@@ -274,9 +274,10 @@ def total_memory() -> int:
         return 8 * 2**30  # no sysconf (Windows): assume a modest machine
 
 
-def calibrate(worlds: tuple[int, ...] = (2, 4), log: Callable[[str], None] = print
-              ) -> Calibration:
-    """Measure everything the local cluster needs; ``log`` receives one line per result."""
+def compute_rates(log: Callable[[str], None] = print) -> dict:
+    """The calibration's single-process measurements (matmul curves, eager model costs,
+    AdamW rate), as ``Calibration`` fields: what ``calibrate`` measures before the
+    collectives, and what drifts fastest on a shared machine."""
     import torch
 
     threads = torch.get_num_threads()
@@ -297,6 +298,16 @@ def calibrate(worlds: tuple[int, ...] = (2, 4), log: Callable[[str], None] = pri
         log(f"AdamW step        {adam / 1e6:.1f} M params/s")
     finally:
         torch.set_num_threads(threads)
+    return dict(matmul_flops=rates, matmul_half_dim=halves, compute_efficiency=eff,
+                layer_overhead=overhead, optimizer_rate=adam)
+
+
+def calibrate(worlds: tuple[int, ...] = (2, 4), log: Callable[[str], None] = print
+              ) -> Calibration:
+    """Measure everything the local cluster needs; ``log`` receives one line per result."""
+    import torch
+
+    rates = compute_rates(log)
     comm = {}
     for n in worlds:
         comm[str(n)] = collective_alpha_beta(n)
@@ -306,11 +317,10 @@ def calibrate(worlds: tuple[int, ...] = (2, 4), log: Callable[[str], None] = pri
     first = str(worlds[0])
     cores = usable_cores()
     log(f"machine           {cores} cores, {total_memory() / 2**30:.1f} GiB RAM")
-    return Calibration(matmul_flops=rates, cores=cores, alpha=comm[first]["all-reduce"][0],
-                       beta=comm[first]["all-reduce"][1], memory=total_memory(), world_size=worlds[0],
-                       torch_version=torch.__version__, comm=comm, optimizer_rate=adam,
-                       compute_efficiency=eff, layer_overhead=overhead,
-                       matmul_half_dim=halves)
+    return Calibration(cores=cores, alpha=comm[first]["all-reduce"][0],
+                       beta=comm[first]["all-reduce"][1], memory=total_memory(),
+                       world_size=worlds[0], torch_version=torch.__version__, comm=comm,
+                       **rates)
 
 
 def write_calibration(calibration: Calibration, path: str | Path | None = None) -> Path:
