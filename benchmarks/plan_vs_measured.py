@@ -11,10 +11,10 @@ times (the layouts of one world size share one spawned world per round); its tim
 the median over all runs' steps but the first of each (warm-up). The prediction is
 ``plan.cost.step_time`` on the local cluster of the calibration file (measured first if
 missing). The machine's own speed moves by 10-20% within minutes on a shared VM, so by
-default (``--refresh``) every round first measures the single-process rates again
-(``calibrate.compute_rates``: matmul curves, the eager model's costs, AdamW; the
-collectives keep the first calibration's fits) and each layout's prediction is the median
-over the rounds' calibrations, as its measured time is the median over the rounds' steps.
+default (``--refresh``) every round first calibrates again (``calibrate.compute_rates``
+and ``calibrate.comm_fits``: matmul curves, the eager model's costs, AdamW, gloo's α and
+β) and each layout's prediction is the median over the rounds' calibrations, as its
+measured time is the median over the rounds' steps.
 The first calibration's errors are printed beside them. Before each world the
 calibration's own model step is also timed, against the first calibration's time for it:
 how far the machine has moved (a diagnosis, printed, not the result). Prints a table, the Spearman rank
@@ -37,7 +37,8 @@ from paratrain.launch import spawn
 from paratrain.mesh import Mesh
 from paratrain.models.gpt import PRESETS
 from paratrain.plan.calibrate import (EFFICIENCY_BATCH, EFFICIENCY_SEQ, calibrate,
-                                      compute_rates, reference_step_time, write_calibration)
+                                      comm_fits, compute_rates, reference_step_time,
+                                      write_calibration)
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.cost import step_time
 from paratrain.plan.hardware import DEFAULT_CALIBRATION, load_calibration, local_cluster
@@ -98,15 +99,15 @@ def measure(args: argparse.Namespace, tmp: str, calibration
     every world size (layouts of one size share a world, in alternating order), so drift
     in the machine's load hits all layouts alike. Before each world, the calibration's own
     model step is timed again in this process: how fast the machine runs right now. With
-    ``args.refresh``, each round starts by measuring the single-process rates again
-    (``compute_rates``, about 10 s): the calibrations the round's layouts are predicted
-    from."""
+    ``args.refresh``, each round starts by calibrating again (``compute_rates`` and
+    ``comm_fits``, about 45 s): the calibrations the round's layouts are predicted from."""
     samples: list[list[float]] = [[] for _ in LAYOUTS]
     reference: list[float] = []
     calibrations = []
     for round_ in range(args.rounds):
         if args.refresh:
-            calibrations.append(replace(calibration, **compute_rates(log=lambda _: None)))
+            calibrations.append(replace(calibration, **compute_rates(_silent),
+                                        **comm_fits(log=_silent)))
         for nproc in sorted({n for _, n, _ in LAYOUTS}):
             mine = [i for i, (_, n, _) in enumerate(LAYOUTS) if n == nproc][::(-1) ** round_]
             configs = [build_config(args, f"{tmp}/{round_}-{i}", nproc, LAYOUTS[i][2])
@@ -116,6 +117,10 @@ def measure(args: argparse.Namespace, tmp: str, calibration
             for i, cfg in zip(mine, configs):
                 samples[i] += step_times(cfg)
     return [statistics.median(s) for s in samples], reference, calibrations
+
+
+def _silent(line: str) -> None:
+    """A calibration log that prints nothing (the rounds' calibrations)."""
 
 
 def predicted_reference_time(calibration) -> float:
@@ -199,9 +204,9 @@ def main() -> None:
     parser.add_argument("--calibration", help="calibration file (default: the planner's)")
     parser.add_argument("--recalibrate", action="store_true", help="measure even if cached")
     parser.add_argument("--refresh", action=argparse.BooleanOptionalAction, default=True,
-                        help="measure the single-process rates again at the start of every "
-                             "round and predict from those (the machine's speed drifts by "
-                             "10-20%% within minutes); --no-refresh: the first calibration only")
+                        help="calibrate again at the start of every round and predict from "
+                             "those (the machine's speed drifts by 10-20%% within minutes); "
+                             "--no-refresh: the first calibration only")
     args = parser.parse_args()
     calibration = get_calibration(args.calibration, args.recalibrate)
 
@@ -225,8 +230,8 @@ def report(args: argparse.Namespace, calibration, predicted: list[float],
     """The table, the summary lines, and the JSON line (last)."""
     median, rho = _errors(predicted, measured)
     width = max(len(label) for label, _, _ in LAYOUTS)
-    source = ("the median over the rounds' calibrations (single-process rates measured again "
-              "at each round's start)" if args.refresh else "the first calibration")
+    source = ("the median over the rounds' calibrations (one at each round's start)"
+              if args.refresh else "the first calibration")
     print(f"\n{args.model}, global batch {args.global_batch} x {args.seq_len} tokens, "
           f"median of {args.rounds} x {args.steps - 1} steps per layout; calibration "
           f"{args.calibration or DEFAULT_CALIBRATION}\ncompute: the shape-aware matmul curve "

@@ -308,19 +308,25 @@ def calibrate(worlds: tuple[int, ...] = (2, 4), log: Callable[[str], None] = pri
     import torch
 
     rates = compute_rates(log)
+    fits = comm_fits(worlds, log)
+    cores = usable_cores()
+    log(f"machine           {cores} cores, {total_memory() / 2**30:.1f} GiB RAM")
+    return Calibration(cores=cores, memory=total_memory(), torch_version=torch.__version__,
+                       **rates, **fits)
+
+
+def comm_fits(worlds: tuple[int, ...] = (2, 4), log: Callable[[str], None] = print) -> dict:
+    """gloo's α-β fits of every collective for each world size in ``worlds``, as
+    ``Calibration`` fields (``comm``, and the first world's all-reduce as ``alpha``,
+    ``beta`` and ``world_size``)."""
     comm = {}
     for n in worlds:
         comm[str(n)] = collective_alpha_beta(n)
         for op, (alpha, beta) in comm[str(n)].items():
             log(f"gloo {op:<15}{n} processes: alpha {alpha * 1e6:.0f} us, beta "
                 f"{beta / 1e9:.2f} GB/s (bus bandwidth)")
-    first = str(worlds[0])
-    cores = usable_cores()
-    log(f"machine           {cores} cores, {total_memory() / 2**30:.1f} GiB RAM")
-    return Calibration(cores=cores, alpha=comm[first]["all-reduce"][0],
-                       beta=comm[first]["all-reduce"][1], memory=total_memory(),
-                       world_size=worlds[0], torch_version=torch.__version__, comm=comm,
-                       **rates)
+    alpha, beta = comm[str(worlds[0])]["all-reduce"]
+    return dict(comm=comm, alpha=alpha, beta=beta, world_size=worlds[0])
 
 
 def write_calibration(calibration: Calibration, path: str | Path | None = None) -> Path:
