@@ -17,8 +17,10 @@ thread per process, ``torch.set_num_threads(1)``):
   processes: the median time of each collective (averaging, as data parallelism runs
   it) at several sizes, then the least-squares fit of ``comm.cost.fit_alpha_beta``.
 
-Single-process rates are the fastest of a few repeats (other work on the machine only
-adds time); the all-reduce times are medians (a collective waits for its slowest rank).
+The GEMM and AdamW rates are the fastest of a few repeats (other work on the machine only
+adds time); the model steps are the median of single steps, the statistic a run's step
+time is reported in; the collectives' times are medians (a collective waits for its
+slowest rank).
 
 Everything here imports torch lazily: ``paratrain.plan`` itself stays torch-free.
 """
@@ -47,6 +49,10 @@ COLLECTIVE_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 """Bytes of the timed collectives: from latency- to bandwidth-bound."""
 EFFICIENCY_BATCH = 4
 """Largest microbatch (sequences) the model step is timed at; the other is 1."""
+EFFICIENCY_STEPS = 7
+"""Single model steps timed per microbatch size, after a warm-up; their median counts, as
+a run's step time is the median of its steps (the fastest of a few means, kept for the
+GEMMs, reads 8-14% faster than the median step on this kind of shared machine)."""
 EFFICIENCY_SEQ = 128
 """Tokens per sequence of the timed model steps (the ``small`` preset's context)."""
 
@@ -163,10 +169,8 @@ def eager_costs(precision: str, rate: float, half_dim: float = 0.0) -> tuple[flo
     line, its slope the per-sequence cost (efficiency = the planner's time per sequence
     at the matmul curve over it), its intercept the per-microbatch dispatch cost, spread
     over the blocks."""
-    times = []
-    for b in (1, EFFICIENCY_BATCH):
-        step, _ = _model_step(precision, b)
-        times.append(_best_time(step, budget_s=1.0, repeats=3))
+    times = [_median_time(_model_step(precision, b)[0], EFFICIENCY_STEPS)
+             for b in (1, EFFICIENCY_BATCH)]
     per_sequence = max((times[1] - times[0]) / (EFFICIENCY_BATCH - 1), 1e-9)
     planned = (_planned_compute(precision, rate, half_dim, EFFICIENCY_BATCH)
                - _planned_compute(precision, rate, half_dim, 1)) / (EFFICIENCY_BATCH - 1)
@@ -174,6 +178,17 @@ def eager_costs(precision: str, rate: float, half_dim: float = 0.0) -> tuple[flo
     from ..models.gpt import PRESETS
 
     return efficiency, max(0.0, times[0] - per_sequence) / PRESETS["small"].n_layers
+
+
+def _median_time(call: Callable[[], object], runs: int) -> float:
+    """Median seconds of ``runs`` single calls of ``call``, after one warm-up call."""
+    call()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def reference_step_time(b: int = EFFICIENCY_BATCH, runs: int = 5) -> float:
@@ -185,14 +200,7 @@ def reference_step_time(b: int = EFFICIENCY_BATCH, runs: int = 5) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        step, _ = _model_step("fp32", b)
-        step()  # warm-up
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return _median_time(_model_step("fp32", b)[0], runs)
     finally:
         torch.set_num_threads(threads)
 
