@@ -14,13 +14,12 @@ missing). The machine's own speed moves by 10-20% within minutes on a shared VM,
 default (``--refresh``) every round first calibrates again (``calibrate.compute_rates``
 and ``calibrate.comm_fits``: matmul curves, the eager model's costs, AdamW, gloo's α and
 β) and each layout's prediction is the median over the rounds' calibrations, as its
-measured time is the median over the rounds' steps.
-The first calibration's errors are printed beside them. Before each world the
-calibration's own model step is also timed, against the first calibration's time for it:
-how far the machine has moved (a diagnosis, printed, not the result). Prints a table, the Spearman rank
-correlation, and as the last line a JSON object: "paratrain" = median absolute relative
-error of the predictions, "ratio" = Spearman, "peer" = null (there is no torch-native
-planner to compare with).
+measured time is the median over the rounds' steps. The first calibration's errors are
+printed beside them. Before each world the calibration's own model step is also timed,
+against the first calibration's time for it: how far the machine has moved (a diagnosis,
+printed, not the result). Prints a table, the Spearman rank correlation, and as the last
+line a JSON object: "paratrain" = median absolute relative error of the predictions,
+"ratio" = Spearman, "peer" = null (there is no torch-native planner to compare with).
 """
 
 from __future__ import annotations
@@ -146,9 +145,9 @@ def predicted_step_time(cfg: Config, calibration) -> float:
 
 @dataclass
 class Drift:
-    """How fast the machine ran while measuring, against the calibration it is predicted
-    from: the calibration's model step timed before each world, and the planner's time
-    for that step."""
+    """How fast the machine ran while measuring, against the first calibration: the
+    calibration's model step timed before each world, and the planner's time for that
+    step from the first calibration."""
 
     timings: list[float]
     """Seconds of the reference step, one median per world spawned."""

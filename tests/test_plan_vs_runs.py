@@ -161,6 +161,21 @@ def test_calibration_pieces_measure_something():
     assert all(alpha >= 0 and beta > 0 for alpha, beta in fits.values())
 
 
+
+def test_model_steps_are_timed_by_their_median(monkeypatch):
+    # A run reports the median of its steps; the calibration times its model steps the
+    # same way, not by the fastest (a fake clock: each call takes the next duration).
+    from paratrain.plan import calibrate
+
+    now = [0.0]
+    durations = iter([9.0, 0.3, 0.1, 0.2, 0.5, 0.4])  # warm-up first, then five steps
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
+
+    def call():
+        now[0] += next(durations)
+
+    assert calibrate._median_time(call, 5) == pytest.approx(0.3)
+
 FAKE = Calibration(
     matmul_flops={"fp32": 40e9, "bf16": 100e9}, cores=2, alpha=100e-6, beta=1e9,
     memory=8 * 2**30, comm={"2": {"all-reduce": [100e-6, 1e9], "all-gather": [50e-6, 0.5e9],
