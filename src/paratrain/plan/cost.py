@@ -310,10 +310,17 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
         return coll("all-reduce", psi * grad, micro.bwd)
     gather = coll("all-gather", psi * weight, micro.fwd)
     if cand.zero == 1:
-        return coll("reduce-scatter", psi * grad, micro.bwd) + gather
+        return coll(reduce_op(cluster), psi * grad, micro.bwd) + gather
     if cand.zero == 2:
-        return m * coll("reduce-scatter", psi * grad, micro.bwd) + gather
+        return m * coll(reduce_op(cluster), psi * grad, micro.bwd) + gather
     return _zero3_time(model, cluster, cand, micro, psi * weight, psi * grad, m)
+
+
+def reduce_op(cluster: Cluster) -> str:
+    """The collective ZeRO's gradient reduction runs as: a reduce-scatter, except on the
+    local cluster's gloo, where paratrain all-reduces and keeps its slice because gloo's
+    reduce-scatter is the slower of the two (``zero/engine.py``, ``paratrain bench comm``)."""
+    return "all-reduce" if cluster.kind == "local" else "reduce-scatter"
 
 
 def _zero3_time(model: ModelSpec, cluster: Cluster, cand: Candidate, micro: _Micro,
@@ -328,7 +335,7 @@ def _zero3_time(model: ModelSpec, cluster: Cluster, cand: Candidate, micro: _Mic
 
     cost = cluster.gpu.overlap_cost
     gather = link_collective_time(cluster, link, "all-gather", weight_bytes / units, g)
-    scatter = link_collective_time(cluster, link, "reduce-scatter", grad_bytes / units, g)
+    scatter = link_collective_time(cluster, link, reduce_op(cluster), grad_bytes / units, g)
     fwd = prefetched(gather, micro.fwd / units, units, cost)
     back_gather = gather if cand.pp == 1 else 0.0
     bwd = prefetched(back_gather + scatter, micro.bwd / units, units, cost)
