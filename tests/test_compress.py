@@ -176,6 +176,9 @@ def test_compress_setting_is_checked_before_launch(tmp_path):
             tiny_config(str(tmp_path), nproc=2, compress=bad)
     with pytest.raises(ConfigError, match="ZeRO-2/3"):
         tiny_config(str(tmp_path), nproc=2, compress="int8", zero=2, tie_embeddings=False)
+    with pytest.raises(ConfigError, match="int8' with tp=2: .* drift apart"):  # see compress.check
+        tiny_config(str(tmp_path), nproc=4, dp=2, tp=2, compress="int8")
+    tiny_config(str(tmp_path), nproc=4, dp=2, tp=2, compress="powersgd:2")  # per tensor: fine
 
 
 def test_lossless_compression_equals_none_with_accumulation_zero1_and_resume(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import signal
 import subprocess
@@ -254,6 +255,15 @@ def faults_in_one_world(tmp: str) -> dict:
     cfg = tiny_config(f"{tmp}/skip", nproc=2, steps=4, eval_every=0, on_nonfinite="skip",
                       max_skips=1, save_every=4)
     out["skip_losses"] = loop.train(cfg, Mesh.build(cfg.layout)).losses
+    # compressed: the skipped step's NaN must not stay in the residuals (or PowerSGD's Q)
+    for method in ("int8", "powersgd:2", "topk:0.5"):
+        cfg = tiny_config(f"{tmp}/skip-{method.replace(':', '_')}", nproc=2, steps=4,
+                          eval_every=0, on_nonfinite="skip", max_skips=1, save_every=4,
+                          compress=method, compress_start=0)
+        try:
+            out[method] = loop.train(cfg, Mesh.build(cfg.layout)).losses
+        except Exception as exc:  # noqa: BLE001
+            out[method] = f"{type(exc).__name__}: {exc}"
     for name, policy, steps in (("stop", "stop", {3}), ("over", "skip", {2, 3})):
         loop.build = poisoned(build, steps)
         cfg = tiny_config(f"{tmp}/{name}", nproc=2, steps=4, eval_every=0, on_nonfinite=policy,
@@ -287,6 +297,10 @@ def test_nonfinite_steps_and_failed_writes_in_one_world(tmp_path):
         out = got[rank]
         assert out["timeouts"] and set(out["timeouts"]) == {300.0}  # spawn's collective timeout
         assert torch.isnan(torch.tensor(out["skip_losses"][1])) and len(out["skip_losses"]) == 4
+        for method in ("int8", "powersgd:2", "topk:0.5"):
+            losses = out[method]
+            assert isinstance(losses, list), (method, losses)
+            assert math.isnan(losses[1]) and all(map(math.isfinite, losses[2:])), (method, losses)
         assert "NonFiniteError" in out["stop"] and "at step 3 on rank 1" in out["stop"], out["stop"]
         assert f"Last good checkpoint: {tmp_path / 'stop' / 'checkpoints' / 'step-2'}" in out["stop"]
         assert "over --max-skips 1" in out["over"] and "at step 3" in out["over"], out["over"]

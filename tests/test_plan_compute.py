@@ -112,6 +112,22 @@ def test_hsdp_is_searched_on_gpus_but_never_written_for_train():
     assert (spec.zero, spec.shard_group) == (3, 8) and parse_layout("hsdp8").zero == 3
 
 
+def test_zero3_gather_choice_is_read_and_written_for_train():
+    """``z3/reshard``, ``z3/keep`` and ``reshard=yes|no`` fix ZeRO-3's choice; the
+    exported config carries it only where it departs from train's auto."""
+    assert parse_layout("z3/keep").reshard_after_forward is False
+    assert parse_layout("reshard=yes").reshard_after_forward is True
+    assert parse_layout("reshard=no").zero == 3 and parse_layout("z3").reshard_after_forward is None
+    with pytest.raises(ValueError, match="ZeRO-3 choice"):
+        parse_layout("z1/keep")
+    model, training = PRESETS["llama3-405b"], Training(128, 131072)
+    result = search(model, training, Cluster(gpu_preset("h100-80g"), 16384))
+    regather = next(p for p in result.plans if p.cand.pp > 1 and p.cand.zero == 3
+                    and p.cand.reshards)
+    assert config_tables(regather, model, training)["parallel"]["reshard_after_forward"] == "yes"
+    assert "reshard_after_forward" not in config_tables(result.plans[0], model, training)["parallel"]
+
+
 def test_framework_limits_narrow_the_search():
     model = ModelSpec("m", 10, 2048, 16, 16, 8192, 32000)
     result = search(model, Training(64, 2048), Cluster(A100, 16), context_parallel=False,

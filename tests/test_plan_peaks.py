@@ -92,7 +92,9 @@ MATRIX = {
         dict(cp=2), dict(cp=2, cp_method="ulysses")],
     4: [dict(dp=2, tp=2, sp=True), dict(dp=2, pp=2, zero=1), dict(tp=2, cp=2),
         dict(pp=2, dp=2, schedule="interleaved", virtual_stages=2, n_layers=4),
-        dict(dp=4, zero=3, precision="bf16")],
+        dict(dp=4, zero=3, precision="bf16"), dict(dp=2, pp=2, zero=2),
+        dict(dp=2, pp=2, zero=3, precision="bf16"),
+        dict(dp=2, pp=2, zero=3, reshard_after_forward="yes")],
 }
 
 
@@ -109,8 +111,10 @@ def measure(cfgs) -> list[dict[str, int]]:
 
 def predicted(cfg, stage: int):
     p = cfg.parallel
+    reshard = {"auto": None, "yes": True, "no": False}[p.reshard_after_forward]
     cand = Candidate(p.dp, p.tp, p.pp, p.cp, p.zero, cfg.micro_batch, cfg.accumulation,
-                     p.schedule, p.virtual_stages, cfg.train.recompute, p.sp)
+                     p.schedule, p.virtual_stages, cfg.train.recompute, p.sp,
+                     reshard_after_forward=reshard)
     training = Training(cfg.train.global_batch, cfg.data.seq_len, cfg.train.precision)
     return _paratrain_stage_memory(from_gpt_config(cfg.model, "tiny"), training, cand, stage)
 

@@ -108,3 +108,19 @@ def test_small_model_on_a_few_gpus(gpus):
     result = search(model, training, cluster)
     assert result.plans
     _assert_valid(result, model, training, cluster)
+
+
+def test_zero3_regathers_under_a_pipeline_only_where_keeping_does_not_fit():
+    """Under a pipeline ZeRO-3 keeps its units gathered through the step by default; the
+    search also times regathering every microbatch (z3/reshard), where keeping them
+    overflows: Llama 3 405B at 128K tokens is such a case."""
+    from paratrain.plan.memory import rank_memory
+
+    model, training = PRESETS["llama3-405b"], Training(128, 131072)
+    cluster = Cluster(gpu_preset("h100-80g"), 16384)
+    result = search(model, training, cluster)
+    regather = [p for p in result.plans if p.cand.zero == 3 and p.cand.pp > 1 and p.cand.reshards]
+    assert regather and "z3/reshard" in regather[0].cand.describe()
+    for plan in regather[:20]:
+        kept = rank_memory(model, training, plan.cand.but(reshard_after_forward=None))
+        assert kept.total > cluster.memory_limit >= plan.memory.total, plan.cand.describe()

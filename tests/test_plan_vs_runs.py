@@ -262,6 +262,24 @@ def tp_block_saved_bytes(sp: bool, b: int, s: int) -> int:
     return sum(saved.values())
 
 
+def test_zero3_kept_gathered_saves_all_but_one_gather_per_unit():
+    """ZeRO-3 regathering each microbatch (forward and backward) against keeping the units
+    gathered through the step: on the local cluster (hidden collectives cost their whole
+    time) the difference is exactly (2M - 1) gathers per unit, M microbatches, whatever
+    the reductions; under a pipeline the default keeps them."""
+    from paratrain.comm.cost import collective_time
+
+    model, training, two = load_model("small"), Training(8, 128, "fp32"), local_cluster(2, FAKE)
+    base = Candidate(2, 1, 1, 1, 3, 2, 2)
+    regather, kept = (step_time(model, training, two, base.but(reshard_after_forward=r)).dp
+                      for r in (None, False))
+    units = model.n_layers
+    gather = collective_time("all-gather", model.num_params() * 4 / units, 2, 50e-6, 0.5e9)
+    assert regather - kept == pytest.approx(units * gather * (2 * 2 - 1))
+    assert base.reshards and not base.but(pp=2).reshards
+    assert base.but(reshard_after_forward=False).describe().split()[4] == "z3/keep"
+
+
 @pytest.mark.parametrize("sp", [False, True])
 def test_tensor_parallel_block_activations_exact(sp):
     b, s = 2, 64

@@ -111,9 +111,18 @@ def parse(text: "str | CompressSpec") -> CompressSpec:
     return CompressSpec(method, error_feedback=ef)  # type: ignore[arg-type]
 
 
-def check(text: "str | CompressSpec", zero: int) -> CompressSpec:
+def check(text: "str | CompressSpec", zero: int, tp: int = 1) -> CompressSpec:
     """Parse ``text`` and refuse layouts it cannot compose with."""
     spec = parse(text)
+    if spec.method == "int8" and tp > 1:
+        # A block's scale spans neighbouring parameters, sharded ones among them, so the
+        # copies of a replicated parameter (a norm weight) on the tp ranks would round
+        # differently and drift apart; the other methods are elementwise or per tensor.
+        raise CompressError(f"compress={spec.text!r} with tp={tp}: int8 shares one scale per "
+                            f"block of {256} entries across neighbouring parameters, so the "
+                            f"tensor-parallel ranks' copies of a replicated parameter would "
+                            f"round differently and drift apart; use fp16, bf16, topk or "
+                            f"powersgd with tensor parallelism")
     if spec.method != "none" and zero >= 2:
         raise CompressError(f"compress={spec.text!r} with zero={zero}: ZeRO-2/3 reduce-scatter every "
                             f"microbatch's gradient into shards and keep no full gradient to "
@@ -205,6 +214,12 @@ class Compressor:
 
     def _sent(self, nbytes: int) -> None:
         self.sent_bytes += nbytes
+
+    def drop_nonfinite(self) -> None:
+        """After a step whose gradients were not finite (its update skipped): zero what of
+        the residual is NaN or inf, or every later step would inherit it and be skipped too."""
+        if self.residual is not None:
+            self.residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors that a checkpoint must keep for the run to resume exactly."""
@@ -347,6 +362,11 @@ class CompressorSet:
         for c in self.items:
             c.sent_bytes = c.dense_bytes = 0
         return sent, dense
+
+    def drop_nonfinite(self) -> None:
+        """Clear the NaN and inf a skipped step left in every compressor's state."""
+        for c in self.items:
+            c.drop_nonfinite()
 
     def _prefix(self) -> str:
         return f"{self.spec.text}/world{dist.get_world_size()}"

@@ -82,6 +82,13 @@ class Int8(Compressor):
                                       for _ in range(2))
         return blocks, size
 
+    def drop_nonfinite(self) -> None:
+        """Also re-zero the padding of the work buffer: a NaN scale leaves the padding of
+        its block NaN, and that block would quantize to NaN at every later step."""
+        super().drop_nonfinite()
+        if self._shape is not None:
+            self._x.view(-1)[self.numel:].zero_()
+
     def _reduce(self, bucket, group):
         p, n = C.size(group), self.numel
         blocks, size = self._buffers(p)

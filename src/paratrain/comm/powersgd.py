@@ -127,9 +127,22 @@ class PowerSGD(Compressor):
         self.second = torch.zeros(sum(m.long * m.rank for m in self.matrices), device=self.device)
         self.ps = _views(self.first[n_small:], [(m.short, m.rank) for m in self.matrices])
         self.qs = _views(self.second, [(m.long, m.rank) for m in self.matrices])
-        gen = torch.Generator().manual_seed(1000 + seed)  # identical on every rank
-        for q in self.qs:
-            q.copy_(torch.randn(q.shape, generator=gen))
+        self.seed = seed
+        self._seed_qs(range(len(self.qs)))
+
+    def _seed_qs(self, which) -> None:
+        """Draw the listed Qs afresh from the bucket's seed: identical on every rank."""
+        gen = torch.Generator().manual_seed(1000 + self.seed)
+        for i, q in enumerate(self.qs):
+            fresh = torch.randn(q.shape, generator=gen)
+            if i in which:
+                q.copy_(fresh)
+
+    def drop_nonfinite(self) -> None:
+        """Also restart any Q a non-finite gradient turned NaN (it is the all-reduced Q,
+        so every rank sees the same ones and draws the same fresh ones)."""
+        super().drop_nonfinite()
+        self._seed_qs({i for i, q in enumerate(self.qs) if not torch.isfinite(q).all()})
 
     def _reduce(self, bucket: torch.Tensor, group: ProcessGroup) -> Pending:
         x = self._with_residual(bucket)

@@ -55,6 +55,10 @@ class Engine(Protocol):
     def pop_comm_bytes(self) -> tuple[int, int]:
         """Gradient bytes sent since the last call, and what plain all-reduces would send."""
 
+    def forget_nonfinite(self) -> None:
+        """A step whose gradients were not finite is skipped: clear the NaN and inf it left
+        in state that outlives the step (the compressors' residuals, PowerSGD's Q)."""
+
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """{"params", "grads", "optim"}: this rank's tensors, for exact accounting."""
 
@@ -109,6 +113,9 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         """Gradient bytes this rank sent since the last call, and what uncompressed
         all-reduces would have sent."""
         return self.dp.compressors.pop_bytes()
+
+    def forget_nonfinite(self) -> None:
+        self.dp.compressors.drop_nonfinite()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.module.parameters())

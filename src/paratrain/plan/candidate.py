@@ -94,6 +94,11 @@ class Candidate:
     cp_method: str = "ring"
     """Context parallelism's attention: ``ring`` (K,V passed around, overlapped with the
     attention core) or ``ulysses`` (all-to-alls to head sharding and back, exposed)."""
+    reshard_after_forward: bool | None = None
+    """ZeRO-3: free a unit's gathered parameters after each microbatch's forward and
+    gather them again for its backward (True), or keep them from the step's first forward
+    to its last backward, one gather per step (False). None: paratrain's ``auto``, True
+    without a pipeline and False under one (parallel/zero/engine.py)."""
 
     def but(self, **changes) -> Candidate:
         """A copy with ``changes``: ``dataclasses.replace`` without its per-call field
@@ -101,6 +106,13 @@ class Candidate:
         values = {name: getattr(self, name) for name in _CANDIDATE_FIELDS}
         values.update(changes)
         return Candidate(**values)
+
+    @property
+    def reshards(self) -> bool:
+        """ZeRO-3 gathers each unit for every microbatch's forward and backward."""
+        if self.reshard_after_forward is None:
+            return self.pp == 1
+        return self.reshard_after_forward
 
     @property
     def sp(self) -> bool:
@@ -137,6 +149,8 @@ class Candidate:
         sched = "" if self.pp == 1 else (
             f" {self.schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         hsdp = f"/hsdp{self.shard_group}" if self.hsdp else ""
+        if self.zero == 3 and self.reshards != (self.pp == 1):  # not paratrain's auto
+            hsdp += "/reshard" if self.reshards else "/keep"
         uly = "/ulysses" if self.cp > 1 and self.cp_method == "ulysses" else ""
         return (f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}{uly} z{self.zero}{hsdp}{sched} "
                 f"mb{self.micro_batch}x{self.microbatches} rc={self.recompute}")

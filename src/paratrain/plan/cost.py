@@ -303,8 +303,7 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
                        cluster.gpu.overlap_cost)
 
     # Under a pipeline paratrain accumulates a stage's gradient through the step and
-    # reduces it once, and ZeRO-3 keeps a stage's gathered units through the step
-    # (zero.md): once per step, whatever the microbatches.
+    # reduces it once (zero.md), whatever the microbatches.
     m = 1 if cand.pp > 1 else cand.microbatches
     if cand.zero == 0:
         return coll("all-reduce", psi * grad, micro.bwd)
@@ -326,9 +325,12 @@ def reduce_op(cluster: Cluster) -> str:
 def _zero3_time(model: ModelSpec, cluster: Cluster, cand: Candidate, micro: _Micro,
                 weight_bytes: float, grad_bytes: float, m: int) -> float:
     """ZeRO-3 / FSDP: per unit (one block) an all-gather of its parameters before forward,
-    again before backward (not under a pipeline, where paratrain keeps them), and a
-    reduce-scatter of its gradient after; with HSDP (``cand.shard_group``) over the shard
-    group, then the replicas all-reduce their shard's gradient once per step."""
+    again before backward, and a reduce-scatter of its gradient after, every microbatch;
+    kept through the step instead (``cand.reshards`` False, paratrain's default under a
+    pipeline), one gather per unit and step. ``m`` reductions per step (1 under a
+    pipeline, which accumulates the stage's gradient). With HSDP (``cand.shard_group``)
+    over the shard group, then the replicas all-reduce their shard's gradient once per
+    step."""
     n, g = cand.shard, cand.zero_shard
     link, replicas = zero3_links(cluster, cand)
     units = max_layers(model, cand)
@@ -337,9 +339,12 @@ def _zero3_time(model: ModelSpec, cluster: Cluster, cand: Candidate, micro: _Mic
     gather = link_collective_time(cluster, link, "all-gather", weight_bytes / units, g)
     scatter = link_collective_time(cluster, link, reduce_op(cluster), grad_bytes / units, g)
     fwd = prefetched(gather, micro.fwd / units, units, cost)
-    back_gather = gather if cand.pp == 1 else 0.0
-    bwd = prefetched(back_gather + scatter, micro.bwd / units, units, cost)
-    total = m * (fwd + bwd)
+    if not cand.reshards:
+        total = fwd + m * prefetched(scatter, micro.bwd / units, units, cost)
+    else:  # every microbatch gathers twice; the last (or each, without a pipeline) reduces
+        gathers = cand.microbatches
+        total = (gathers * fwd + (gathers - m) * prefetched(gather, micro.bwd / units, units, cost)
+                 + m * prefetched(gather + scatter, micro.bwd / units, units, cost))
     if g < n:
         nbytes = grad_bytes / g
         total += exposed(link_collective_time(cluster, replicas, "all-reduce", nbytes, n // g),

@@ -4,7 +4,8 @@ breakdown even when it does not fit, why not and by how much, and where it would
 A layout spec fixes any subset of the choices, written as the tables print them:
 ``dp8 tp8 pp4 cp1 v2 zero1 mb1 recompute=selective`` (also ``z1``, ``tp8+sp``,
 ``rc=sel``, ``mb1x16``, ``gpipe`` / ``1f1b`` / ``interleaved`` / ``interleaved/v2``,
-``ring`` / ``ulysses`` or ``cp2/ulysses`` for context parallelism's attention).
+``ring`` / ``ulysses`` or ``cp2/ulysses`` for context parallelism's attention,
+``reshard=yes|no`` or ``z3/reshard`` / ``z3/keep`` for ZeRO-3's gathered parameters).
 What it leaves out is searched: the best completion that fits is shown, or, when none
 fits, the one closest to fitting.
 """
@@ -54,6 +55,9 @@ class LayoutSpec:
     """HSDP shard group (``hsdp8``, ``z3/hsdp8``; planner only)."""
     cp_method: str | None = None
     """Context parallelism's attention: ``ring`` or ``ulysses``."""
+    reshard_after_forward: bool | None = None
+    """ZeRO-3 (``reshard=yes|no``, or ``z3/reshard``, ``z3/keep``): regather every
+    microbatch, or keep the units gathered through the step (default: paratrain's auto)."""
     text: str = ""
     """The string it was parsed from."""
 
@@ -69,10 +73,16 @@ def parse_layout(text: str) -> LayoutSpec:
                 values["cp_method"] = m.group(4)
         elif low in ("ring", "ulysses"):
             values["cp_method"] = low
-        elif m := re.fullmatch(r"(?:zero|z)([0-3])(?:/hsdp(\d+))?", low):
+        elif m := re.fullmatch(r"(?:zero|z)([0-3])(?:/hsdp(\d+))?(?:/(reshard|keep))?", low):
             values["zero"] = int(m.group(1))
             if m.group(2):
                 values["shard_group"] = int(m.group(2))
+            if m.group(3) and values["zero"] != 3:
+                raise ValueError(f"--layout {token!r}: /{m.group(3)} is a ZeRO-3 choice")
+            if m.group(3):
+                values["reshard_after_forward"] = m.group(3) == "reshard"
+        elif m := re.fullmatch(r"reshard=(yes|no)", low):
+            values["zero"], values["reshard_after_forward"] = 3, m.group(1) == "yes"
         elif m := re.fullmatch(r"hsdp(\d+)", low):
             values["zero"], values["shard_group"] = 3, int(m.group(1))
         elif m := re.fullmatch(r"mb(\d+)(?:x(\d+))?", low):
@@ -172,7 +182,8 @@ def _choices(spec, model, training, dp, tp, pp, cp):
                         for method in _options(spec.cp_method, ("ring", "ulysses") if cp > 1 else ("ring",)):
                             yield Candidate(dp, tp, pp, cp, zero, mb, max(per_replica // mb, 1),
                                             schedule, v, rc, shard_group=spec.shard_group or 0,
-                                            cp_method=method)
+                                            cp_method=method,
+                                            reshard_after_forward=spec.reshard_after_forward)
 
 
 def evaluate_candidate(model: ModelSpec, training: Training, cluster: Cluster,

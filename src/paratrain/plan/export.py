@@ -9,7 +9,8 @@ The config has three tables (the mapping from a plan):
 ``[parallel]`` dp, tp, pp, cp, cp_method, zero from the layout; sp = (tp > 1);
                schedule ("gpipe" | "1f1b" | "interleaved"; "1f1b" when pp = 1, where it
                has no effect); microbatches (per step per replica, i.e. gradient
-               accumulation steps); virtual_stages.
+               accumulation steps); virtual_stages; reshard_after_forward ("yes" |
+               "no") where a ZeRO-3 plan departs from paratrain's auto choice.
 ``[train]``    global_batch (sequences), micro_batch, seq_len, precision ("fp32" | "bf16"),
                recompute ("none" | "selective" | "full").
 """
@@ -41,7 +42,9 @@ def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str,
         "parallel": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "zero": c.zero,
                      "sp": c.sp, "cp_method": c.cp_method,
                      "schedule": c.schedule if c.pp > 1 else "1f1b",
-                     "microbatches": c.microbatches, "virtual_stages": c.virtual_stages},
+                     "microbatches": c.microbatches, "virtual_stages": c.virtual_stages,
+                     **({"reshard_after_forward": "yes" if c.reshard_after_forward else "no"}
+                        if c.zero == 3 and c.reshard_after_forward is not None else {})},
         "data": {"seq_len": training.seq_len},
         "train": {"global_batch": training.global_batch, "micro_batch": c.micro_batch,
                   "precision": training.precision, "recompute": c.recompute},

@@ -17,6 +17,9 @@ full recompute keeps only the layer input, 2·s·b·h. ``layer_activation_bytes`
 generalises the same accounting to grouped KV heads, SwiGLU, no dropout and fp32, and
 reduces to those formulas for the standard block. A pipeline stage holds as many
 microbatches of activations as its schedule has in flight (``inflight_microbatches``).
+Under a pipeline ZeRO-2/3 accumulate the stage's full gradient through the step, as
+paratrain does (and FSDP under torchtitan's pipelines), and ZeRO-3 kept gathered holds the
+stage's parameters from the first forward to the last backward: both are buffers.
 
 paratrain's own runs (the local cluster) are counted exactly instead, by ``plan.runtime``
 (``paratrain_state_bytes`` is re-exported here): its ZeRO pads every unit to a multiple
@@ -212,8 +215,13 @@ def _buffers(model: ModelSpec, training: Training, cand: Candidate, stage: int, 
     weight, grad, _ = bytes_per_param(training.precision, training.optimizer)
     s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
     total = 0.0
+    if zero >= 2 and cand.pp > 1:  # the stage's full gradient, accumulated through the step
+        total += model.stage_params(cand.tp, cand.pp, stage, cand.virtual_stages) * grad
+    if zero == 3 and not cand.reshards:  # every unit kept gathered through the step
+        total += model.stage_params(cand.tp, cand.pp, stage, cand.virtual_stages) * weight
     if zero == 3:  # the unit in use, the prefetched one, and one unit's unsharded grads
-        total += model.layer_params(cand.tp) * (2 * weight + grad)
+        total += model.layer_params(cand.tp) * ((2 * weight if cand.reshards else 0)
+                                                + (grad if cand.pp == 1 else 0))
     elif zero in (1, 2):  # reduce-scatter staging; DDP's buckets are the gradients
         total += 2 * BUCKET_BYTES
     if stage == cand.pp - 1:  # vocab-parallel logits and their fp32 softmax

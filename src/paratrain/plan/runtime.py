@@ -145,7 +145,8 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
     storages, tests/test_plan_peaks.py). Always: autocast's bf16 copies of the weights
     (the graph keeps them until backward reaches their layer), the batch's token ids and
     targets (int64), and on a stage that sends activations onward, its outputs of every
-    microbatch in flight plus the gradient it receives. Then the larger of two moments:
+    microbatch in flight plus the gradient it receives, and ZeRO's buffers that live
+    through the step (``held_zero_bytes``). Then the larger of two moments:
 
     * the start of the loss's backward on the last stage (``paratrain_head_bytes``);
     * the backward of a block: ZeRO's gathered units and full unit gradients, the
@@ -170,10 +171,11 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
         total += (2 * inflight + 1) * r * shard
     if stage > 0:  # the next microbatch's activation, received ahead
         total += r * shard
+    total += held_zero_bytes(units, cand, weight)
     block = 2 * c * model.ffn_hidden / cand.tp * tokens
-    if cand.zero == 3:  # the unit in use and the prefetched one, two units' full gradients
-        block += 4 * max(units) * weight
-    elif cand.zero == 2:  # the gradient being reduced and the one being assembled
+    if cand.zero == 3 and cand.reshards:  # the unit in use and the prefetched one
+        block += 2 * max(units) * weight
+    if cand.zero >= 2 and cand.pp == 1:  # the gradient being reduced and the one assembled
         block += 2 * max(units) * weight
     if cand.recompute != "none":
         full, kept = (paratrain_layer_activation_bytes(model, s, b, cand.tp, cand.sp, policy, mode)
@@ -181,6 +183,20 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
         block += full - (kept if cand.recompute == "selective" else 0)
     head = paratrain_head_bytes(model, s, b, cand, mode) if stage == cand.pp - 1 else 0.0
     return total + max(head, block)
+
+
+def held_zero_bytes(units: list[int], cand: Candidate, weight: int) -> float:
+    """ZeRO-2/3 buffers that live through a step (``parallel/zero/engine.py``): under a
+    pipeline every unit's full gradient, accumulated from its first backward to its last;
+    with ZeRO-3 kept gathered (``cand.reshards`` False), every unit's parameters, from
+    its first forward to its last backward. ``weight``: bytes per element of both."""
+    if cand.zero < 2:
+        return 0.0
+    n = cand.dp * cand.cp
+    padded = sum(-(-u // n) * n for u in units)  # the flat buffers, padded to n
+    grads = padded if cand.pp > 1 else 0
+    params = padded if cand.zero == 3 and not cand.reshards else 0
+    return float(weight * (grads + params))
 
 
 def paratrain_head_bytes(model: ModelSpec, s: int, b: int, cand: Candidate, mode: str) -> float:

@@ -155,11 +155,19 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
     for shape in _cp_methods(problem, _shapes(problem, result), result):
         for cand in _schedules(problem, shape, result):
             fitted: set = set()
+            below3: set = set()  # what fits with a stage below 3
             for stage in zero if cand.shard > 1 else (0,):
                 staged = cand.but(zero=stage)
                 # ZeRO-2 and 3 only communicate more than the stage below: they are timed
                 # only where it did not fit.
+                below3 = fitted if stage == 3 else below3
                 fitted = _sweep(problem, staged, result, fitted if stage >= 2 else set())
+            if 3 in zero and cand.shard > 1:
+                # ZeRO-3's other choice: under a pipeline, regathering every microbatch
+                # (less memory, more traffic: only where keeping did not fit); without one,
+                # keeping the units gathered (more memory, fewer gathers).
+                other = cand.but(zero=3, reshard_after_forward=cand.pp > 1)
+                _sweep(problem, other, result, fitted if cand.pp > 1 else below3)
             for group in _hsdp_groups(problem, cand) if 3 in zero else ():
                 _sweep(problem, cand.but(zero=3, shard_group=group), result, set())
     result.plans.sort(key=lambda p: rank_key(p.time.step, p.memory.total))
@@ -342,7 +350,7 @@ def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...]
         m = per_replica // mb
         trial = Candidate(cand.dp, cand.tp, cand.pp, cand.cp, cand.zero, mb, m, cand.schedule,
                           cand.virtual_stages, cand.recompute, cand.sequence_parallel,
-                          cand.shard_group, cand.cp_method)
+                          cand.shard_group, cand.cp_method, cand.reshard_after_forward)
         if trial.schedule == "interleaved" and m % trial.pp:
             result.reject("interleaved needs microbatches divisible by pp", trial.describe(),
                           lambda: f"{m} microbatches % pp={trial.pp} != 0 (Megatron's rule)")

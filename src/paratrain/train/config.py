@@ -137,7 +137,7 @@ class Config:
     def _check_strategies(self) -> None:
         p = self.parallel
         try:
-            compress.check(p.compress, p.zero)
+            compress.check(p.compress, p.zero, p.tp)
         except compress.CompressError as exc:
             raise ConfigError(str(exc)) from None
         if p.offload and not p.zero:

@@ -110,6 +110,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     lr = lr_at(step, cfg.train.steps, cfg.optim)
     record = {"loss": loss_sum / tokens, "grad_norm": norm, "lr": lr, "tokens": tokens}
     if not (math.isfinite(loss_sum) and math.isfinite(norm)):
+        engine.forget_nonfinite()  # so a skipped step's NaN does not poison the next ones
         return {**record, "nonfinite_ranks": culprits(loss.local)}  # no update: the loop decides
     engine.step(lr)
     return record

@@ -182,6 +182,10 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         all-reduces would have sent (reduce-scatters count as all-reduces: an upper bound)."""
         return self.compressors.pop_bytes()
 
+    def forget_nonfinite(self) -> None:
+        """Clear the NaN and inf a skipped step left in the compressors' state."""
+        self.compressors.drop_nonfinite()
+
     def start_grad_sync(self) -> None:
         """Launch the reduction of every unit not launched in this backward pass (e.g. one
         whose parameters got no gradient)."""
