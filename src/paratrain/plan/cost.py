@@ -13,9 +13,11 @@ a collective's own measured α and β where the cluster has them (``GpuSpec.coll
 Per microbatch and stage: TP (with SP: all-gather + reduce-scatter, the all-reduce's
 cost where they share α and β) 2 collectives forward and 2 backward per block, 2 more per
 block when full recompute repeats the forward; CP ring attention passes K,V around the
-ring (cp - 1 steps forward, K,V and their gradients backward), overlapped with the
-attention core it feeds, while Ulysses runs 4 all-to-alls forward (q, k, v to head
-sharding, the output back) and 4 backward, on the critical path; PP sends one activation forward and one gradient backward per
+ring (cp - 1 steps forward; backward K,V again and their fp32 gradients cp steps, the
+last one home after the attention), overlapped with the attention core it feeds, while
+Ulysses runs 4 all-to-alls forward (q, k, v to head sharding, the output back) and 4
+backward, on the critical path; either recompute policy repeats CP's forward exchange
+(the recomputed core is the CP attention); PP sends one activation forward and one gradient backward per
 model chunk. TP and PP time is exposed (on the critical path), except each TP region's
 backward entry reduction, which hides behind its column-parallel layers' weight-gradient
 GEMMs (``Training.tp_backward_overlap``: paratrain's ``EnterColumnParallel``).
@@ -27,7 +29,8 @@ after every microbatch (gradients are sharded, so they cannot accumulate). ZeRO-
 gathers and reduces unit by unit with a prefetch of one unit (``_zero3_time``: the first
 gather is exposed, later ones where longer than their unit's compute; across nodes one
 NIC per rank), and HSDP adds a once-per-step all-reduce across its replicas. The updated
-parameters' all-gather of ZeRO-1/2 hides behind the next step's first forward.
+parameters' all-gather of ZeRO-1/2 is exposed: paratrain's optimizer step waits for it
+(as DeepSpeed's does).
 The part longer than the compute it overlaps is exposed, and the hidden part is not
 free either: communication kernels take SMs and memory bandwidth from the compute they
 run beside, charged as ``GpuSpec.overlap_cost`` of the hidden time (0.1 on GPUs, an
@@ -254,16 +257,21 @@ def _cp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
              micro: _Micro) -> float:
     if cand.cp == 1:
         return 0.0
-    passes = 2 if cand.recompute == "full" else 1
+    # Both recompute policies run the attention core's forward again, and under CP the
+    # core is the CP attention, exchange included (parallel/recompute.py).
+    passes = 1 if cand.recompute == "none" else 2
     if cand.cp_method == "ulysses":
         return max_layers(model, cand) * (passes + 1) * _ulysses_time(model, training, cluster, cand)
     link = cluster.link(cand.sizes(), ORDER, ("cp",), p2p=True)
-    kv = 2 * cand.micro_batch * training.seq_len // cand.cp * training.act_bytes * (
+    kv = 2 * cand.micro_batch * training.seq_len // cand.cp * (
         model.kv_heads_per_rank(cand.tp) * model.head_dim)
-    step = p2p_time(kv, link.alpha, link.bw)
+    step = p2p_time(kv * training.act_bytes, link.alpha, link.bw)
+    grad_step = p2p_time(kv * 4, link.alpha, link.bw)  # dK, dV travel in fp32 (ring.py)
     overlap = cluster.gpu.overlap_cost
     fwd = exposed((cand.cp - 1) * step, micro.attention, overlap)
-    bwd = exposed((cand.cp - 1) * 2 * step, 2 * micro.attention, overlap)
+    # Backward: K, V go round again (cp - 1 hops) and dK, dV follow their block one hop
+    # further, home to its owner (cp hops), the last after the attention has finished.
+    bwd = exposed((cand.cp - 1) * (step + grad_step), 2 * micro.attention, overlap) + grad_step
     return max_layers(model, cand) * (passes * fwd + bwd)
 
 
@@ -307,7 +315,9 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     m = 1 if cand.pp > 1 else cand.microbatches
     if cand.zero == 0:
         return coll("all-reduce", psi * grad, micro.bwd)
-    gather = coll("all-gather", psi * weight, micro.fwd)
+    # The optimizer step waits for the updated parameters' all-gather (zero/engine.py, as
+    # DeepSpeed's does): nothing computes beside it.
+    gather = coll("all-gather", psi * weight, 0.0)
     if cand.zero == 1:
         return coll(reduce_op(cluster), psi * grad, micro.bwd) + gather
     if cand.zero == 2:
