@@ -107,7 +107,7 @@ def test_hsdp_is_searched_on_gpus_but_never_written_for_train():
     assert {p.cand.shard_group for p in hsdp if p.cand.tp == p.cand.pp == 1} == {8}  # a node
     with pytest.raises(ValueError, match="planner-only"):
         config_tables(hsdp[0], model, training)
-    assert not trainable([hsdp[0], *result.plans]).cand.hsdp
+    assert not trainable([hsdp[0], *result.plans], model, training).cand.hsdp
     spec = parse_layout("dp32 z3/hsdp8")
     assert (spec.zero, spec.shard_group) == (3, 8) and parse_layout("hsdp8").zero == 3
 
@@ -143,3 +143,23 @@ def test_curve_fit_recovers_rate_and_half_dim():
     assert fit_curve(samples) == pytest.approx((rate, half), rel=1e-9)
     flat = [(d, 5e9) for d in (16, 64, 256)]
     assert fit_curve(flat) == pytest.approx((5e9, 0.0))
+
+
+def test_plans_written_for_train_are_ones_train_runs(tmp_path, capsys):
+    """``--out`` writes only a plan ``paratrain train`` accepts: where SP's split of each
+    rank's tokens over tp does not divide, the search plans plain TP; a model with tied
+    embeddings has no trainable plan with pp > 1 or ZeRO, and --out says why."""
+    from helpers import plan
+
+    from paratrain.plan.export import refusal
+
+    model, training = ModelSpec("m24", 24, 3072, 24, 24, 12288, 32000), Training(96, 2048)
+    result = search(model, training, Cluster(gpu_preset("h100-80g"), 48))
+    assert {p.cand.tp for p in result.plans if p.cand.tp > 1 and not p.cand.sp} == {3, 6}
+    assert all("sequence parallelism" not in (refusal(p.cand, model, training) or "")
+               for p in result.plans)
+    assert "tied embeddings" in refusal(result.plans[0].cand.but(pp=2, shard_group=0), ModelSpec(
+        "tied", 24, 3072, 24, 24, 12288, 32000, tie_embeddings=True), training)
+    out = tmp_path / "plan.toml"
+    assert plan("--model", "gpt3-175b", "--gpus", "1024", "--out", str(out)) == 2
+    assert "tie_embeddings = false" in capsys.readouterr().err and not out.exists()

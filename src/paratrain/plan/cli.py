@@ -168,7 +168,12 @@ def run(args: argparse.Namespace) -> int:
         _suggest_batches(model, training, cluster, micro, recompute)
         return 1
     if args.out:
-        export.write_config(args.out, export.trainable(result.plans), model, training)
+        try:
+            export.write_config(args.out, export.trainable(result.plans, model, training),
+                                model, training)
+        except ValueError as err:  # no plan is one `paratrain train` runs
+            print(f"paratrain plan: error: --out: {err}", file=sys.stderr)
+            return 2
         print(f"wrote {args.out}: run it with `paratrain train --config {args.out}`", file=log)
     if args.plot:
         try:

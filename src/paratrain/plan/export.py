@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .candidate import Training
+from .. import rules
+from ..layout import LayoutError
+from .candidate import Candidate, Training
 from .hardware import GiB
 from .models import TRAIN_PRESETS, ModelSpec
 from .report import MEMORY_PARTS, TIME_PARTS, layout_label
@@ -32,9 +34,9 @@ def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str,
     ``global_batch / dp = micro_batch x microbatches``: pipeline microbatches when pp > 1,
     gradient-accumulation steps otherwise."""
     c = plan.cand
-    if c.hsdp:
-        raise ValueError(f"{c.describe()}: hybrid sharding (HSDP) is planner-only; "
-                         f"`paratrain train` shards ZeRO-3 over all dp x cp ranks")
+    why = refusal(c, model, training)
+    if why:
+        raise ValueError(f"{c.describe()}: {why}")
     return {
         # A paratrain preset keeps its name, so that `train` reports the model it runs.
         "model": {**({"preset": model.name} if model.name in TRAIN_PRESETS else {}),
@@ -67,10 +69,28 @@ def to_toml(tables: dict[str, dict], comment: str = "") -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
-def trainable(plans: list[Plan]) -> Plan:
-    """The best of ``plans`` that ``paratrain train`` runs: HSDP (hybrid sharding) is
-    planner-only, so a winning HSDP plan is passed over for the next one."""
-    return next((p for p in plans if not p.cand.hsdp), plans[0])
+def refusal(cand: Candidate, model: ModelSpec, training: Training) -> str | None:
+    """Why ``paratrain train`` would refuse ``cand`` as a config, or None. The planner
+    also models what other software runs (HSDP, SGD, tied embeddings split over stages or
+    shards, plain TP where SP's split does not divide), so a plan can rank without being
+    trainable here."""
+    if cand.hsdp:
+        return ("hybrid sharding (HSDP) is planner-only; `paratrain train` shards ZeRO-3 "
+                "over all dp x cp ranks")
+    if training.optimizer != "adam":
+        return f"`paratrain train` trains with AdamW; optimizer {training.optimizer!r} is planner-only"
+    try:
+        rules.tied_embeddings(model.tie_embeddings, cand.pp, cand.zero)
+        rules.sequence_parallel(cand.sp, cand.tp, cand.cp, training.seq_len)
+    except LayoutError as err:
+        return str(err)
+    return None
+
+
+def trainable(plans: list[Plan], model: ModelSpec, training: Training) -> Plan:
+    """The best of ``plans`` that ``paratrain train`` runs (``refusal``), or the best of
+    all when none is (writing it then fails with the reason)."""
+    return next((p for p in plans if not refusal(p.cand, model, training)), plans[0])
 
 
 def write_config(path: str | Path, plan: Plan, model: ModelSpec, training: Training) -> None:

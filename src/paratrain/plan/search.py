@@ -230,8 +230,9 @@ def _shapes(problem: _Problem, result: SearchResult):
         for cp in divisors(n // tp) if problem.context_parallel else (1,):
             for pp in divisors(n // (tp * cp)):
                 dp = n // (tp * cp * pp)
-                shape = Candidate(dp, tp, pp, cp, 0, 1, 1,
-                                  sequence_parallel=problem.sequence_parallel)
+                # SP cuts each rank's tokens over tp: where they do not divide, plain TP
+                sp = problem.sequence_parallel and (problem.training.seq_len // cp) % tp == 0
+                shape = Candidate(dp, tp, pp, cp, 0, 1, 1, sequence_parallel=sp)
                 label = f"dp{dp} tp{tp} pp{pp} cp{cp}"
                 if tp > node:
                     result.reject(f"tp={tp} spans nodes of {node} GPUs", label,
@@ -268,9 +269,10 @@ def _valid(problem: _Problem, cand: Candidate, v: int, label: str,
 
 
 def _check_model(model: ModelSpec, seq_len: int, cand: Candidate, v: int) -> None:
-    """``rules.check_split``: the rules ``train`` and the strategies apply."""
+    """``rules.check_split`` and SP's split: the rules ``train`` and the strategies apply."""
     rules.check_split(rules.Shape(model.n_heads, model.n_kv_heads, model.n_layers, model.ffn_hidden),
                       rules.Split(cand.tp, cand.cp, cand.pp, v, seq_len, cand.cp_method))
+    rules.sequence_parallel(cand.sp, cand.tp, cand.cp, seq_len)
 
 
 def _schedules(problem: _Problem, shape: Candidate, result: SearchResult):
