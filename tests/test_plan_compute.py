@@ -163,3 +163,20 @@ def test_plans_written_for_train_are_ones_train_runs(tmp_path, capsys):
     out = tmp_path / "plan.toml"
     assert plan("--model", "gpt3-175b", "--gpus", "1024", "--out", str(out)) == 2
     assert "tie_embeddings = false" in capsys.readouterr().err and not out.exists()
+
+
+def test_out_picks_a_plan_that_fits_paratrains_own_runtime():
+    """GPU plans are ranked with fused kernels' activations; paratrain's eager block keeps
+    more, so --out passes over a winner that would not fit as paratrain holds memory."""
+    from paratrain.plan.export import trainable
+    from paratrain.plan.memory import rank_memory
+
+    model, training = PRESETS["llama3-8b"], Training(512, 8192)
+    cluster = Cluster(gpu_preset("h100-80g"), 64)
+    plans = search(model, training, cluster).plans
+    eager = rank_memory(model, training, plans[0].cand, paratrain=True).total
+    assert plans[0].memory.total <= cluster.memory_limit < eager  # 71.2 vs 90.3 GiB
+    chosen = trainable(plans, model, training, cluster.memory_limit)
+    assert chosen is not plans[0]
+    assert rank_memory(model, training, chosen.cand, paratrain=True).total <= cluster.memory_limit
+    assert trainable(plans, model, training) is plans[0]  # the local cluster counts paratrain's

@@ -169,8 +169,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.out:
         try:
-            export.write_config(args.out, export.trainable(result.plans, model, training),
-                                model, training)
+            limit = cluster.memory_limit if cluster.kind != "local" else None
+            chosen = export.trainable(result.plans, model, training, limit)
+            export.write_config(args.out, chosen, model, training)
+            if chosen is not result.plans[0]:
+                print(f"--out: plan #{result.plans.index(chosen) + 1} ({chosen.cand.describe()}), "
+                      f"the best that paratrain train runs and fits as its runtime holds memory",
+                      file=log)
         except ValueError as err:  # no plan is one `paratrain train` runs
             print(f"paratrain plan: error: --out: {err}", file=sys.stderr)
             return 2

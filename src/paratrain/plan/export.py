@@ -23,6 +23,7 @@ from .. import rules
 from ..layout import LayoutError
 from .candidate import Candidate, Training
 from .hardware import GiB
+from .memory import rank_memory
 from .models import TRAIN_PRESETS, ModelSpec
 from .report import MEMORY_PARTS, TIME_PARTS, layout_label
 from .search import Plan
@@ -87,10 +88,24 @@ def refusal(cand: Candidate, model: ModelSpec, training: Training) -> str | None
     return None
 
 
-def trainable(plans: list[Plan], model: ModelSpec, training: Training) -> Plan:
+def trainable(plans: list[Plan], model: ModelSpec, training: Training,
+              limit: float | None = None) -> Plan:
     """The best of ``plans`` that ``paratrain train`` runs (``refusal``), or the best of
-    all when none is (writing it then fails with the reason)."""
-    return next((p for p in plans if not refusal(p.cand, model, training)), plans[0])
+    all when none is (writing it then fails with the reason). With ``limit`` (usable bytes
+    per GPU), also one that fits it as paratrain's own runtime holds memory: GPU plans are
+    ranked with Megatron-style fused kernels (``plan.memory``), and paratrain's eager
+    block keeps more (``plan.runtime``)."""
+    runnable = [p for p in plans if not refusal(p.cand, model, training)]
+    if limit is None or not runnable:
+        return (runnable or plans)[0]
+    for plan in runnable:
+        if rank_memory(model, training, plan.cand, paratrain=True).total <= limit:
+            return plan
+    need = rank_memory(model, training, runnable[0].cand, paratrain=True).total
+    raise ValueError(f"no plan fits paratrain's own runtime: the best, {runnable[0].cand.describe()}, "
+                     f"would hold {need / GiB:.1f} GiB per GPU of {limit / GiB:.1f} usable "
+                     f"(the ranking counts fused kernels' activations); try --recompute full "
+                     f"or more GPUs")
 
 
 def write_config(path: str | Path, plan: Plan, model: ModelSpec, training: Training) -> None:
