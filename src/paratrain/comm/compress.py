@@ -309,9 +309,13 @@ class TopK(Compressor):
         return Pending(work, lambda: self._finish(bucket, x, out.view(p, -1), values.numel()))
 
     def _finish(self, bucket, x, out, k):
-        values = out[:, :k].reshape(-1)
-        index = out[:, k:].contiguous().view(torch.int32).reshape(-1).long()
-        x.zero_().index_add_(0, index, values).div_(out.shape[0])
+        x.zero_()
+        # Rank by rank, in rank order: one rank's indices are unique, so no two additions
+        # race. A single index_add_ over every rank's repeats is nondeterministic on CUDA
+        # (atomics), and replicas that never re-sync must agree bit for bit.
+        for row in out:
+            x.index_add_(0, row[k:].contiguous().view(torch.int32).long(), row[:k])
+        x.div_(out.shape[0])
         self._write_back(bucket, x)
         return None
 
