@@ -119,7 +119,7 @@ def check(text: "str | CompressSpec", zero: int, tp: int = 1) -> CompressSpec:
         # copies of a replicated parameter (a norm weight) on the tp ranks would round
         # differently and drift apart; the other methods are elementwise or per tensor.
         raise CompressError(f"compress={spec.text!r} with tp={tp}: int8 shares one scale per "
-                            f"block of {256} entries across neighbouring parameters, so the "
+                            f"block of 256 entries across neighbouring parameters, so the "
                             f"tensor-parallel ranks' copies of a replicated parameter would "
                             f"round differently and drift apart; use fp16, bf16, topk or "
                             f"powersgd with tensor parallelism")

@@ -167,19 +167,8 @@ def run(args: argparse.Namespace) -> int:
         print("paratrain plan: no layout fits; see the rejections above", file=sys.stderr)
         _suggest_batches(model, training, cluster, micro, recompute)
         return 1
-    if args.out:
-        try:
-            limit = cluster.memory_limit if cluster.kind != "local" else None
-            chosen = export.trainable(result.plans, model, training, limit)
-            export.write_config(args.out, chosen, model, training)
-            if chosen is not result.plans[0]:
-                print(f"--out: plan #{result.plans.index(chosen) + 1} ({chosen.cand.describe()}), "
-                      f"the best that paratrain train runs and fits as its runtime holds memory",
-                      file=log)
-        except ValueError as err:  # no plan is one `paratrain train` runs
-            print(f"paratrain plan: error: --out: {err}", file=sys.stderr)
-            return 2
-        print(f"wrote {args.out}: run it with `paratrain train --config {args.out}`", file=log)
+    if args.out and _write_out(args.out, result, model, training, cluster, log):
+        return 2
     if args.plot:
         try:
             export.plot(args.plot, result.plans[:args.top], cluster.memory_limit,
@@ -188,6 +177,24 @@ def run(args: argparse.Namespace) -> int:
             print(f"paratrain plan: error: {err}", file=sys.stderr)
             return 2
         print(f"wrote {args.plot}", file=log)
+    return 0
+
+
+def _write_out(path: str, result, model, training, cluster, log) -> int:
+    """``--out``: the best plan ``paratrain train`` runs, as its config; 2 if there is none."""
+    from . import export
+
+    try:
+        limit = cluster.memory_limit if cluster.kind != "local" else None
+        chosen = export.trainable(result.plans, model, training, limit)
+        export.write_config(path, chosen, model, training)
+    except ValueError as err:  # no plan is one `paratrain train` runs
+        print(f"paratrain plan: error: --out: {err}", file=sys.stderr)
+        return 2
+    if chosen is not result.plans[0]:
+        print(f"--out: plan #{result.plans.index(chosen) + 1} ({chosen.cand.describe()}), the "
+              f"best that paratrain train runs and fits as its runtime holds memory", file=log)
+    print(f"wrote {path}: run it with `paratrain train --config {path}`", file=log)
     return 0
 
 

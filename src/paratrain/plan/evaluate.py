@@ -170,6 +170,7 @@ def candidates(spec: LayoutSpec, model: ModelSpec, training: Training,
 
 def _choices(spec, model, training, dp, tp, pp, cp):
     per_replica = max(training.global_batch // dp, 1)
+    sp = (training.seq_len // cp) % tp == 0  # as the search: plain TP where SP cannot split
     schedules = ("1f1b",) if pp == 1 and spec.schedule is None else _options(
         spec.schedule, SCHEDULES if (spec.virtual_stages or 1) == 1 else ("interleaved",))
     for schedule in schedules:
@@ -181,8 +182,8 @@ def _choices(spec, model, training, dp, tp, pp, cp):
                     for rc in _options(spec.recompute, RECOMPUTE):
                         for method in _options(spec.cp_method, ("ring", "ulysses") if cp > 1 else ("ring",)):
                             yield Candidate(dp, tp, pp, cp, zero, mb, max(per_replica // mb, 1),
-                                            schedule, v, rc, shard_group=spec.shard_group or 0,
-                                            cp_method=method,
+                                            schedule, v, rc, sp,
+                                            shard_group=spec.shard_group or 0, cp_method=method,
                                             reshard_after_forward=spec.reshard_after_forward)
 
 
