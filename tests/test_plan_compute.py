@@ -125,6 +125,9 @@ def test_zero3_gather_choice_is_read_and_written_for_train():
     regather = next(p for p in result.plans if p.cand.pp > 1 and p.cand.zero == 3
                     and p.cand.reshards)
     assert config_tables(regather, model, training)["parallel"]["reshard_after_forward"] == "yes"
+    from paratrain.plan.report import layout_label
+
+    assert "zero3/reshard" in layout_label(regather)  # the tables show the choice
     assert "reshard_after_forward" not in config_tables(result.plans[0], model, training)["parallel"]
 
 

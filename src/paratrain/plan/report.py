@@ -45,6 +45,8 @@ def layout_label(plan: Plan) -> str:
     sched = "" if c.pp == 1 else " " + c.schedule + (
         f"/v{c.virtual_stages}" if c.virtual_stages > 1 else "")
     hsdp = f"/hsdp{c.shard_group} (planner only)" if c.hsdp else ""
+    if c.zero == 3 and c.reshards != (c.pp == 1):  # not paratrain's auto choice
+        hsdp = ("/reshard" if c.reshards else "/keep") + hsdp
     uly = "/ulysses" if c.cp > 1 and c.cp_method == "ulysses" else ""
     return (f"dp{c.dp} tp{c.tp}{'+sp' if c.sp else ''} pp{c.pp} cp{c.cp}{uly} "
             f"zero{c.zero}{hsdp}{sched}")
@@ -153,7 +155,7 @@ def rejected(result: SearchResult) -> str:
 def plan_dict(plan: Plan) -> dict:
     c = plan.cand
     return {
-        "layout": {**asdict(c), "sp": c.sp, "planner_only": c.hsdp},
+        "layout": {**asdict(c), "sp": c.sp, "reshards": c.reshards, "planner_only": c.hsdp},
         "memory_bytes": {**{k: getattr(plan.memory, k) for k in MEMORY_PARTS},
                          "total": plan.memory.total, "stage": plan.memory.stage},
         "time_s": {**{k: getattr(plan.time, k) for k in TIME_PARTS}, "step": plan.time.step},
