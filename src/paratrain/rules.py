@@ -114,12 +114,17 @@ def context(cp: int, method: str, seq_len: int, local_heads: int, local_kv: int)
                           f"{divisors(local_kv)}")
 
 
+def sequence_parallel_splits(tp: int, cp: int, seq_len: int) -> bool:
+    """Whether each context-parallel rank's tokens split evenly over the tp ranks."""
+    return (seq_len // cp) % tp == 0
+
+
 def sequence_parallel(sp: bool, tp: int, cp: int, seq_len: int) -> None:
     """Megatron-SP cuts each rank's tokens over the tensor-parallel group."""
     if sp and tp == 1:
         raise LayoutError("sequence parallelism shards the sequence over the tensor-parallel "
                           "group: it needs --tp > 1")
-    if sp and (seq_len // cp) % tp:
+    if sp and not sequence_parallel_splits(tp, cp, seq_len):
         raise LayoutError(f"sequence parallelism splits each rank's {seq_len // cp} tokens over "
                           f"tp={tp}; use a seq_len divisible by {tp * cp}")
 

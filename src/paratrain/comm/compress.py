@@ -113,13 +113,15 @@ def parse(text: "str | CompressSpec") -> CompressSpec:
 
 def check(text: "str | CompressSpec", zero: int, tp: int = 1) -> CompressSpec:
     """Parse ``text`` and refuse layouts it cannot compose with."""
+    from .int8 import INT8_BLOCK  # int8.py builds on this module
+
     spec = parse(text)
     if spec.method == "int8" and tp > 1:
         # A block's scale spans neighbouring parameters, sharded ones among them, so the
         # copies of a replicated parameter (a norm weight) on the tp ranks would round
         # differently and drift apart; the other methods are elementwise or per tensor.
         raise CompressError(f"compress={spec.text!r} with tp={tp}: int8 shares one scale per "
-                            f"block of 256 entries across neighbouring parameters, so the "
+                            f"block of {INT8_BLOCK} entries across neighbouring parameters, so the "
                             f"tensor-parallel ranks' copies of a replicated parameter would "
                             f"round differently and drift apart; use fp16, bf16, topk or "
                             f"powersgd with tensor parallelism")

@@ -115,6 +115,14 @@ class Candidate:
         return self.reshard_after_forward
 
     @property
+    def gather_choice(self) -> str:
+        """``/reshard`` or ``/keep`` where ZeRO-3's choice departs from paratrain's auto,
+        else empty: the suffix the tables print after the ZeRO stage."""
+        if self.zero != 3 or self.reshards == (self.pp == 1):
+            return ""
+        return "/reshard" if self.reshards else "/keep"
+
+    @property
     def sp(self) -> bool:
         """Sequence parallelism is on."""
         return self.tp > 1 and self.sequence_parallel
@@ -149,8 +157,7 @@ class Candidate:
         sched = "" if self.pp == 1 else (
             f" {self.schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         hsdp = f"/hsdp{self.shard_group}" if self.hsdp else ""
-        if self.zero == 3 and self.reshards != (self.pp == 1):  # not paratrain's auto
-            hsdp += "/reshard" if self.reshards else "/keep"
+        hsdp += self.gather_choice
         uly = "/ulysses" if self.cp > 1 and self.cp_method == "ulysses" else ""
         return (f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}{uly} z{self.zero}{hsdp}{sched} "
                 f"mb{self.micro_batch}x{self.microbatches} rc={self.recompute}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from .. import rules
 from .candidate import RECOMPUTE, SCHEDULES, Candidate, Training
 from .cost import StepTime, step_time
 from .flops import step_flops
@@ -170,7 +171,7 @@ def candidates(spec: LayoutSpec, model: ModelSpec, training: Training,
 
 def _choices(spec, model, training, dp, tp, pp, cp):
     per_replica = max(training.global_batch // dp, 1)
-    sp = (training.seq_len // cp) % tp == 0  # as the search: plain TP where SP cannot split
+    sp = rules.sequence_parallel_splits(tp, cp, training.seq_len)  # as the search: else plain TP
     schedules = ("1f1b",) if pp == 1 and spec.schedule is None else _options(
         spec.schedule, SCHEDULES if (spec.virtual_stages or 1) == 1 else ("interleaved",))
     for schedule in schedules:

@@ -44,9 +44,7 @@ def layout_label(plan: Plan) -> str:
     c = plan.cand
     sched = "" if c.pp == 1 else " " + c.schedule + (
         f"/v{c.virtual_stages}" if c.virtual_stages > 1 else "")
-    hsdp = f"/hsdp{c.shard_group} (planner only)" if c.hsdp else ""
-    if c.zero == 3 and c.reshards != (c.pp == 1):  # not paratrain's auto choice
-        hsdp = ("/reshard" if c.reshards else "/keep") + hsdp
+    hsdp = c.gather_choice + (f"/hsdp{c.shard_group} (planner only)" if c.hsdp else "")
     uly = "/ulysses" if c.cp > 1 and c.cp_method == "ulysses" else ""
     return (f"dp{c.dp} tp{c.tp}{'+sp' if c.sp else ''} pp{c.pp} cp{c.cp}{uly} "
             f"zero{c.zero}{hsdp}{sched}")

@@ -231,7 +231,8 @@ def _shapes(problem: _Problem, result: SearchResult):
             for pp in divisors(n // (tp * cp)):
                 dp = n // (tp * cp * pp)
                 # SP cuts each rank's tokens over tp: where they do not divide, plain TP
-                sp = problem.sequence_parallel and (problem.training.seq_len // cp) % tp == 0
+                sp = problem.sequence_parallel and rules.sequence_parallel_splits(
+                    tp, cp, problem.training.seq_len)
                 shape = Candidate(dp, tp, pp, cp, 0, 1, 1, sequence_parallel=sp)
                 label = f"dp{dp} tp{tp} pp{pp} cp{cp}"
                 if tp > node:
