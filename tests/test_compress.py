@@ -197,6 +197,7 @@ def test_lossless_compression_equals_none_with_accumulation_zero1_and_resume(tmp
         "powersgd": tiny_config(t + "/g", nproc=2, compress="powersgd:2", **saving),
         # compress_start=4 with a checkpoint at 3: the resumed run must know it reduced 3 times
         "int8-zero1": tiny_config(t + "/h", nproc=2, compress="int8", compress_start=4, **saving, **z1),
+        "topk": tiny_config(t + "/i", nproc=2, compress="topk:0.1", compress_start=0, **saving),
     }
     runs = run_world(train_runs, 2, configs)[0]
     assert_same_run(runs["topk-acc"], runs["none-acc"])
@@ -208,11 +209,15 @@ def test_lossless_compression_equals_none_with_accumulation_zero1_and_resume(tmp
                                 resume=t + "/g/checkpoints/step-3", **resume),
         "int8-zero1": tiny_config(t + "/h2", nproc=2, compress="int8", compress_start=4,
                                   resume=t + "/h/checkpoints/step-3", **resume, **z1),
+        # a later start (e.g. the default 10% of more steps): compression had started, stays on
+        "topk": tiny_config(t + "/i2", nproc=2, compress="topk:0.1", compress_start=5,
+                            resume=t + "/i/checkpoints/step-3", **resume),
         # other buckets: the saved state does not fit, so it starts fresh, and the run differs
         "other buckets": tiny_config(t + "/g3", nproc=2, compress="powersgd:2",
                                      resume=t + "/g/checkpoints/step-3", bucket_mb=1.0, **resume)})[0]
     assert_same_run(tail(resumed["powersgd"]), tail(runs["powersgd"], 3))
     assert_same_run(tail(resumed["int8-zero1"]), tail(runs["int8-zero1"], 3))
+    assert_same_run(tail(resumed["topk"]), tail(runs["topk"], 3))
     fresh, kept = resumed["other buckets"]["params"], runs["powersgd"]["params"]
     assert max(rel_error(fresh[k], kept[k]) for k in kept) > 1e-4
 

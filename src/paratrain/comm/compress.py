@@ -174,6 +174,9 @@ class Pending:
 class Compressor:
     """One bucket's compressed average and its state (residual, PowerSGD's Q)."""
 
+    COUNTERS = ("reductions", "start")
+    """State entries that are counters, optional when loading (older checkpoints)."""
+
     def __init__(self, numel: int, error_feedback: bool = False, device: torch.device | None = None):
         self.numel, self.device = numel, device or torch.device("cpu")
         self.residual = torch.zeros(numel, device=self.device) if error_feedback else None
@@ -184,7 +187,7 @@ class Compressor:
         self.start = 0
         """Reductions averaged uncompressed before compression starts (CompressSpec.start)."""
         self.reductions = 0
-        """Reductions so far (kept in checkpoints while ``start`` matters)."""
+        """Reductions so far (kept in checkpoints with ``start``)."""
 
     def reduce(self, bucket: torch.Tensor, group: ProcessGroup) -> Pending:
         """Launch the average of ``bucket`` over ``group``; it is in ``bucket`` after wait()."""
@@ -224,22 +227,30 @@ class Compressor:
             self.residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors that a checkpoint must keep for the run to resume exactly."""
+        """Tensors that a checkpoint must keep for the run to resume exactly: the residual,
+        and the counters that say whether compression has started (``COUNTERS``)."""
         state = {"residual": self.residual} if self.residual is not None else {}
-        if self.start:
-            state["reductions"] = torch.tensor(self.reductions)
-        return state
+        return {**state, "reductions": torch.tensor(self.reductions), "start": torch.tensor(self.start)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Install a saved state. Once compression has started it stays started: a resumed
+        run keeps the checkpoint's start even where its own differs (the default start is
+        10% of ``steps``, so extending a run moves it), or the restored residual would wait
+        through uncompressed reductions and arrive late."""
         for name, value in state.items():
-            if name == "reductions":
-                self.reductions = int(value)
-            else:
+            if name not in self.COUNTERS:
                 getattr(self, name).copy_(value)
+        self.reductions = int(state.get("reductions", self.reductions))
+        saved_start = int(state.get("start", self.start))
+        if self.reductions > saved_start:
+            self.start = saved_start
 
 
 class NoCompression(Compressor):
     """The plain average: one all-reduce of the bucket as it is."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}  # nothing to resume
 
     def _reduce(self, bucket, group):
         self._sent(all_reduce_bytes(bucket.numel() * bucket.element_size(), C.size(group)))
@@ -383,14 +394,18 @@ class CompressorSet:
         prefix = f"{self._prefix()}/rank{dist.get_rank()}/"
         return {f"{prefix}b{i}.{k}": v for i, c in enumerate(self.items) for k, v in c.state_dict().items()}
 
-    def load_state(self, saved: dict[str, torch.Tensor]) -> bool:
-        """Install this rank's state from every rank's saved ``local_state``. A checkpoint of another
-        method, world or bucket layout leaves the state fresh (returns False)."""
+    def load_state(self, saved: dict[str, torch.Tensor]) -> str | None:
+        """Install this rank's state from every rank's saved ``local_state``. A checkpoint of
+        another method, world or bucket layout leaves the state fresh; the reason is
+        returned (None: restored, or nothing to restore)."""
         prefix = f"{self._prefix()}/rank{dist.get_rank()}/"
-        wanted = [(c, k, v, saved.get(f"{prefix}b{i}.{k}")) for i, c in enumerate(self.items)
+        wanted = [(i, k, v, saved.get(f"{prefix}b{i}.{k}")) for i, c in enumerate(self.items)
                   for k, v in c.state_dict().items()]
-        if not wanted or any(s is None or s.shape != v.shape for _, _, v, s in wanted):
-            return False
-        for c, k, _, s in wanted:
-            c.load_state_dict({k: s})
-        return True
+        missing = [f"b{i}.{k}" for i, k, v, s in wanted
+                   if k not in Compressor.COUNTERS and (s is None or s.shape != v.shape)]
+        if missing:
+            return (f"the checkpoint holds no {self.spec.text} state for this world and these "
+                    f"buckets (first missing: {prefix}{missing[0]})")
+        for i, c in enumerate(self.items):
+            c.load_state_dict({k: s for j, k, _, s in wanted if j == i and s is not None})
+        return None

@@ -350,6 +350,9 @@ def load_into(engine, directory: str | Path, model_cfg) -> int:
                 saved[key] = torch.empty_like(value)
                 reader.fill(S.Piece(f"compress/{key}", tuple(value.shape), (0,) * value.dim(),
                                     saved[key], tuple(value.shape), value.dtype))
-        compressors.load_state(saved)  # another method or world: fresh state, as before
+        why = compressors.load_state(saved)
+        if why and any(k.startswith("compress/") for k in meta["tensors"]) and dist.get_rank() == 0:
+            print(f"paratrain train: gradient compression starts fresh: {why}; the resumed run "
+                  "is not an exact continuation of the saved one", flush=True)
     S.after_load(engine)
     return meta["step"]
