@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from paratrain.launch import spawn
 from paratrain.models.gpt import GPT, preset
@@ -44,14 +45,24 @@ class Peer:
         return state_bytes(self._tensors())
 
 
+def phase(name: str) -> record_function:
+    """A labelled span of a step, for ``--profile``'s breakdown (free when not profiling)."""
+    return record_function(f"phase: {name}")
+
+
 def paratrain_zero(base, stage: int) -> Peer:
     engine = ZeroDataParallel(copy.deepcopy(base), dist.group.WORLD, stage, OptimConfig(lr=LR))
 
     def step(tokens):
         engine.zero_grad()
-        (engine(tokens, tokens) / tokens.numel()).backward()
-        engine.finish_grad_sync()
-        engine.step(LR)
+        with phase("forward"):
+            loss = engine(tokens, tokens) / tokens.numel()
+        with phase("backward"):
+            loss.backward()
+        with phase("gradient sync"):
+            engine.finish_grad_sync()
+        with phase("optimizer step"):
+            engine.step(LR)
 
     return Peer(f"paratrain ZeRO-{stage}", engine, step, engine.state_tensors)
 
@@ -70,8 +81,12 @@ def _torch_tensors(model, opt, local):
 def _plain_step(model, opt):
     def step(tokens):
         opt.zero_grad(set_to_none=False)
-        (model(tokens, tokens) / tokens.numel()).backward()
-        opt.step()
+        with phase("forward"):
+            loss = model(tokens, tokens) / tokens.numel()
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer step"):
+            opt.step()
     return step
 
 
@@ -82,7 +97,8 @@ PEER_SETTINGS = [
     "torch FSDP2: fully_shard per block, embedding, final norm and head (paratrain's units), "
     "then the root; reshard_after_forward=True (paratrain ZeRO-3's default without a pipeline); "
     "explicit forward/backward prefetch of the next unit",
-    "DeepSpeed: overlap_comm=True, contiguous_gradients=True (when installed)",
+    "DeepSpeed: overlap_comm=True, contiguous_gradients=True (when installed); torch's "
+    "F.linear restored after DeepSpeed ZeRO-3 replaces it, so all run the same layers",
 ]
 
 
@@ -136,7 +152,11 @@ def worker(args) -> dict:
     base = GPT(preset(args.model))
     peers = [paratrain_zero(base, s) for s in (1, 2, 3)] + [torch_zero_redundancy(base), torch_fsdp2(base)]
     if args.deepspeed:
+        linear = torch.nn.functional.linear
         peers += [deepspeed_zero(base, s) for s in (1, 2, 3)]
+        # DeepSpeed ZeRO-3 swaps torch's F.linear for its own autograd function for good;
+        # put torch's back so that every implementation runs the same linear layers
+        torch.nn.functional.linear = linear
     gen = torch.Generator().manual_seed(dist.get_rank())
     batches = [torch.randint(0, 256, (args.batch, args.seq), generator=gen) for _ in range(args.steps)]
     times = {p.name: [] for p in peers}
@@ -149,7 +169,34 @@ def worker(args) -> dict:
                 dist.barrier()
                 if r:
                     times[peer.name].append(time.perf_counter() - t0)
-    return {p.name: {"step_s": statistics.median(times[p.name]), **p.state()} for p in peers}
+    out = {p.name: {"step_s": statistics.median(times[p.name]), **p.state()} for p in peers}
+    if args.profile:
+        for peer in peers:
+            out[peer.name]["profile"] = profile(peer, batches)
+    return out
+
+
+def profile(peer: Peer, batches, top: int = 6) -> dict:
+    """Where one implementation's steps go on this rank (``torch.profiler``, CPU): the wall
+    time of each phase of the step, the training thread's time inside c10d calls (posting
+    and waiting; gloo's transfers run on its own threads), and the operators with the most
+    self time. Milliseconds per step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    dist.barrier()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for tokens in batches:
+            peer.step(tokens)
+    dist.barrier()
+    n, events = len(batches), prof.key_averages()
+    phases = {e.key.removeprefix("phase: "): e.cpu_time_total / 1e3 / n
+              for e in events if e.key.startswith("phase: ")}
+    c10d = sum(e.self_cpu_time_total for e in events if e.key.startswith("c10d::")) / 1e3 / n
+    ops = sorted((e for e in events if not e.key.startswith("phase: ")),
+                 key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {"phases": phases, "c10d_ms": c10d,
+            "top": [(e.key, e.self_cpu_time_total / 1e3 / n) for e in ops[:top]]}
 
 
 def deepspeed_zero(base, stage: int) -> Peer:
@@ -166,8 +213,12 @@ def deepspeed_zero(base, stage: int) -> Peer:
                                       model_parameters=None)
 
     def step(tokens):
-        engine.backward(engine(tokens, tokens) / tokens.numel())
-        engine.step()
+        with phase("forward"):
+            loss = engine(tokens, tokens) / tokens.numel()
+        with phase("backward"):
+            engine.backward(loss)
+        with phase("optimizer step"):
+            engine.step()
 
     return Peer(f"DeepSpeed ZeRO-{stage}", engine, step, None)
 
@@ -180,6 +231,21 @@ def deepspeed_available() -> bool:
     return True
 
 
+def print_profiles(rank0: dict) -> None:
+    names = ("forward", "backward", "gradient sync", "optimizer step")
+    print("profile, rank 0, ms per step: phases of the step (wall), time in c10d calls, "
+          "and the operators with the most self time")
+    print(f"{'implementation':<32}" + "".join(f"{n:>15}" for n in names) + f"{'c10d calls':>12}")
+    for name, r in rank0.items():
+        prof = r["profile"]
+        cells = "".join(f"{prof['phases'][n]:>15.1f}" if n in prof["phases"] else f"{'-':>15}"
+                        for n in names)
+        print(f"{name:<32}{cells}{prof['c10d_ms']:>12.1f}")
+    for name, r in rank0.items():
+        ops = ", ".join(f"{k.removeprefix('aten::')[:40]} {ms:.1f}" for k, ms in r["profile"]["top"])
+        print(f"  {name}: {ops}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
@@ -188,6 +254,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile each implementation's steps on rank 0 (torch.profiler)")
     args = parser.parse_args()
     args.deepspeed = deepspeed_available()
     results = spawn(worker, args.nproc, args, backend="gloo", timeout_s=1800)
@@ -202,6 +270,8 @@ def main() -> None:
     for name, r in rank0.items():
         print(f"{name:<32}{r['step_s'] * 1e3:>9.1f}{mb(r['param_bytes']):>11}"
               f"{mb(r['grad_bytes']):>10}{mb(r['optim_bytes']):>10}")
+    if args.profile:
+        print_profiles(rank0)
     extra = {}
     if args.deepspeed:
         for s in (1, 2):

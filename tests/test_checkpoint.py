@@ -11,7 +11,7 @@ import pytest
 from distributed import run_world
 from paratrain.train import checkpoint
 from paratrain.train.config import ConfigError
-from helpers import assert_same_run, tail, tiny_config, train_runs
+from helpers import assert_identical_runs, assert_same_run, tail, tiny_config, train_runs
 
 STEPS = 6
 
@@ -58,3 +58,14 @@ def test_bad_checkpoints_are_reported_before_launch(saved, tmp_path):
 
     with pytest.raises(checkpoint.CheckpointError, match="corrupt"):
         checkpoint.load(broken, PRESETS["tiny"])
+
+
+def test_bf16_zero_resumes_from_its_fp32_master_weights(tmp_path):
+    """ZeRO with bf16 weights steps fp32 masters; the checkpoint keeps the masters, so the
+    resumed run is the uninterrupted one bit for bit (a bf16 copy would round them)."""
+    bf16 = dict(zero=2, precision="bf16", tie_embeddings=False)
+    run = run_world(train_runs, 2, {"a": resume_config(str(tmp_path / "a"), 2, save_every=3, **bf16)})[0]["a"]
+    ckpt = tmp_path / "a" / "checkpoints" / "step-3"
+    assert checkpoint.read_meta(ckpt)["tensors"]["param/layers.0.attn.wq.weight"]["dtype"] == "float32"
+    got = run_world(train_runs, 2, {"b": resume_config(str(tmp_path / "b"), 2, str(ckpt), **bf16)})[0]["b"]
+    assert_identical_runs(tail(got), tail(run, since=3), what="bf16 ZeRO-2 resumed")

@@ -252,9 +252,24 @@ def faults_in_one_world(tmp: str) -> dict:
     build = loop.build
     # skip: the step is not applied, counted, and the run goes on (one skip allowed)
     loop.build = poisoned(build, {2})
-    cfg = tiny_config(f"{tmp}/skip", nproc=2, steps=4, eval_every=0, on_nonfinite="skip",
-                      max_skips=1, save_every=4)
-    out["skip_losses"] = loop.train(cfg, Mesh.build(cfg.layout)).losses
+    cfg = tiny_config(f"{tmp}/skip", nproc=2, steps=5, eval_every=0, on_nonfinite="skip",
+                      max_skips=1, save_every=3)
+    result = loop.train(cfg, Mesh.build(cfg.layout), keep_params=True)
+    out["skip_losses"], out["skip_params"] = result.losses, result.params
+    # resumed after the skip: Adam's count excludes it (bias correction), and so does the budget
+    loop.build = build
+    resumed = dict(nproc=2, steps=5, eval_every=0, on_nonfinite="skip", max_skips=1,
+                   resume=f"{tmp}/skip/checkpoints/step-3")
+    cfg = tiny_config(f"{tmp}/skip-resumed", **resumed)
+    result = loop.train(cfg, Mesh.build(cfg.layout), keep_params=True)
+    out["resumed_losses"], out["resumed_params"] = result.losses, result.params
+    loop.build = poisoned(build, {1})
+    cfg = tiny_config(f"{tmp}/skip-resumed-over", **resumed)
+    try:
+        loop.train(cfg, Mesh.build(cfg.layout))
+    except Exception as exc:  # noqa: BLE001
+        out["resumed_over"] = f"{type(exc).__name__}: {exc}"
+    loop.build = poisoned(build, {2})
     # compressed: the skipped step's NaN must not stay in the residuals (or PowerSGD's Q)
     for method in ("int8", "powersgd:2", "topk:0.5"):
         cfg = tiny_config(f"{tmp}/skip-{method.replace(':', '_')}", nproc=2, steps=4,
@@ -296,7 +311,11 @@ def test_nonfinite_steps_and_failed_writes_in_one_world(tmp_path):
     for rank in (0, 1):
         out = got[rank]
         assert out["timeouts"] and set(out["timeouts"]) == {300.0}  # spawn's collective timeout
-        assert torch.isnan(torch.tensor(out["skip_losses"][1])) and len(out["skip_losses"]) == 4
+        assert torch.isnan(torch.tensor(out["skip_losses"][1])) and len(out["skip_losses"]) == 5
+        assert out["resumed_losses"] == pytest.approx(out["skip_losses"][3:], rel=1e-6)
+        for name, want in out["skip_params"].items():
+            assert torch.allclose(out["resumed_params"][name], want, rtol=1e-5, atol=1e-7), name
+        assert "over --max-skips 1" in out["resumed_over"] and "at step 4" in out["resumed_over"]
         for method in ("int8", "powersgd:2", "topk:0.5"):
             losses = out[method]
             assert isinstance(losses, list), (method, losses)
@@ -308,10 +327,11 @@ def test_nonfinite_steps_and_failed_writes_in_one_world(tmp_path):
         assert "CheckpointError" in out["read-only"] and "Read-only file system" in out["read-only"]
     records = strict_json(tmp_path / "skip" / "metrics.jsonl")
     assert records[1]["loss"] is None and records[1]["skipped"] == 1 and records[1]["nonfinite_ranks"] == [1]
-    meta, tensors = checkpoint.verify(tmp_path / "skip" / "checkpoints" / "step-4", PRESETS["tiny"])
+    meta, tensors = checkpoint.verify(tmp_path / "skip" / "checkpoints" / "step-5", PRESETS["tiny"])
     assert all(torch.isfinite(t).all() for t in tensors.values())
     assert meta["run"]["seed"] == 0 and meta["run"]["config"]["train"]["on_nonfinite"] == "skip"
-    assert meta["data"]["step"] == 4 and meta["data"]["samples_seen"] == 4 * 8
+    assert meta["data"]["step"] == 5 and meta["data"]["samples_seen"] == 5 * 8
+    assert meta["nonfinite"]["skipped"] == 1
     assert strict_json(tmp_path / "stop" / "metrics.jsonl")[-1]["loss"] is None
     assert not (tmp_path / "stop" / "checkpoints" / "step-3").exists()
     assert list((tmp_path / "full" / "checkpoints").iterdir()) == []  # no half-written checkpoint

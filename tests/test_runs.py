@@ -4,6 +4,7 @@ a torchrun job whose rank is SIGKILLed coming back to finish like an uninterrupt
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -33,8 +34,10 @@ def config(**overrides):
 def fake_checkpoint(run_dir: Path, step: int, cfg, run_id: str = "r1") -> Path:
     """A complete checkpoint of the tiny model (zeros), written as the loop writes one."""
     tensors = {name: torch.zeros(shape) for name, shape in checkpoint.expected_shapes(cfg.model).items()}
+    data = {"step": step, "seed": cfg.train.seed, "global_batch": cfg.train.global_batch,
+            **dataclasses.asdict(cfg.data)}
     meta = {"format": checkpoint.FORMAT, "step": step, "model": cfg.model.__dict__, "layout": "dp1",
-            "run": {"id": run_id}}
+            "run": {"id": run_id}, "data": data}
     path = run_dir / "checkpoints" / f"step-{step}"
     checkpoint.write(tensors, path, meta)
     return path
@@ -77,6 +80,20 @@ def test_a_checkpoint_named_through_latest_is_the_one_meant(tmp_path, monkeypatc
     placed, _ = runs.place(config(resume="runs/latest/checkpoints/step-2"), torchrun=False, now=60)
     assert placed.train.run_dir != str(run) and os.readlink("runs/latest") != run.name  # a new run ...
     assert Path(placed.train.resume).samefile(wanted)  # ... resuming the checkpoint latest named before
+
+
+def test_resuming_with_other_data_settings_says_so(tmp_path, monkeypatch):
+    """The data position is (seed, global batch, data settings, step): a resume that changes
+    one reads other batches than the saved run would have, and the launcher says which."""
+    monkeypatch.chdir(tmp_path)
+    cfg = config()
+    run = Path(runs.place(cfg, torchrun=False, now=0)[0].train.run_dir)
+    saved = fake_checkpoint(run, 2, cfg)
+    _, notes = runs.place(config(resume=str(saved)), torchrun=False, now=60)
+    assert notes == []
+    _, notes = runs.place(config(resume=str(saved), global_batch=32, seed=3), torchrun=False, now=120)
+    assert notes == ["resuming with seed=3 (saved: 0), global_batch=32 (saved: 16): the batches "
+                     "after step 2 are not the ones the saved run would have read next"]
 
 
 def test_auto_starts_fresh_when_there_is_nothing_to_resume(tmp_path, monkeypatch):

@@ -331,6 +331,12 @@ def load(directory: str | Path, model_cfg) -> tuple[int, dict[str, dict[str, tor
 
 
 @torch.no_grad()
+def skipped_steps(meta: dict) -> int:
+    """Steps of the saved run skipped as non-finite: counted by the loop, not applied by the
+    optimizer (whose step count, and so Adam's bias correction, is this many behind)."""
+    return int(meta.get("nonfinite", {}).get("skipped", 0))
+
+
 def load_into(engine, directory: str | Path, model_cfg) -> int:
     """Fill this rank's parameters and Adam moments (any layout) from the checkpoint's
     slices, reading only the boxes the rank holds; returns the step (every rank calls it)."""
@@ -338,7 +344,7 @@ def load_into(engine, directory: str | Path, model_cfg) -> int:
     check_model(meta, model_cfg, directory)
     check_tensors(meta, model_cfg, directory)
     _check_files_once(directory, meta)
-    S.prepare_optimizer_state(engine, meta["step"])
+    S.prepare_optimizer_state(engine, meta["step"] - skipped_steps(meta))  # Adam's own count
     with Reader(Path(directory), meta) as reader:
         for piece in S.engine_pieces(engine, for_save=False):
             reader.fill(piece)

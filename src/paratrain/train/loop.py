@@ -65,6 +65,8 @@ class Run:
     """This run's identity, kept by its checkpoints (a resumed run keeps the one it resumes)."""
     last_checkpoint: str = ""
     """The newest checkpoint this run wrote or resumed from."""
+    skipped: int = 0
+    """Steps skipped as non-finite before ``start_step`` (kept by checkpoints)."""
 
     @property
     def is_logger(self) -> bool:
@@ -74,8 +76,8 @@ class Run:
 def build(cfg: Config, mesh: Mesh) -> Run:
     """Model, parallel wrapper, optimizer and data for this rank."""
     torch.manual_seed(cfg.train.seed)
-    run_id = (checkpoint.read_meta(cfg.train.resume).get("run", {}).get("id") if cfg.train.resume
-              else None) or uuid.uuid4().hex
+    meta = checkpoint.read_meta(cfg.train.resume) if cfg.train.resume else {}
+    run_id = meta.get("run", {}).get("id") or uuid.uuid4().hex
     engine, start_step = build_engine(cfg, mesh)
     train_tokens, val_tokens = D.load_tokens(cfg.data)
     train_data = D.Samples(train_tokens, cfg.data.seq_len)
@@ -83,7 +85,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
                                    dp_rank=mesh.coord(DP), dp_size=mesh.size(DP),
                                    seed=cfg.train.seed, remainder=cfg.data.remainder)
     return Run(cfg, mesh, engine, train_data, D.Samples(val_tokens, cfg.data.seq_len), sampler,
-               start_step, run_id, cfg.train.resume)
+               start_step, run_id, cfg.train.resume, checkpoint.skipped_steps(meta))
 
 
 def build_engine(cfg: Config, mesh: Mesh) -> tuple[Engine, int]:
@@ -157,7 +159,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     flops = _flops_per_token(cfg)
     peak = logs.peak_flops(mesh.device, cfg.train.precision, mesh.layout.world_size)
     records = []
-    guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skips)
+    guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skips, run.skipped)
     start = time.perf_counter()
     for step in range(run.start_step, cfg.train.steps):
         profiler.before(step + 1)
@@ -184,7 +186,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
             raise stop
         records.append(record)
         if cfg.train.save_every and (last or (step + 1) % cfg.train.save_every == 0):
-            _save(run, step + 1)
+            _save(run, step + 1, guard.skips)
         trace = profiler.after(step + 1)
         if trace is not None and run.is_logger:
             print(f"profile       {trace} (and one file per rank)", flush=True)
@@ -229,14 +231,14 @@ def _gather_peak_memory(mesh: Mesh) -> list[int]:
     return [int(t.item()) for t in everyone]
 
 
-def _save(run: Run, step: int) -> None:
+def _save(run: Run, step: int, skipped: int) -> None:
     cfg = run.cfg
     directory = Path(cfg.train.run_dir) / "checkpoints" / f"step-{step}"
     # The data position: the sampler's order is a function of (seed, global batch, step).
     data = {"step": step, "samples_seen": step * cfg.train.global_batch, "seed": cfg.train.seed,
             "global_batch": cfg.train.global_batch, **dataclasses.asdict(cfg.data)}
     run_meta = {"run": {"id": run.run_id, "seed": cfg.train.seed, "config": dataclasses.asdict(cfg)},
-                "data": data}
+                "data": data, "nonfinite": {"skipped": skipped}}
     checkpoint.save(directory, step, run.engine, cfg.model, cfg.describe_layout(),
                     is_writer=run.is_logger, run_meta=run_meta)
     run.last_checkpoint = str(directory)

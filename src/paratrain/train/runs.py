@@ -76,10 +76,28 @@ def place(cfg: Config, torchrun: bool, now: float | None = None) -> tuple[Config
         else:
             notes.append(f"no complete checkpoint in {latest} ({run_dir.name}): starting a new run")
             run_dir = None
+    if resume:
+        notes += data_changes(checkpoint.read_meta(resume), cfg)
     if run_dir is None:
         run_dir = new_run_dir(cfg.train.name or default_name(cfg), now)
     train = dataclasses.replace(cfg.train, run_dir=str(run_dir), resume=resume)
     return dataclasses.replace(cfg, train=train), notes
+
+
+def data_changes(meta: dict, cfg: Config) -> list[str]:
+    """A note when the resumed run reads its data otherwise than the saved run did: the
+    sampler's order is a function of (seed, global batch, data settings, step), so a change
+    repeats or skips samples against the uninterrupted run (allowed: a batch-size ramp
+    changes it on purpose)."""
+    saved = meta.get("data")
+    if not saved:  # a checkpoint from before the data position was kept
+        return []
+    now = {"seed": cfg.train.seed, "global_batch": cfg.train.global_batch, **dataclasses.asdict(cfg.data)}
+    changed = [f"{k}={now[k]!r} (saved: {saved[k]!r})" for k in now if k in saved and saved[k] != now[k]]
+    if not changed:
+        return []
+    return [f"resuming with {', '.join(changed)}: the batches after step {saved['step']} are not "
+            f"the ones the saved run would have read next"]
 
 
 def place_and_print(cfg: Config, torchrun: bool) -> Config:

@@ -156,12 +156,16 @@ def replicated_pieces(engine, for_save: bool) -> list[Piece]:
 
 def zero_pieces(engine, for_save: bool) -> list[Piece]:
     """Pieces of a ZeroDataParallel engine: each rank's range of every flat unit (for
-    loading under stages 1 and 2, whose ranks hold full parameters, the whole unit)."""
-    state, pieces = engine.optimizer.optimizer.state, []
-    for unit, views in zip(engine.units, engine.optimizer.unit_views):
+    loading under stages 1 and 2, whose ranks hold full parameters, the whole unit).
+    Where the optimizer keeps fp32 master weights (bf16 weights, offload), the parameter's
+    range is the master's: a checkpoint of the bf16 copy would round every resume."""
+    optimizer, pieces = engine.optimizer, []
+    state = optimizer.optimizer.state
+    for i, (unit, views) in enumerate(zip(engine.units, optimizer.unit_views)):
         flat = unit.flat
         start, end = flat.shard_range
         shard = unit.shard if unit.shard is not None else flat.own_slice(flat.flat)
+        exact = optimizer.masters[i] if optimizer.master_copy else shard
         cut = len(flat.decay_split(shard)[0])
         segments = [(a, b) for a, b in ((0, cut), (cut, flat.shard_size)) if b > a]  # as views
         for name, p, offset in zip(flat.names, flat.params, flat.offsets):
@@ -170,12 +174,13 @@ def zero_pieces(engine, for_save: bool) -> list[Piece]:
                 continue
             lo, hi = max(offset, start), min(offset + p.numel(), end)
             key = plain_name(name)
-            if not for_save and engine.stage < 3:  # the full parameter lives on every rank
+            full = not for_save and engine.stage < 3  # the full parameter lives on every rank
+            if full:
                 pieces += box_pieces(f"param/{key}", tuple(p.shape), place, 0, p.numel(),
                                      flat.flat[offset:offset + p.numel()], flat.flat.dtype)
-            elif lo < hi:
+            if lo < hi and (not full or exact is not shard):
                 pieces += box_pieces(f"param/{key}", tuple(p.shape), place, lo - offset, hi - offset,
-                                     shard[lo - start:hi - start], flat.flat.dtype)
+                                     exact[lo - start:hi - start], exact.dtype)
             if lo >= hi:
                 continue
             (a, _), view = next(((a, b), v) for (a, b), v in zip(segments, views) if a <= lo - start < b)
@@ -220,8 +225,9 @@ def prepare_optimizer_state(engine, step: int) -> None:
 
 @torch.no_grad()
 def after_load(engine) -> None:
-    """Refresh what derives from the loaded parameters: ZeRO's fp32 master copies."""
+    """Refresh what derives from the loaded parameters: the weights ZeRO computes with,
+    from the fp32 master copies it loaded (zero_pieces)."""
     optimizer = getattr(engine, "optimizer", None)
     if hasattr(engine, "units") and optimizer.master_copy:
         for shard, master in zip(optimizer.shards, optimizer.masters):
-            master.copy_(shard)
+            shard.copy_(master)
