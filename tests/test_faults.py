@@ -231,8 +231,15 @@ def poisoned(build, at_calls: set[int]):
 
 
 def failing_write(kind: str):
-    """A ``save_file`` that half-writes and finds the disk full, or a read-only ``mkdir``."""
+    """A ``save_file`` that half-writes and finds the disk full, one that fails on rank 1
+    only with an error no file system gives, or a read-only ``mkdir``."""
+    real_save = checkpoint.save_file
+
     def save_file(tensors, path):
+        if kind == "rank 1 only":
+            if dist.get_rank() == 1:
+                raise RuntimeError("out of memory copying to the host")
+            return real_save(tensors, path)
         Path(path).write_bytes(b"\0" * 1000)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
@@ -242,7 +249,7 @@ def failing_write(kind: str):
         if "checkpoints" not in str(self):  # the metrics file is written elsewhere
             return real_mkdir(self, *args, **kwargs)
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
-    return save_file if kind == "full" else mkdir
+    return mkdir if kind == "read-only" else save_file
 
 
 def faults_in_one_world(tmp: str) -> dict:
@@ -288,9 +295,10 @@ def faults_in_one_world(tmp: str) -> dict:
         except Exception as exc:  # noqa: BLE001
             out[name] = f"{type(exc).__name__}: {exc}"
     loop.build = build
-    for kind in ("full", "read-only"):
-        cfg = tiny_config(f"{tmp}/{kind}", nproc=2, steps=2, eval_every=0, save_every=2)
-        if kind == "full":
+    for kind in ("full", "read-only", "rank 1 only"):
+        sharded = dict(zero=1, tie_embeddings=False) if kind == "rank 1 only" else {}  # rank 1 writes
+        cfg = tiny_config(f"{tmp}/{kind}", nproc=2, steps=2, eval_every=0, save_every=2, **sharded)
+        if kind != "read-only":
             checkpoint.save_file, real = failing_write(kind), checkpoint.save_file
         else:
             Path.mkdir, real = failing_write(kind), Path.mkdir
@@ -299,7 +307,7 @@ def faults_in_one_world(tmp: str) -> dict:
         except Exception as exc:  # noqa: BLE001
             out[kind] = f"{type(exc).__name__}: {exc}"
         finally:
-            if kind == "full":
+            if kind != "read-only":
                 checkpoint.save_file = real
             else:
                 Path.mkdir = real
@@ -325,6 +333,8 @@ def test_nonfinite_steps_and_failed_writes_in_one_world(tmp_path):
         assert "over --max-skips 1" in out["over"] and "at step 3" in out["over"], out["over"]
         assert "CheckpointError" in out["full"] and "No space left on device" in out["full"], out["full"]
         assert "CheckpointError" in out["read-only"] and "Read-only file system" in out["read-only"]
+        assert "CheckpointError: RuntimeError: out of memory" in out["rank 1 only"], out["rank 1 only"]
+        assert "(on rank 1)" in out["rank 1 only"]  # every rank fails, none waits in the gather
     records = strict_json(tmp_path / "skip" / "metrics.jsonl")
     assert records[1]["loss"] is None and records[1]["skipped"] == 1 and records[1]["nonfinite_ranks"] == [1]
     meta, tensors = checkpoint.verify(tmp_path / "skip" / "checkpoints" / "step-5", PRESETS["tiny"])

@@ -72,6 +72,19 @@ def test_auto_resumes_the_newest_complete_checkpoint_of_latest(tmp_path, monkeyp
     assert under_torchrun.train.resume == placed.train.resume
 
 
+def test_a_checkpoint_moved_aside_by_an_interrupted_save_is_put_back(tmp_path, monkeypatch):
+    """Re-saving step N moves the old step-N aside before the new one takes its place; a
+    crash between the two renames leaves only .step-N.old, which --resume auto restores."""
+    monkeypatch.chdir(tmp_path)
+    cfg = config()
+    run = Path(runs.place(cfg, torchrun=False, now=0)[0].train.run_dir)
+    saved = fake_checkpoint(run, 4, cfg)
+    saved.rename(saved.with_name(".step-4.old"))
+    placed, notes = runs.place(config(resume="auto"), torchrun=False)
+    assert notes[0] == "restored step-4: a save replacing it was interrupted"
+    assert placed.train.resume == str(saved) and saved.is_dir()
+
+
 def test_a_checkpoint_named_through_latest_is_the_one_meant(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = config()

@@ -65,6 +65,8 @@ def save(directory: Path, step: int, engine, model_cfg, layout: str, is_writer: 
             record = _write_file(tmp, f"rank-{rank:05d}.safetensors", pieces, directory)
         except CheckpointError as exc:
             error = f"{exc} (on rank {rank})"
+        except Exception as exc:  # noqa: BLE001  any failure must reach the gather below,
+            error = f"{type(exc).__name__}: {exc} (on rank {rank})"  # or the others wait in it
     everyone: list | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object((error, record), everyone, dst=0)  # only rank 0 holds the whole index
     outcome = next((e for e, _ in everyone if e), "") if rank == 0 else ""
@@ -181,6 +183,18 @@ def _commit(tmp: Path, directory: Path, index: dict) -> str:
             old.rename(directory)
         return _os_error(exc, directory)
     return ""
+
+
+def recover_replaced(folder: Path) -> list[str]:
+    """Put back each checkpoint that ``_commit`` had moved aside to replace it (re-saving a
+    step that exists) when the process died before the new one took its place; notes."""
+    notes = []
+    for old in Path(folder).glob(".step-*.old"):
+        directory = old.with_name(old.name[1:-len(".old")])
+        if not directory.exists():
+            old.rename(directory)
+            notes.append(f"restored {directory.name}: a save replacing it was interrupted")
+    return notes
 
 
 def _fsync(path: Path) -> None:

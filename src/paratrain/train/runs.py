@@ -121,6 +121,8 @@ def model_config(cfg: Config):
 def newest_complete(run_dir: Path, model_cfg, notes: list[str]) -> tuple[Path | None, int]:
     """The newest checkpoint of ``run_dir`` that verifies, and its step; each newer one that
     does not is named in ``notes``. (None, 0) when there is none."""
+    if (Path(run_dir) / "checkpoints").is_dir():
+        notes += checkpoint.recover_replaced(Path(run_dir) / "checkpoints")
     for path in sorted(checkpoints(run_dir), key=_step_of, reverse=True):
         try:
             meta, _ = checkpoint.verify(path, model_cfg)
