@@ -231,3 +231,25 @@ def test_each_torchrun_attempt_sees_its_own_keys_in_the_shared_store():
     again.set("rank_0", "a live address")
     assert _attempt_store(killed, timeout).get("rank_0") == b"a dead peer's address"
     del server
+
+
+def test_a_fresh_run_never_overwrites_another_runs_records(tmp_path, monkeypatch):
+    """A fresh run (no --resume) in a directory holding another run's metrics or
+    checkpoints is refused before launch, as is an existing --metrics file; --resume auto
+    over another model's checkpoints is refused rather than started fresh over them."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="holds another run's metrics.jsonl.*--resume auto"):
+        runs.place(config(run_dir=str(run)), torchrun=False)
+    with pytest.raises(ConfigError, match="--metrics .* exists"):
+        runs.place(config(metrics=str(run / "metrics.jsonl")), torchrun=False)
+    (run / "metrics.jsonl").unlink()
+    fake_checkpoint(run, 2, config())
+    with pytest.raises(ConfigError, match="holds another run's step-2"):
+        runs.place(config(run_dir=str(run)), torchrun=False)
+    with pytest.raises(ConfigError, match="holds a run of another model"):
+        runs.place(config(run_dir=str(run), resume="auto", d_model=32), torchrun=False)
+    placed, _ = runs.place(config(run_dir=str(run), resume="auto"), torchrun=False)  # its own model
+    assert placed.train.resume.endswith("step-2")

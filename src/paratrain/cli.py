@@ -170,6 +170,7 @@ def _preflight(cfg: Config, *, torchrun: bool, report: bool, local_ranks: int) -
     preflight.check_machine(cfg, torchrun)
     preflight.check_memory(cfg, local_ranks)
     preflight.check_data(cfg)
+    preflight.check_weights(cfg)
     for note in preflight.advice(cfg) if report else ():
         print(f"paratrain train: warning: {note}", file=sys.stderr)
     return cfg

@@ -111,11 +111,16 @@ def parse(text: "str | CompressSpec") -> CompressSpec:
     return CompressSpec(method, error_feedback=ef)  # type: ignore[arg-type]
 
 
-def check(text: "str | CompressSpec", zero: int, tp: int = 1) -> CompressSpec:
-    """Parse ``text`` and refuse layouts it cannot compose with."""
+def check(text: "str | CompressSpec", zero: int, tp: int = 1, replicas: int = 2) -> CompressSpec:
+    """Parse ``text`` and refuse layouts it cannot compose with (``replicas``: the size of
+    the data-parallel group whose gradient reduction it compresses, dp x cp)."""
     from .int8 import INT8_BLOCK  # int8.py builds on this module
 
     spec = parse(text)
+    if spec.method != "none" and replicas == 1:
+        # Nothing is sent, yet a lossy method would still round or drop the gradient.
+        raise CompressError(f"compress={spec.text!r} with dp x cp = 1: there is no data-parallel "
+                            f"gradient reduction to compress; leave --compress out, or train with dp > 1")
     if spec.method == "int8" and tp > 1:
         # A block's scale spans neighbouring parameters, sharded ones among them, so the
         # copies of a replicated parameter (a norm weight) on the tp ranks would round

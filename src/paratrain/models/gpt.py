@@ -139,13 +139,27 @@ def rope_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), angles.sin()
 
 
+def parse_rope_scaling(spec: str) -> tuple[float, float, float, float]:
+    """``llama3:FACTOR:LOW:HIGH:ORIGINAL_MAX_LEN`` as (factor, low, high, original), or
+    ValueError naming what is wrong (a zero factor or low == high make NaN angles)."""
+    form = "'llama3:FACTOR:LOW_FREQ_FACTOR:HIGH_FREQ_FACTOR:ORIGINAL_MAX_LEN', e.g. 'llama3:8:1:4:8192'"
+    parts = spec.split(":")
+    if len(parts) != 5 or parts[0] != "llama3":
+        raise ValueError(f"rope_scaling={spec!r}: expected {form}")
+    try:
+        factor, low, high, original = map(float, parts[1:])
+    except ValueError:
+        raise ValueError(f"rope_scaling={spec!r}: its four values must be numbers, as in {form}") from None
+    if not (math.isfinite(factor) and factor > 0 and 0 < low < high < math.inf and 0 < original < math.inf):
+        raise ValueError(f"rope_scaling={spec!r}: need FACTOR > 0, 0 < LOW_FREQ_FACTOR < "
+                         f"HIGH_FREQ_FACTOR and ORIGINAL_MAX_LEN > 0, as in {form}")
+    return factor, low, high, original
+
+
 def _llama3_scaling(freqs: torch.Tensor, spec: str) -> torch.Tensor:
     """Llama 3.1: long wavelengths slowed by ``factor``, short ones kept, a smooth blend
     between (Meta's reference; transformers' ``rope_type="llama3"``)."""
-    kind, factor, low, high, original = spec.split(":")
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling={spec!r}: only 'llama3:FACTOR:LOW:HIGH:ORIGINAL_MAX_LEN'")
-    factor, low, high, original = float(factor), float(low), float(high), float(original)
+    factor, low, high, original = parse_rope_scaling(spec)
     wavelen = 2 * math.pi / freqs
     scaled = torch.where(wavelen > original / low, freqs / factor, freqs)
     smooth = (original / wavelen - low) / (high - low)

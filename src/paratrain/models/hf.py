@@ -40,6 +40,10 @@ def architecture(raw: dict) -> str:
     return archs[0]
 
 
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+"""config.json fields a model's shape needs (the others have transformers' defaults)."""
+
+
 def read_config(directory: str | Path) -> GPTConfig:
     """The GPTConfig of a Hugging Face model directory; HFModelError for anything else."""
     path = Path(directory) / "config.json"
@@ -52,6 +56,10 @@ def read_config(directory: str | Path) -> GPTConfig:
         raise HFModelError(f"{directory}: architecture {arch} is not supported; paratrain trains "
                            f"{', '.join(SUPPORTED)} (dense decoders). Mixture-of-experts, "
                            f"encoder-decoder and other families are refused")
+    missing = [k for k in REQUIRED if k not in raw]
+    if missing:
+        raise HFModelError(f"{path}: {', '.join(missing)} missing; a {arch} config.json gives "
+                           f"{', '.join(REQUIRED)}")
     for flag in ("mlp_bias",):
         if raw.get(flag):
             raise HFModelError(f"{directory}: {flag}=true is not supported (no MLP biases)")
@@ -148,7 +156,7 @@ def weight_files(directory: str | Path) -> dict[str, str]:
         return {key: "model.safetensors" for key in f.keys()}
 
 
-def _check_complete(directory, cfg: GPTConfig, files: dict[str, str]) -> None:
+def check_complete(directory, cfg: GPTConfig, files: dict[str, str]) -> None:
     missing = sorted(ours for ours, theirs in names(cfg).items() if theirs not in files)
     if missing:
         raise HFModelError(f"{directory}: tensors missing from the safetensors files: {missing[:5]}")
@@ -173,7 +181,7 @@ class SafetensorsSlices(contextlib.ExitStack):
         super().__init__()
         self.root, self.cfg = Path(directory), cfg
         self.files = weight_files(directory)
-        _check_complete(directory, cfg, self.files)
+        check_complete(directory, cfg, self.files)
         self.theirs = names(cfg)
         self.handles: dict = {}
 

@@ -41,8 +41,9 @@ class UNetConfig:
     def __post_init__(self) -> None:
         if self.kernel % 2 == 0 or self.kernel < 1:
             raise ValueError(f"kernel={self.kernel}: block convolutions need an odd kernel")
-        if self.width % self.norm_groups:
-            raise ValueError(f"norm_groups={self.norm_groups} must divide width={self.width}")
+        if self.width < 1 or self.width % self.norm_groups:
+            raise ValueError(f"width={self.width}: the group norms' {self.norm_groups} groups must "
+                             f"divide it; use a positive width divisible by {self.norm_groups}")
         if self.padding not in ("zeros", "circular"):
             raise ValueError(f"padding={self.padding!r} is not one of zeros, circular")
 

@@ -236,13 +236,17 @@ def read_meta(directory: str | Path) -> dict:
     return meta
 
 
+class ModelMismatch(CheckpointError):
+    """The checkpoint is complete, but of a model of another shape."""
+
+
 def check_model(meta: dict, model_cfg, directory: str | Path) -> None:
     """Raise unless the checkpoint was made for a model of this shape."""
     mine = dataclasses.asdict(model_cfg)
     diff = [f"{k}: {meta['model'].get(k)!r} in the checkpoint, {v!r} now"
             for k, v in mine.items() if meta["model"].get(k) != v]
     if diff:
-        raise CheckpointError(f"checkpoint {str(directory)!r} was saved for another model ({'; '.join(diff)}); "
+        raise ModelMismatch(f"checkpoint {str(directory)!r} was saved for another model ({'; '.join(diff)}); "
                               f"resume with the same model settings")
 
 

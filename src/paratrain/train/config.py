@@ -20,7 +20,7 @@ from .. import rules
 from ..comm import compress
 from ..layout import Layout, LayoutError, parse_domain
 from ..models import hf
-from ..models.gpt import PRESETS, GPTConfig, preset
+from ..models.gpt import PRESETS, GPTConfig, parse_rope_scaling, preset
 from . import schema
 from .heat2d import Heat2DConfig
 from .sections import DataConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -116,8 +116,14 @@ class Config:
             rules.sequence_parallel(p.sp, p.tp, p.cp, self.data.seq_len)
             rules.tied_embeddings(m.tie_embeddings, p.pp, p.zero)
             rules.virtual_stages(p.virtual_stages, p.schedule)
+            self.layout  # the order string (--order) parses and names every axis once
         except LayoutError as exc:
             raise ConfigError(str(exc)) from None
+        if m.rope_scaling:
+            try:
+                parse_rope_scaling(m.rope_scaling)
+            except ValueError as exc:
+                raise ConfigError(f"model.{exc} (--rope-scaling)") from None
         self._check_strategies()
         self._check_batch()
         self._check_logs()
@@ -137,7 +143,7 @@ class Config:
     def _check_strategies(self) -> None:
         p = self.parallel
         try:
-            compress.check(p.compress, p.zero, p.tp)
+            compress.check(p.compress, p.zero, p.tp, replicas=p.dp * p.cp)
         except compress.CompressError as exc:
             raise ConfigError(str(exc)) from None
         if p.offload and not p.zero:

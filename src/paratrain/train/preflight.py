@@ -124,6 +124,27 @@ def check_data(cfg: Config) -> None:
                           f"more (256 covers every byte) {where('model', 'vocab_size')}")
 
 
+def check_weights(cfg: Config) -> None:
+    """A Hugging Face model directory that a fresh run initialises from: its safetensors
+    files are there, readable and hold every tensor, before any rank reads slices of them."""
+    from safetensors import SafetensorError, safe_open
+
+    from ..models import hf
+
+    if cfg.train.resume or not hf.is_model_dir(cfg.model_preset):
+        return
+    try:
+        files = hf.weight_files(cfg.model_preset)
+        hf.check_complete(cfg.model_preset, cfg.model, files)
+        for name in sorted(set(files.values())):
+            with safe_open(str(Path(cfg.model_preset) / name), framework="pt"):
+                pass  # the header parses and the file is as long as it says
+    except (hf.HFModelError, SafetensorError, OSError) as exc:
+        raise ConfigError(f"model.preset: the weights of {cfg.model_preset!r} cannot be read: {exc}; "
+                          f"give a directory with a complete model.safetensors (or its index "
+                          f"and shards), as save_pretrained(safe_serialization=True) writes") from None
+
+
 def advice(cfg: Config) -> list[str]:
     """Settings that run but probably do not do what was meant."""
     o, t = cfg.optim, cfg.train

@@ -31,6 +31,9 @@ class RunDirLock:
         self.held = False
 
     def acquire(self) -> "RunDirLock":
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise RunDirError(f"--run-dir {str(self.run_dir)!r} is a file, not a directory; choose "
+                              f"a directory (it is created if missing)")
         for _ in range(2):  # the second try follows the removal of a stale lock
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -72,16 +72,53 @@ def place(cfg: Config, torchrun: bool, now: float | None = None) -> tuple[Config
             resume = str(found)
             notes.append(f"resuming {found} (step {step})")
         elif explicit:
+            _refuse_foreign_checkpoints(run_dir, model_config(cfg))
             notes.append(f"no complete checkpoint in {run_dir}: starting fresh")
         else:
             notes.append(f"no complete checkpoint in {latest} ({run_dir.name}): starting a new run")
             run_dir = None
     if resume:
         notes += data_changes(checkpoint.read_meta(resume), cfg)
+    elif mode == "none":
+        _refuse_overwrite(cfg, run_dir if explicit else None)
     if run_dir is None:
         run_dir = new_run_dir(cfg.train.name or default_name(cfg), now)
     train = dataclasses.replace(cfg.train, run_dir=str(run_dir), resume=resume)
     return dataclasses.replace(cfg, train=train), notes
+
+
+RECORDS = ("metrics.jsonl", "metrics.csv")
+"""What a run writes into its directory that a fresh run there would overwrite."""
+
+
+def _refuse_overwrite(cfg: Config, run_dir: Path | None) -> None:
+    """A fresh run must not overwrite another run's records: its metrics file truncated,
+    or its checkpoints left beside the new records for a later resume to mix with them."""
+    metrics = Path(cfg.train.metrics) if cfg.train.metrics else None
+    if metrics is not None and metrics.exists():
+        raise ConfigError(f"--metrics {str(metrics)!r} exists (another run's records), and a fresh "
+                          f"run would overwrite it; choose another path, or remove it")
+    if run_dir is None or not run_dir.is_dir():
+        return
+    held = [name for name in RECORDS if (run_dir / name).exists()]
+    held += sorted((p.name for p in checkpoints(run_dir)), key=lambda n: _step_of(Path(n)))
+    if held:
+        raise ConfigError(f"the run directory {str(run_dir)!r} holds another run's "
+                          f"{', '.join(held)}, which a fresh run there would overwrite or mix with; "
+                          f"resume it with --resume auto, choose another --run-dir, or remove them")
+
+
+def _refuse_foreign_checkpoints(run_dir: Path, model_cfg) -> None:
+    """``--resume auto`` in a given directory whose complete checkpoints are another
+    model's: starting fresh there would overwrite that run's records."""
+    for path in checkpoints(run_dir):
+        try:
+            checkpoint.check_model(checkpoint.read_meta(path), model_cfg, path)
+        except checkpoint.ModelMismatch as exc:
+            raise ConfigError(f"{str(run_dir)!r} holds a run of another model, which a fresh run "
+                              f"there would overwrite ({exc}); choose another --run-dir") from None
+        except checkpoint.CheckpointError:
+            continue  # torn: the run it belongs to never finished a save, nothing to keep
 
 
 def data_changes(meta: dict, cfg: Config) -> list[str]:

@@ -65,8 +65,7 @@ def validate(cfg: Config) -> None:
     try:
         ucfg = unet_config(cfg)
     except ValueError as exc:
-        raise ConfigError(f"[heat2d]: {exc} (the U-Net's group norms have {NORM_GROUPS} groups: "
-                          f"use a unet_width divisible by {NORM_GROUPS})") from None
+        raise ConfigError(f"[heat2d] unet_{exc}") from None
     if not 0 < h.heat_diffusivity <= 0.25:
         raise ConfigError(f"heat_diffusivity={h.heat_diffusivity}: explicit steps are stable "
                           f"for 0 < r <= 0.25")
@@ -89,8 +88,8 @@ def check_grid(size: int, parts: int, ucfg: UNetConfig, axis: str = "height") ->
         raise ConfigError(f"grid_size={size} is not divisible by the {parts} ranks over the {axis} "
                           f"x 2**unet_levels={2**ucfg.levels}: use a grid_size that is a "
                           f"multiple of {unit}")
-    deepest, halo = size // unit, ucfg.kernel // 2
-    if parts > 1 and deepest < halo:
+    deepest, halo = size // unit, max(1, ucfg.kernel // 2)
+    if deepest < halo:  # one rank too: a circular pad wider than the image wraps around
         raise ConfigError(f"at the U-Net's deepest level each rank's block is {deepest} rows "
                           f"over the {axis}, thinner than the {halo}-row halo a {ucfg.kernel}x"
                           f"{ucfg.kernel} convolution needs: use a grid_size of at least "
