@@ -1,7 +1,8 @@
 """Every command the README shows runs as written.
 
 The commands are the lines of the README's ``bash`` blocks (and each part of a line joined
-with ``&&``) that start with ``paratrain`` or ``python -m paratrain``, in README order, in
+with ``&&``) that start with ``paratrain`` or ``python -m paratrain`` (or run it under
+``scripts/cluster.py``, whose part after ``--`` each node runs), in README order, in
 one scratch directory (``examples/`` linked into it), so that later commands read what
 earlier ones wrote. Training is shortened, and only that: ``--steps 8`` (set or appended),
 ``--save-every 4``, and a checkpoint named ``step-N`` read as ``step-4``; ``bench comm``
@@ -47,6 +48,8 @@ def readme_commands() -> list[tuple[list[str], str]]:
             while words:
                 part, words = (words[:words.index("&&")], words[words.index("&&") + 1:]) if "&&" in words \
                     else (words, [])
+                if part[:2] == ["python", "scripts/cluster.py"] and "--" in part:
+                    part = ["python", *part[part.index("--") + 1:]]  # the command it runs per node
                 if part[:1] == ["paratrain"] or part[:3] == ["python", "-m", "paratrain"]:
                     found.append((part[1:] if part[0] == "paratrain" else part[3:],
                                   mark.group(1) if mark else ""))
