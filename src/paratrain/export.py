@@ -16,7 +16,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source", help="a checkpoint directory (RUN_DIR/checkpoints/step-N) or a "
                                   "Hugging Face model directory")
     p.add_argument("--to", choices=["hf"], default="hf", help="the format (hf: transformers)")
-    p.add_argument("--out", required=True, help="the directory to write")
+    p.add_argument("--out", required=True, help="the directory to write (new or empty)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out, replacing its config.json and model.safetensors")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="cast the tensors (default: as stored)")
     p.set_defaults(func=_run)
@@ -28,6 +30,7 @@ def _run(args: argparse.Namespace) -> int:
     from .train import checkpoint
 
     source = Path(args.source)
+    hf.check_export_target(args.out, args.overwrite)  # before any weights are read
     if (source / "meta.json").is_file():
         meta = checkpoint.read_meta(source)
         cfg = GPTConfig(**meta["model"])
@@ -40,7 +43,7 @@ def _run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{source}: neither a checkpoint (meta.json) nor a Hugging Face "
                                 f"model directory (config.json)")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    out = hf.export(params, cfg, args.out, dtype)
+    out = hf.export(params, cfg, args.out, dtype, overwrite=args.overwrite)
     print(f"exported      {what} -> {out} ({hf.hf_config(cfg)['architectures'][0]}, "
           f"{cfg.num_params() / 1e6:.2f}M params); load it with "
           f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")

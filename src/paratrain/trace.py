@@ -97,13 +97,30 @@ def render_schedule(kind: str, stages: int, microbatches: int, chunks: int, path
     return sim
 
 
-def render_timeline(timeline: Timeline, path: str | Path, step: int = -1) -> None:
-    """Draw one recorded step of every rank (seconds from the step's start)."""
-    records = timeline.step(step)
+def step_index(timeline: Timeline, step: int | None) -> int:
+    """The list index of recorded step ``step``, numbered from 1 as ``trace`` prints them
+    (None: the last); raises RenderError naming the valid range."""
+    count = min((len(steps) for steps in timeline.ranks), default=0)
+    if count == 0:
+        raise RenderError("the timeline records no steps; train with --timeline for at least "
+                          "one step")
+    if step is None:
+        return count - 1
+    if not 1 <= step <= count:
+        raise RenderError(f"--step {step}: the run recorded {count} step(s), numbered 1..{count}; "
+                          f"give one of them (default: the last, {count})")
+    return step - 1
+
+
+def render_timeline(timeline: Timeline, path: str | Path, step: int | None = None) -> None:
+    """Draw recorded step ``step`` (1 = the first recorded; None: the last) of every rank,
+    in seconds from the step's start."""
+    index = step_index(timeline, step)
+    records = timeline.step(index)
     span = max(r.span for r in records)
     bubbles = " ".join(f"{r.bubble:.1%}" for r in records)
     v = f", v={timeline.chunks}" if timeline.chunks > 1 else ""
     title = (f"recorded {timeline.schedule} pp={timeline.stages} m={timeline.microbatches}{v}, "
-             f"step {step % len(timeline.ranks[0])}: {span * 1e3:.1f} ms; bubble per rank "
+             f"step {index + 1}: {span * 1e3:.1f} ms; bubble per rank "
              f"{bubbles} (theory {timeline.theory:.1%})")
     render([r.intervals for r in records], path, title, timeline.stages, span)

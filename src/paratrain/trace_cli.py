@@ -2,21 +2,36 @@
 
     paratrain trace --schedule 1f1b --pp 4 --microbatches 8 --out schedule.png
     paratrain trace --schedule interleaved --pp 4 --microbatches 8 --virtual-stages 2
-    paratrain trace --run timeline.json --out run.png
+    paratrain trace --run RUN_DIR/timeline.json --step 2 --out run.png
 
-The first form simulates the schedule's tables (unit costs unless ``--b-cost`` says
-otherwise) and prints the simulated bubble next to the theory, (p-1)/(v*m+p-1). The
-second draws a timeline the pipeline executor recorded (``Timeline.save``) and prints the
-measured bubble of every rank.
+The first form simulates the schedule's tables (unit costs unless ``--f-cost`` and
+``--b-cost`` say otherwise; both must be positive) and prints the simulated bubble next to
+the theory, (p-1)/(v*m+p-1). The second draws one step of a timeline the pipeline executor
+recorded (``paratrain train --timeline`` writes RUN_DIR/timeline.json) and prints the
+measured bubble of every rank. Recorded steps are numbered from 1, as the printout numbers
+them; ``--step`` picks one (default: the last).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from .parallel.pipeline.schedules import KINDS, notes
 from .parallel.pipeline.timeline import Timeline, theoretical_bubble
+
+
+def _cost(text: str) -> float:
+    """An argparse type: a finite time > 0 (a zero or negative cost makes the simulated
+    bubble meaningless, e.g. 100%)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive time (e.g. 1 or 2)")
+    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,13 +45,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default: 8)")
     p.add_argument("--virtual-stages", type=int, default=1,
                    help="chunks per rank, for --schedule interleaved (default: 1)")
-    p.add_argument("--f-cost", type=float, default=1.0, help="time of a forward (default: 1)")
-    p.add_argument("--b-cost", type=float, default=1.0,
-                   help="time of a backward (default: 1; 2 is closer to real models)")
+    p.add_argument("--f-cost", type=_cost, default=1.0,
+                   help="time of a forward, > 0 (default: 1)")
+    p.add_argument("--b-cost", type=_cost, default=1.0,
+                   help="time of a backward, > 0 (default: 1; 2 is closer to real models)")
     p.add_argument("--run", metavar="TIMELINE.json",
                    help="draw this recorded run instead of simulating a schedule")
-    p.add_argument("--step", type=int, default=-1,
-                   help="which recorded step to draw (default: the last)")
+    p.add_argument("--step", type=int, default=None,
+                   help="with --run: which recorded step to draw, numbered from 1 as the "
+                        "printout numbers them (default: the last)")
     p.add_argument("--out", default="schedule.png",
                    help="output file, .png or .svg (default: schedule.png)")
     p.set_defaults(func=run)
@@ -48,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
 
     # A bad schedule raises ScheduleError, a LayoutError: cli.main prints it like any other.
     try:
+        if args.step is not None and not args.run:
+            raise RenderError(f"--step {args.step} picks a step of a recorded run: give --run "
+                              f"TIMELINE.json too (a simulated schedule has one step)")
         if args.run:
             _trace_run(args, render_timeline)
         else:
@@ -73,18 +93,20 @@ def _trace_schedule(args: argparse.Namespace, render_schedule) -> None:
 
 
 def _trace_run(args: argparse.Namespace, render_timeline) -> None:
-    from .trace import RenderError
+    from .trace import RenderError, step_index
 
     try:
         timeline = Timeline.load(args.run)
     except ValueError as exc:
         raise RenderError(str(exc)) from None
-    render_timeline(timeline, args.out, args.step)
+    drawn = step_index(timeline, args.step) + 1  # checks --step before any drawing
+    render_timeline(timeline, args.out, drawn)
     steps = len(timeline.ranks[0])
     skip = 1 if steps > 1 else 0
     per_rank = " ".join(f"{b:.2%}" for b in timeline.bubbles(skip))
     print(f"recorded run: {timeline.schedule}, pp={timeline.stages}, "
-          f"microbatches={timeline.microbatches}, virtual stages={timeline.chunks}, {steps} steps")
+          f"microbatches={timeline.microbatches}, virtual stages={timeline.chunks}, {steps} steps; "
+          f"drawing step {drawn}")
     print(f"bubble      measured {timeline.bubble(skip):.2%} (per rank {per_rank}; steps "
           f"{skip + 1}..{steps})   theory {timeline.theory:.2%}")
     shares = timeline.breakdown(skip)

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -110,6 +112,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Spawn the world, measure, print the table and the JSON summary line."""
     try:
+        if args.json:
+            check_writable(args.json, "--json")  # before minutes of measuring, not after
         backend = pick_backend(args.backend)
         if args.nproc < 2:
             raise ValueError("a collective needs at least 2 processes; use --nproc 2 or more")
@@ -130,6 +134,22 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"config": config, "rows": rows, "summary": summary}, f, indent=2)
     print(json.dumps(summary))
     return 0
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Raise ValueError, naming ``flag``, unless a file can be written at ``path``: its
+    directory exists and is writable, and the path is not a directory or read-only file."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a file name such as "
+                         f"{target / 'comm.json'}")
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: the directory {folder} does not exist; create it "
+                         f"(mkdir -p {folder}) or choose another path")
+    writable = os.access(target, os.W_OK) if target.exists() else os.access(folder, os.W_OK | os.X_OK)
+    if not writable:
+        raise ValueError(f"{flag} {path}: not writable (permissions); choose another path")
 
 
 # ---- on every rank --------------------------------------------------------------------

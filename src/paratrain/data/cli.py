@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .prepare import prepare
+from .prepare import DataError, prepare
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _prepare(args: argparse.Namespace) -> int:
     if args.workers < 0:
-        raise ValueError(f"--workers {args.workers}: give 0 (all cores) or more")
+        raise DataError(f"--workers {args.workers}: give 0 (all cores) or more")
     meta = prepare(args.inputs, args.tokenizer, args.out, field=args.field,
                    val_fraction=args.val_fraction, workers=args.workers, eos=args.eos)
     print(f"dataset       {args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens "

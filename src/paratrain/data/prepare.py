@@ -17,6 +17,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import numpy as np
 META = "meta.json"
 FORMAT = 1
 SHARD_TOKENS = 1 << 26  # 128 MiB of uint16 per shard
+SUFFIXES = (".txt", ".jsonl", ".parquet")
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 BYTES_EOS = 0  # NUL never occurs in text, so byte-level data separates documents with it
 
@@ -86,17 +88,54 @@ def read_documents(path: Path, field: str) -> Iterator[str]:
                     raise DataError(f"{path}:{n}: not a JSON object with a {field!r} field "
                                     f"(--field names the text field)") from None
     elif suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-        table = pq.read_table(path, columns=[field]) if field in pq.read_schema(path).names else None
-        if table is None:
-            raise DataError(f"{path}: no column {field!r} (--field names the text column)")
+        table = _parquet(path, field).read_table(path, columns=[field])
         yield from (doc for doc in table.column(field).to_pylist() if doc is not None)
     else:
-        raise DataError(f"{path}: unsupported input {suffix or 'without extension'}; "
-                        f"give .txt, .jsonl or .parquet files")
+        raise DataError(_unsupported(path))
+
+
+def _unsupported(path: Path) -> str:
+    return (f"{path}: unsupported input {path.suffix or 'without extension'}; "
+            f"give .txt, .jsonl or .parquet files")
+
+
+def check_inputs(files: list[Path], field: str) -> None:
+    """Fail before any work on a missing file, an unsupported extension, or a .jsonl /
+    .parquet file whose first record has no ``field`` (the cheap checks: a later record
+    without it still fails, during tokenizing)."""
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
+        raise DataError(f"input file(s) not found: {', '.join(missing)}")
+    bad = [p for p in files if p.suffix.lower() not in SUFFIXES]
+    if bad:
+        raise DataError("; ".join(_unsupported(p) for p in bad))
+    for path in files:
+        if path.suffix.lower() == ".jsonl":
+            _check_first_line(path, field)
+        elif path.suffix.lower() == ".parquet":
+            _parquet(path, field)
+
+
+def _check_first_line(path: Path, field: str) -> None:
+    with open(path, encoding="utf-8") as f:
+        first = next((line for line in f if line.strip()), None)
+    try:
+        if first is not None:
+            json.loads(first)[field]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise DataError(f"{path}: the first line is not a JSON object with a {field!r} field "
+                        f"(--field names the text field)") from None
+
+
+def _parquet(path: Path, field: str):
+    """pyarrow.parquet, once ``path``'s schema is known to have the column ``field``."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+    if field not in pq.read_schema(path).names:
+        raise DataError(f"{path}: no column {field!r} (--field names the text column)")
+    return pq
 
 
 def _encode(args: tuple[TokenizerSpec, list[str]]) -> tuple[np.ndarray, int]:
@@ -182,15 +221,19 @@ class _ShardWriter:
         if self._file is not None:
             self._close_shard()
 
+    def discard(self) -> None:
+        """Close an open shard without finishing it (the run failed)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
 
 def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text",
             val_fraction: float = 0.05, workers: int = 0, eos: str | None = None,
             shard_tokens: int = SHARD_TOKENS, progress: bool = True) -> dict:
     """Tokenize ``inputs`` into a dataset directory ``out``; returns its metadata."""
     files = [Path(p) for p in inputs]
-    missing = [str(p) for p in files if not p.is_file()]
-    if missing:
-        raise DataError(f"input file(s) not found: {', '.join(missing)}")
+    check_inputs(files, field)  # before the tokenizer loads and the worker pool starts
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction}: give a share in [0, 1)")
     target = Path(out)
@@ -200,18 +243,25 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text",
     _, vocab, eos_id = spec.load()  # fails here, before any work, on a bad tokenizer
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     tmp = target.with_name(target.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():  # not ours to delete: it may be another prepare's, still running
+        raise DataError(f"{tmp} exists (left by an interrupted prepare, or another one is "
+                        f"writing --out {out}); remove it and run again")
+    tmp.mkdir(parents=True)
     writer = _ShardWriter(tmp, dtype, shard_tokens)
-    documents = _tokenize_into(writer, spec, files, field, workers or os.cpu_count() or 1, progress)
-    writer.close()
-    meta = {"format": FORMAT, "tokenizer": spec.source, "vocab_size": vocab, "eos_id": eos_id,
-            "dtype": dtype.name, "documents": documents, "tokens": writer.total,
-            "train_tokens": int(writer.total * (1 - val_fraction)), "shards": writer.shards,
-            "inputs": [str(p) for p in files]}
-    (tmp / META).write_text(json.dumps(meta, indent=1))
-    if target.exists():
-        target.rmdir()
-    tmp.rename(target)  # the dataset appears whole, or not at all
+    try:
+        documents = _tokenize_into(writer, spec, files, field, workers or os.cpu_count() or 1, progress)
+        writer.close()
+        meta = {"format": FORMAT, "tokenizer": spec.source, "vocab_size": vocab, "eos_id": eos_id,
+                "dtype": dtype.name, "documents": documents, "tokens": writer.total,
+                "train_tokens": int(writer.total * (1 - val_fraction)), "shards": writer.shards,
+                "inputs": [str(p) for p in files]}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        if target.exists():
+            target.rmdir()
+        tmp.rename(target)  # the dataset appears whole, or not at all
+    finally:  # after the rename there is no tmp; after any failure, no half-written dataset
+        writer.discard()
+        shutil.rmtree(tmp, ignore_errors=True)
     return meta
 
 

@@ -224,12 +224,26 @@ def _rope_order(name: str, rows: int, cfg: GPTConfig) -> torch.Tensor | None:
     return None
 
 
+def check_export_target(out: str | Path, overwrite: bool = False) -> Path:
+    """Raise HFModelError, naming --out, if ``out`` is a file or a non-empty directory
+    (unless ``overwrite``): an export must not silently replace another model's files. Call
+    it before loading the weights, so the refusal comes before any work."""
+    target = Path(out)
+    if target.exists() and not target.is_dir():
+        raise HFModelError(f"--out {out}: exists and is not a directory; choose a new directory")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise HFModelError(f"--out {out}: the directory exists and is not empty; choose a new "
+                           f"one, or pass --overwrite to replace its config.json and model.safetensors")
+    return target
+
+
 def export(params: dict[str, torch.Tensor], cfg: GPTConfig, out: str | Path,
-           dtype: torch.dtype | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` that transformers loads."""
+           dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` that transformers loads into ``out``,
+    a new or empty directory (``overwrite``: any directory, replacing those two files)."""
     from safetensors.torch import save_file
 
-    target = Path(out)
+    target = check_export_target(out, overwrite)
     target.mkdir(parents=True, exist_ok=True)
     tensors = {theirs: _permute_rope(ours, params[ours], cfg, False).to(dtype or params[ours].dtype).contiguous()
                for ours, theirs in names(cfg).items()}

@@ -1,0 +1,148 @@
+"""Bad input to the auxiliary commands (trace, bench comm, data prepare, export) ends with
+exit code 2 and a message naming the flag, before any process starts or any work is done,
+and leaves nothing half-written behind. No processes, except where a worker pool is the
+point of the test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paratrain.cli import main
+from paratrain.data.prepare import DataError, prepare
+from paratrain.parallel.pipeline.timeline import Interval, StepRecord, Timeline
+from paratrain.trace import RenderError, step_index
+
+
+def three_steps() -> Timeline:
+    """A 1F1B pp=2 m=1 run of three recorded steps, each a different length."""
+    def step(span: float) -> StepRecord:
+        return StepRecord(span, [Interval("F", 0, 0, 0, 1), Interval("B", 0, 0, 1, span)])
+    return Timeline("1f1b", 2, 1, 1, [[step(2.0), step(3.0), step(4.0)] for _ in range(2)])
+
+
+# ---- trace --step ---------------------------------------------------------------------------
+
+
+def test_trace_steps_are_numbered_from_one_like_the_printout():
+    timeline = three_steps()
+    assert [step_index(timeline, s) for s in (1, 2, 3, None)] == [0, 1, 2, 2]
+    for bad in (0, 4, 99, -1):
+        with pytest.raises(RenderError, match=r"--step .*numbered 1\.\.3"):
+            step_index(timeline, bad)
+
+
+def test_trace_run_step_out_of_range_exits_2_naming_the_range(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "timeline.json"
+    three_steps().save(path)
+    for bad in ("99", "0", "4"):
+        assert main(["trace", "--run", str(path), "--step", bad, "--out", str(tmp_path / "x.svg")]) == 2
+        assert "--step" in capsys.readouterr().err
+    assert not (tmp_path / "x.svg").exists()
+    assert main(["trace", "--run", str(path), "--step", "3", "--out", str(tmp_path / "x.svg")]) == 0
+    assert "drawing step 3" in capsys.readouterr().out
+    assert main(["trace", "--step", "2", "--out", str(tmp_path / "y.svg")]) == 2
+    assert "--run" in capsys.readouterr().err
+
+
+# ---- trace cost flags -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag,value", [("--b-cost", "-1"), ("--f-cost", "0"), ("--f-cost", "nan")])
+def test_trace_cost_flags_must_be_positive(flag, value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["trace", flag, value, "--out", str(tmp_path / "s.svg")])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+    assert not (tmp_path / "s.svg").exists()
+
+
+# ---- bench comm --json ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["missing/x.json", "."])
+def test_bench_json_path_is_checked_before_spawning(where, tmp_path, monkeypatch, capsys):
+    from paratrain.bench import comm
+
+    def spawn(*args, **kwargs):
+        raise AssertionError("spawned before checking --json")
+
+    monkeypatch.setattr(comm, "spawn", spawn)
+    argv = ["bench", "comm", "--json", str(tmp_path / where), "--sizes", "1K", "--iters", "1"]
+    assert main(argv) == 2
+    assert "--json" in capsys.readouterr().err
+
+
+# ---- data prepare ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_pool(monkeypatch):
+    """Fail the test if the worker pool starts."""
+    from paratrain.data import prepare as module
+
+    def pool(*args, **kwargs):
+        raise AssertionError("the worker pool started before the inputs were checked")
+
+    monkeypatch.setattr(module, "ProcessPoolExecutor", pool)
+
+
+def test_prepare_refuses_an_unsupported_extension_before_the_pool(tmp_path, no_pool):
+    (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "b.md").write_text("# notes")
+    with pytest.raises(DataError, match=r"b\.md: unsupported input \.md"):
+        prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.md")], "bytes", str(tmp_path / "ds"),
+                workers=1, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.md"]
+
+
+def test_prepare_refuses_a_missing_field_before_the_pool(tmp_path, no_pool):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
+    with pytest.raises(DataError, match="'text' field.*--field"):
+        prepare([str(tmp_path / "a.jsonl")], "bytes", str(tmp_path / "ds"), workers=1, progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["a.jsonl"]
+
+
+def test_prepare_failure_leaves_no_partial_output(tmp_path):
+    # The first line passes the quick check; the third fails while tokenizing.
+    lines = [{"text": "one"}, {"text": "two"}, {"body": "three"}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(DataError, match=r"a\.jsonl:3"):
+        prepare([str(tmp_path / "a.jsonl")], "bytes", str(tmp_path / "ds"), workers=1, progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["a.jsonl"]
+
+
+def test_prepare_workers_negative_exits_2(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("hello")
+    argv = ["data", "prepare", str(tmp_path / "a.txt"), "--tokenizer", "bytes", "--out", str(tmp_path / "ds"),
+            "--workers", "-1"]
+    assert main(argv) == 2
+    assert "--workers -1" in capsys.readouterr().err
+
+
+# ---- export ---------------------------------------------------------------------------------
+
+
+def test_export_refuses_a_non_empty_out_directory(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    from paratrain.models import hf
+    from paratrain.models.gpt import GPT, PRESETS
+
+    cfg = PRESETS["tiny"]
+    source = hf.export(GPT(cfg).state_dict(), cfg, tmp_path / "source")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    assert main(["export", str(source), "--to", "hf", "--out", str(out)]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["config.json"]
+    assert (out / "config.json").read_text() == "{}"
+    # the refusal comes before any weights are read: a missing source is not even looked at
+    assert main(["export", str(tmp_path / "none"), "--to", "hf", "--out", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main(["export", str(source), "--to", "hf", "--out", str(out), "--overwrite"]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"]
+    hf.export(GPT(cfg).state_dict(), cfg, out, overwrite=True)  # asked for: replaced
+    assert json.loads((out / "config.json").read_text())["architectures"]
