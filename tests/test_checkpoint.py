@@ -10,7 +10,7 @@ import pytest
 
 from distributed import run_world
 from paratrain.train import checkpoint
-from paratrain.train.config import ConfigError
+from paratrain.train.config import ConfigError, load
 from helpers import assert_identical_runs, assert_same_run, tail, tiny_config, train_runs
 
 STEPS = 6
@@ -48,6 +48,9 @@ def test_bad_checkpoints_are_reported_before_launch(saved, tmp_path):
         resume_config(str(tmp_path), 1, str(tmp_path / "nothing"))
     with pytest.raises(ConfigError, match="another model"):
         resume_config(str(tmp_path), 1, str(ckpt), d_model=32)
+    with pytest.raises(ConfigError, match="holds a language model, and this run trains a heat2d "
+                                          "U-Net; resume it with --task lm"):
+        load(None, dict(task="heat2d", resume=str(ckpt), steps=STEPS, run_dir=str(tmp_path))).validate()
     with pytest.raises(ConfigError, match="raise --steps"):
         tiny_config(str(tmp_path), nproc=1, steps=3, resume=str(ckpt))
     broken = tmp_path / "broken"  # the index, and one rank's file cut short

@@ -143,6 +143,8 @@ def test_the_run_directory_records_its_config_and_versions(tmp_path, monkeypatch
     assert again.data == cfg.data and again.heat2d == cfg.heat2d and again.model_preset == "tiny"
     assert again.train.__dict__ == {**cfg.train.__dict__, "run_dir": "", "resume": ""}
     assert set(json.loads((run / "versions.json").read_text())) == {"paratrain", "torch", "python"}
+    wider = load(str(run / "config.toml"), {"nproc": 4}).validate()  # dp is derived, not pinned
+    assert (wider.parallel.dp, wider.parallel.nproc) == (4, 4)
 
 
 def test_a_resumed_run_keeps_the_records_up_to_its_step(tmp_path):

@@ -243,6 +243,11 @@ class ModelMismatch(CheckpointError):
 def check_model(meta: dict, model_cfg, directory: str | Path) -> None:
     """Raise unless the checkpoint was made for a model of this shape."""
     mine = dataclasses.asdict(model_cfg)
+    kinds = {True: ("a language model", "--task lm"), False: ("a heat2d U-Net", "--task heat2d")}
+    theirs, ours = kinds["vocab_size" in meta["model"]], kinds["vocab_size" in mine]
+    if theirs != ours:  # another task: its fields, not their values, differ
+        raise ModelMismatch(f"checkpoint {str(directory)!r} holds {theirs[0]}, and this run trains "
+                            f"{ours[0]}; resume it with {theirs[1]}")
     diff = [f"{k}: {meta['model'].get(k)!r} in the checkpoint, {v!r} now"
             for k, v in mine.items() if meta["model"].get(k) != v]
     if diff:

@@ -98,6 +98,7 @@ class Config:
         any problem and its fix. ``self`` is left as it was. Under ``torchrun``, nproc is
         the world torchrun started, and the fix for a mismatch names torchrun's flags."""
         _check_fields(self)
+        _check_unused(self)
         cfg = dataclasses.replace(self, parallel=_resolve_world(self.parallel, launcher))
         if cfg.train.task == "heat2d" or parse_domain(cfg.parallel.domain) != (1, 1):
             from .task_heat2d import validate as validate_heat2d
@@ -165,10 +166,15 @@ class Config:
         if t.global_batch % dp:
             raise ConfigError(f"global_batch={t.global_batch} is not divisible by dp={dp}; "
                               f"use a multiple of {dp}")
+        share, m = t.global_batch // dp, self.parallel.microbatches
+        if m and not t.micro_batch and share % m:  # the micro-batch is derived from them
+            fits = [d for d in range(1, share + 1) if share % d == 0]
+            raise ConfigError(f"microbatches={m} does not divide the {share} sequences each rank "
+                              f"gets per step (global_batch={t.global_batch} / dp={dp}); use one of "
+                              f"{', '.join(map(str, fits))}, or change --global-batch")
         if (t.global_batch // dp) % self.micro_batch:
             raise ConfigError(f"each rank gets {t.global_batch // dp} sequences per step, not a "
                               f"multiple of micro_batch={self.micro_batch}")
-        m = self.parallel.microbatches
         if m and m != self.accumulation:
             raise ConfigError(f"microbatches={m} but global_batch / (dp x micro_batch) = "
                               f"{self.accumulation}; leave microbatches at 0 or make them agree")
@@ -195,6 +201,26 @@ class Config:
             if meta["step"] >= t.steps:
                 raise ConfigError(f"the checkpoint is at step {meta['step']}, and steps={t.steps}: "
                                   f"raise --steps to train further")
+
+
+def _check_unused(cfg: Config) -> None:
+    """Refuse settings this run would silently ignore: another task's, or a corpus split
+    given for a prepared dataset (which carries its own)."""
+    heat2d = cfg.train.task == "heat2d"
+    if not heat2d and cfg.heat2d != Heat2DConfig():
+        given = [f.name for f in dataclasses.fields(Heat2DConfig)
+                 if getattr(cfg.heat2d, f.name) != getattr(Heat2DConfig(), f.name)]
+        raise ConfigError(f"[heat2d] {', '.join(given)}: set{'s' if len(given) == 1 else ''} up the "
+                          f"heat2d task, and this run trains a language model; add --task heat2d, "
+                          f"or drop {', '.join('--' + g.replace('_', '-') for g in given)}")
+    if heat2d and (cfg.model_preset != Config.model_preset or cfg.parallel.sp):
+        raise ConfigError("--task heat2d trains its own U-Net (shaped by --unet-width, "
+                          "--unet-levels, --unet-kernel) without tensor parallelism: drop "
+                          "--model and --sp")
+    if cfg.data.data and cfg.data.val_fraction != DataConfig.val_fraction:
+        raise ConfigError("data.val_fraction splits a --corpus; a prepared dataset (--data) "
+                          "has its own validation split, set by `paratrain data prepare "
+                          "--val-fraction`: drop --val-fraction")
 
 
 def _resolve_world(p: ParallelConfig, launcher: str = "local") -> ParallelConfig:

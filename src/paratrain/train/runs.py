@@ -236,6 +236,9 @@ def config_tables(cfg: Config) -> dict[str, dict]:
         tables[section] = dataclasses.asdict(getattr(cfg, section))
     for key in ("run_dir", "resume", "metrics"):
         tables["train"].pop(key)
+    # dp follows from nproc and the other sizes: left to derive, so that `--config` with
+    # another --nproc or --tp re-derives it instead of contradicting the file's dp
+    tables["parallel"]["dp"] = 0
     return tables
 
 
