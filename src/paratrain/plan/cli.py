@@ -19,6 +19,12 @@ from .models import LOCAL_PRESETS, PRESETS, ModelSpec, load_model
 DEFAULT_TOKENS = {"gpu": 2**22, "local": 2**13}
 """Tokens per step when --global-batch is not given: ~4M on GPUs (what Llama 3 and
 GPT-3 started with), 8K for CPU processes."""
+DEFAULT_GPU = "h100-80g"
+DEFAULT_GPUS_PER_NODE = 8
+GPU_CLUSTER_FLAGS = ("gpu", "nodes", "gpus_per_node", "intra_bw", "inter_bw")
+"""Flags that describe GPUs; a local cluster's rates and memory come from its calibration.
+They default to None (the defaults above apply later) so that giving one can be told
+apart from leaving it out."""
 
 
 def add_parser(subparsers) -> None:
@@ -35,10 +41,10 @@ def add_parser(subparsers) -> None:
     cl = p.add_argument_group("cluster")
     cl.add_argument("--cluster", choices=("gpu", "local"), default="gpu",
                     help="gpu presets, or CPU processes on this machine (needs a calibration)")
-    cl.add_argument("--gpu", default="h100-80g", choices=list(GPUS), help="accelerator preset")
+    cl.add_argument("--gpu", choices=list(GPUS), help="accelerator preset (default h100-80g)")
     cl.add_argument("--gpus", type=int, help="ranks in the job (default: one node)")
     cl.add_argument("--nodes", type=int, help="nodes (alternative to --gpus)")
-    cl.add_argument("--gpus-per-node", type=int, default=8)
+    cl.add_argument("--gpus-per-node", type=int, help="GPUs in one node (default 8)")
     cl.add_argument("--intra-bw", type=float, metavar="GB/s",
                     help="bus bandwidth per GPU inside a node (nccl-tests busbw)")
     cl.add_argument("--inter-bw", type=float, metavar="GB/s",
@@ -71,8 +77,11 @@ def add_parser(subparsers) -> None:
                           "breakdown even if it does not fit, why, and its rank")
     out.add_argument("--compare", nargs="+", metavar="SPEC",
                      help="evaluate several layouts side by side (same syntax as --layout)")
-    out.add_argument("--plot", metavar="FILE.png", help="memory and time breakdown chart")
-    out.add_argument("--out", metavar="FILE.toml", help="write the winner as a train config")
+    out.add_argument("--plot", metavar="FILE.png",
+                     help="memory and time breakdown chart of the top plans (with --layout or "
+                          "--compare: of the layouts given)")
+    out.add_argument("--out", metavar="FILE.toml",
+                     help="write the winner (with --layout: that layout) as a train config")
     p.set_defaults(func=run)
 
 
@@ -81,12 +90,12 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
     if args.cluster == "local":
         calibration = load_calibration(args.calibration)
         return local_cluster(args.gpus or calibration.cores, calibration)
-    per_node = args.gpus_per_node
+    per_node = args.gpus_per_node or DEFAULT_GPUS_PER_NODE
     gpus = args.gpus or (args.nodes or 1) * per_node
     if args.gpus and args.nodes and args.gpus != args.nodes * per_node:
         raise ValueError(f"--gpus {args.gpus} disagrees with --nodes {args.nodes} x "
                          f"--gpus-per-node {per_node}")
-    return Cluster(gpu_preset(args.gpu), gpus, per_node,
+    return Cluster(gpu_preset(args.gpu or DEFAULT_GPU), gpus, per_node,
                    intra_bw=args.intra_bw * GB if args.intra_bw else None,
                    inter_bw=args.inter_bw * GB if args.inter_bw else None)
 
@@ -116,6 +125,32 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         if path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{flag} {path}: the directory {Path(path).parent} does not exist")
+    check_combinations(args)
+
+
+def check_combinations(args: argparse.Namespace) -> None:
+    """Refuse flags that contradict each other, or that the rest of the command would
+    silently ignore, before any work is done."""
+    if args.layout and args.compare:
+        raise ValueError("--layout and --compare both given: --layout evaluates one layout, "
+                         "--compare several side by side; put every layout after --compare "
+                         "(--compare 'A' 'B')")
+    if args.compare and args.out:
+        raise ValueError("--out writes one layout as a train config and --compare gives "
+                         "several; pass the one to write as --layout SPEC, or drop --compare "
+                         "to write the winner")
+    if args.cluster == "local":
+        given = ["--" + name.replace("_", "-") for name in GPU_CLUSTER_FLAGS
+                 if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: describe{'s' if len(given) == 1 else ''} "
+                             f"a GPU cluster, but --cluster local plans CPU processes on this "
+                             f"machine, whose rates and memory come from its calibration "
+                             f"(--calibration FILE); drop {', '.join(given)} or use "
+                             f"--cluster gpu")
+    elif args.calibration and not args.calibrate:
+        raise ValueError("--calibration is read by --cluster local only; add --cluster local, "
+                         "or drop --calibration (with --calibrate it names the file written)")
 
 
 def _micro_batch(value: str) -> int | None:
@@ -128,10 +163,14 @@ def _micro_batch(value: str) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     """Search and print; 0 on success, 1 if nothing fits, 2 on bad input."""
-    from . import export, report
     from .search import search
 
     log = sys.stderr if args.json else sys.stdout  # keep stdout parseable
+    try:
+        check_args(args)  # first: a contradiction must not cost a minute of calibrating
+    except ValueError as err:
+        print(f"paratrain plan: error: {err}", file=sys.stderr)
+        return 2
     if args.calibrate:
         code = _calibrate(args.calibration, log)
         if code or not args.model:
@@ -140,7 +179,6 @@ def run(args: argparse.Namespace) -> int:
         if not args.model:
             raise ValueError("--model is required (a preset, a .toml or a config.json); "
                              "only --calibrate runs without one")
-        check_args(args)
         model = load_model(args.model)
         cluster = build_cluster(args)
         training = build_training(args, model, cluster)
@@ -151,32 +189,48 @@ def run(args: argparse.Namespace) -> int:
     recompute = None if args.recompute == "search" else args.recompute
     result = search(model, training, cluster, micro_batch=micro, recompute=recompute)
     if args.layout or args.compare:
-        return _evaluate(args, result, model, training, cluster)
-    if args.json:
-        data = report.to_json(result, model, training, cluster, args.top)
-        if args.explain:
-            data["explain"] = report.explain(result, cluster)
-        print(json.dumps(data, indent=2))
-    else:
-        print(report.summary(result, model, training, cluster, args.top))
-        if args.explain:
-            print("\n" + report.explain(result, cluster))
-        if args.show_rejected or not result.plans:
-            print("\n" + report.rejected(result))
+        return _evaluate(args, result, model, training, cluster, log)
+    _print_search(args, result, model, training, cluster)
     if not result.plans:
         print("paratrain plan: no layout fits; see the rejections above", file=sys.stderr)
         _suggest_batches(model, training, cluster, micro, recompute)
         return 1
     if args.out and _write_out(args.out, result, model, training, cluster, log):
         return 2
-    if args.plot:
-        try:
-            export.plot(args.plot, result.plans[:args.top], cluster.memory_limit,
-                        title=f"{model.name} on {cluster.n_gpus} x {cluster.gpu.name}")
-        except RuntimeError as err:
-            print(f"paratrain plan: error: {err}", file=sys.stderr)
-            return 2
-        print(f"wrote {args.plot}", file=log)
+    if args.plot and _plot(args.plot, result.plans[:args.top], model, cluster, log):
+        return 2
+    return 0
+
+
+def _print_search(args: argparse.Namespace, result, model: ModelSpec, training: Training,
+                  cluster: Cluster) -> None:
+    from . import report
+
+    if args.json:
+        data = report.to_json(result, model, training, cluster, args.top)
+        if args.explain:
+            data["explain"] = report.explain(result, cluster)
+        print(json.dumps(data, indent=2))
+        return
+    print(report.summary(result, model, training, cluster, args.top))
+    if args.explain:
+        print("\n" + report.explain(result, cluster))
+    if args.show_rejected or not result.plans:
+        print("\n" + report.rejected(result))
+
+
+def _plot(path: str, plans: list, model: ModelSpec, cluster: Cluster, log) -> int:
+    """``--plot``: the chart of ``plans`` (search plans or evaluated layouts); 2 if it
+    cannot be drawn."""
+    from . import export
+
+    try:
+        export.plot(path, plans, cluster.memory_limit,
+                    title=f"{model.name} on {cluster.n_gpus} x {cluster.gpu.name}")
+    except RuntimeError as err:
+        print(f"paratrain plan: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}", file=log)
     return 0
 
 
@@ -214,13 +268,13 @@ def _calibrate(path: str | None, log) -> int:
 
 
 def _evaluate(args: argparse.Namespace, result, model: ModelSpec, training: Training,
-              cluster: Cluster) -> int:
+              cluster: Cluster, log) -> int:
     """``--layout`` / ``--compare``: 0 if every given layout fits, 1 otherwise, 2 on a
-    spec that cannot be read."""
+    spec that cannot be read or an ``--out`` / ``--plot`` that cannot be written."""
     from . import report
     from .evaluate import with_search
 
-    specs = ([args.layout] if args.layout else []) + list(args.compare or [])
+    specs = [args.layout] if args.layout else list(args.compare)
     try:
         evaluations = with_search(specs, model, training, cluster, result)
     except ValueError as err:
@@ -233,7 +287,40 @@ def _evaluate(args: argparse.Namespace, result, model: ModelSpec, training: Trai
         print(json.dumps(data, indent=2))
     else:
         print(report.layout_report(evaluations, result, model, training, cluster))
+    if args.out and _write_layout(args.out, evaluations[0], model, training, cluster, log):
+        return 2
+    # A layout that cannot be costed has no bars; the others are drawn, fitting or not
+    # (the chart's "usable" line shows by how much).
+    costed = [ev for ev in evaluations if ev.memory is not None]
+    if args.plot and not costed:
+        print(f"paratrain plan: error: --plot: no layout given can be costed (see above); "
+              f"{args.plot} not written", file=sys.stderr)
+        return 2
+    if args.plot and _plot(args.plot, costed, model, cluster, log):
+        return 2
     return 0 if all(ev.fits for ev in evaluations) else 1
+
+
+def _write_layout(path: str, ev, model: ModelSpec, training: Training, cluster: Cluster,
+                  log) -> int:
+    """``--layout SPEC --out FILE``: that layout as a train config; 2 (nothing written)
+    if it is rejected or is not one ``paratrain train`` runs."""
+    from . import export
+    from .search import Plan
+
+    try:
+        if not ev.fits:
+            raise ValueError(f"{ev.cand.describe()} is rejected ({'; '.join(ev.problems)}); "
+                             f"change the layout or drop --layout to write the winner")
+        plan = Plan(ev.cand, ev.memory, ev.time, ev.tokens_per_s, ev.mfu)
+        export.check_trainable(plan, model, training,
+                               cluster.memory_limit if cluster.kind != "local" else None)
+        export.write_config(path, plan, model, training)
+    except ValueError as err:
+        print(f"paratrain plan: error: --out: {err}; {path} not written", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: run it with `paratrain train --config {path}`", file=log)
+    return 0
 
 
 def _suggest_batches(model: ModelSpec, training: Training, cluster: Cluster,

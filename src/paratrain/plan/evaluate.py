@@ -66,53 +66,73 @@ class LayoutSpec:
 def parse_layout(text: str) -> LayoutSpec:
     """``LayoutSpec`` of a ``--layout`` string; ValueError naming the token otherwise."""
     values: dict = {"text": text.strip()}
+    given: dict[str, str] = {}  # field -> the token that set it
     for token in text.replace(",", " ").split():
-        low = token.lower()
-        if m := _SIZE.fullmatch(low):
-            values[m.group(1)] = int(m.group(2))
-            if m.group(4):
-                values["cp_method"] = m.group(4)
-        elif low in ("ring", "ulysses"):
-            values["cp_method"] = low
-        elif m := re.fullmatch(r"(?:zero|z)([0-3])(?:/hsdp(\d+))?(?:/(reshard|keep))?", low):
-            values["zero"] = int(m.group(1))
-            if m.group(2):
-                values["shard_group"] = int(m.group(2))
-            if m.group(3) and values["zero"] != 3:
-                raise ValueError(f"--layout {token!r}: /{m.group(3)} is a ZeRO-3 choice")
-            if m.group(3):
-                values["reshard_after_forward"] = m.group(3) == "reshard"
-        elif m := re.fullmatch(r"reshard=(yes|no)", low):
-            values["zero"], values["reshard_after_forward"] = 3, m.group(1) == "yes"
-        elif m := re.fullmatch(r"hsdp(\d+)", low):
-            values["zero"], values["shard_group"] = 3, int(m.group(1))
-        elif m := re.fullmatch(r"mb(\d+)(?:x(\d+))?", low):
-            values["micro_batch"] = int(m.group(1))
-            if m.group(2):
-                values["microbatches"] = int(m.group(2))
-        elif m := re.fullmatch(r"v(\d+)", low):
-            values["virtual_stages"] = int(m.group(1))
-        elif m := re.fullmatch(r"(gpipe|1f1b|interleaved)(?:/v(\d+))?", low):
-            values["schedule"] = m.group(1)
-            if m.group(2):
-                values["virtual_stages"] = int(m.group(2))
-        elif m := re.fullmatch(r"(?:recompute|rc)=(\w+)", low):
-            policy = _ALIASES.get(m.group(1), m.group(1))
-            if policy not in RECOMPUTE:
-                raise ValueError(f"--layout {token!r}: recompute is one of {', '.join(RECOMPUTE)}")
-            values["recompute"] = policy
-        else:
-            raise ValueError(
-                f"--layout: cannot read {token!r}; write e.g. 'dp8 tp8 pp4 cp1 v2 zero1 mb1 "
-                f"1f1b recompute=selective' (any subset)")
-        if any(values.get(k) == 0 for k in ("dp", "tp", "pp", "cp", "micro_batch",
-                                             "microbatches", "virtual_stages")):
-            raise ValueError(f"--layout {token!r}: sizes must be positive")
+        for key, value in _read_token(token).items():
+            # 'tp2 tp4' or 'z1 reshard=yes' must not quietly become the last one written;
+            # the same value twice ('z3 hsdp8' both say ZeRO-3) is no contradiction.
+            if key in values and values[key] != value:
+                raise ValueError(f"--layout {text.strip()!r}: {_FIELD_NAMES.get(key, key)} "
+                                 f"given twice ({given[key]}, then {token}); give each "
+                                 f"choice once")
+            values[key], given[key] = value, token
     spec = LayoutSpec(**values)
     v = spec.virtual_stages or 1
     if v > 1 and spec.schedule not in (None, "interleaved"):
         raise ValueError(f"--layout {text!r}: v{v} needs the interleaved schedule")
     return spec
+
+
+_FIELD_NAMES = {"zero": "the ZeRO stage", "micro_batch": "the microbatch size (mb)",
+                "microbatches": "the microbatch count (mbNxM)", "virtual_stages": "v",
+                "recompute": "recompute", "cp_method": "cp's attention (ring/ulysses)",
+                "shard_group": "the HSDP group", "reshard_after_forward": "reshard"}
+"""How a ``LayoutSpec`` field is named in a --layout error; dp/tp/pp/cp name themselves."""
+
+
+def _read_token(token: str) -> dict:
+    """The ``LayoutSpec`` fields one --layout token sets; ValueError naming it otherwise."""
+    low, values = token.lower(), {}
+    if m := _SIZE.fullmatch(low):
+        values[m.group(1)] = int(m.group(2))
+        if m.group(4):
+            values["cp_method"] = m.group(4)
+    elif low in ("ring", "ulysses"):
+        values["cp_method"] = low
+    elif m := re.fullmatch(r"(?:zero|z)([0-3])(?:/hsdp(\d+))?(?:/(reshard|keep))?", low):
+        values["zero"] = int(m.group(1))
+        if m.group(2):
+            values["shard_group"] = int(m.group(2))
+        if m.group(3) and values["zero"] != 3:
+            raise ValueError(f"--layout {token!r}: /{m.group(3)} is a ZeRO-3 choice")
+        if m.group(3):
+            values["reshard_after_forward"] = m.group(3) == "reshard"
+    elif m := re.fullmatch(r"reshard=(yes|no)", low):
+        values["zero"], values["reshard_after_forward"] = 3, m.group(1) == "yes"
+    elif m := re.fullmatch(r"hsdp(\d+)", low):
+        values["zero"], values["shard_group"] = 3, int(m.group(1))
+    elif m := re.fullmatch(r"mb(\d+)(?:x(\d+))?", low):
+        values["micro_batch"] = int(m.group(1))
+        if m.group(2):
+            values["microbatches"] = int(m.group(2))
+    elif m := re.fullmatch(r"v(\d+)", low):
+        values["virtual_stages"] = int(m.group(1))
+    elif m := re.fullmatch(r"(gpipe|1f1b|interleaved)(?:/v(\d+))?", low):
+        values["schedule"] = m.group(1)
+        if m.group(2):
+            values["virtual_stages"] = int(m.group(2))
+    elif m := re.fullmatch(r"(?:recompute|rc)=(\w+)", low):
+        policy = _ALIASES.get(m.group(1), m.group(1))
+        if policy not in RECOMPUTE:
+            raise ValueError(f"--layout {token!r}: recompute is one of {', '.join(RECOMPUTE)}")
+        values["recompute"] = policy
+    else:
+        raise ValueError(f"--layout: cannot read {token!r}; write e.g. 'dp8 tp8 pp4 cp1 v2 "
+                         f"zero1 mb1 1f1b recompute=selective' (any subset)")
+    if any(values.get(k) == 0 for k in ("dp", "tp", "pp", "cp", "micro_batch",
+                                         "microbatches", "virtual_stages")):
+        raise ValueError(f"--layout {token!r}: sizes must be positive")
+    return values
 
 
 @dataclass

@@ -99,21 +99,60 @@ def trainable(plans: list[Plan], model: ModelSpec, training: Training,
     if limit is None or not runnable:
         return (runnable or plans)[0]
     for plan in runnable:
-        if rank_memory(model, training, plan.cand, paratrain=True).total <= limit:
+        if runtime_bytes(plan, model, training) <= limit:
             return plan
-    need = rank_memory(model, training, runnable[0].cand, paratrain=True).total
+    need = runtime_bytes(runnable[0], model, training)
     raise ValueError(f"no plan fits paratrain's own runtime: the best, {runnable[0].cand.describe()}, "
                      f"would hold {need / GiB:.1f} GiB per GPU of {limit / GiB:.1f} usable "
                      f"(the ranking counts fused kernels' activations); try --recompute full "
                      f"or more GPUs")
 
 
+def check_trainable(plan: Plan, model: ModelSpec, training: Training,
+                    limit: float | None = None) -> None:
+    """Raise ValueError naming why ``paratrain train`` would not run ``plan`` as written:
+    a planner-only choice (``refusal``) or, with ``limit`` (usable bytes per GPU), more
+    memory than that as paratrain's own runtime holds it (``trainable``)."""
+    why = refusal(plan.cand, model, training)
+    if why:
+        raise ValueError(f"{plan.cand.describe()}: {why}")
+    need = runtime_bytes(plan, model, training)
+    if limit is not None and need > limit:
+        raise ValueError(f"{plan.cand.describe()} fits as ranked ({plan.memory.total / GiB:.2f} "
+                         f"GiB per GPU, fused kernels' activations) but paratrain's eager "
+                         f"runtime would hold {need / GiB:.2f} GiB of {limit / GiB:.2f} usable; "
+                         f"try rc=full, more sharding (zero3, tp, pp) or a smaller mb")
+
+
+def runtime_bytes(plan: Plan, model: ModelSpec, training: Training) -> float:
+    """Peak bytes per rank of ``plan`` as paratrain's eager runtime holds them: what
+    ``paratrain train`` predicts and checks before it starts (train/preflight.py)."""
+    return rank_memory(model, training, plan.cand, paratrain=True).total
+
+
 def write_config(path: str | Path, plan: Plan, model: ModelSpec, training: Training) -> None:
     """Write ``plan`` as a config ``paratrain train --config`` reads."""
-    comment = (f"Written by `paratrain plan` for {model.name}: {layout_label(plan)}\n"
-               f"predicted {plan.time.step:.3g} s/step, {plan.memory.total / GiB:.1f} GiB "
-               f"per rank, MFU {plan.mfu:.1%}")
-    Path(path).write_text(to_toml(config_tables(plan, model, training), comment))
+    Path(path).write_text(to_toml(config_tables(plan, model, training),
+                                  header(plan, model, training)))
+
+
+def header(plan: Plan, model: ModelSpec, training: Training) -> str:
+    """The config's comment: the plan and its predictions. Memory is given as ranked and,
+    where that differs (GPU plans, ranked with fused kernels), as paratrain's runtime
+    holds it, the number `paratrain train` checks, so that the two never look like one
+    number that changed."""
+    runtime = runtime_bytes(plan, model, training)
+    ranked = plan.memory.total
+    if abs(runtime - ranked) < 0.005 * GiB:  # the local cluster ranks by the runtime's count
+        memory = (f"{runtime / GiB:.2f} GiB per rank as paratrain's runtime holds it (what "
+                  f"`paratrain train` checks before it starts)")
+    else:
+        memory = (f"{ranked / GiB:.2f} GiB per rank as ranked (fused kernels, as Megatron-core\n"
+                  f"runs it); {runtime / GiB:.2f} GiB as paratrain's eager runtime holds it, "
+                  f"the number\n`paratrain train` predicts and checks before it starts")
+    return (f"Written by `paratrain plan` for {model.name}: {layout_label(plan)}\n"
+            f"predicted {plan.time.step:.3g} s/step, MFU {plan.mfu:.1%}\n"
+            f"memory: {memory}")
 
 
 def plot(path: str | Path, plans: list[Plan], limit: float, title: str = "") -> None:

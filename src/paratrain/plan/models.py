@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -53,6 +53,13 @@ class ModelSpec:
     """Learned absolute position embeddings (max_seq_len x d_model) instead of RoPE/ALiBi."""
     dropout: bool = False
     """Trained with dropout (its masks are stored activations)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2, ``GPTConfig.qkv_bias``);
+    ``bias`` already includes them."""
+    carried: tuple[tuple[str, object], ...] = field(default=(), compare=False)
+    """``GPTConfig`` settings read from a train config that change neither memory nor time
+    (rope_theta, ...): not modelled, but written back by ``--out`` so that the exported
+    config trains the same model."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -83,7 +90,8 @@ class ModelSpec:
         kv = self.kv_heads_per_rank(tp) * self.head_dim
         mlp_in = 2 if self.gated_mlp else 1
         weights = h * h // tp * 2 + 2 * h * kv + (mlp_in + 1) * h * f // tp
-        biases = (h // tp + 2 * kv + h + mlp_in * f // tp + h) if self.bias else 0
+        biases = (h // tp + 2 * kv + h + mlp_in * f // tp + h) if self.bias else (
+            h // tp + 2 * kv if self.qkv_bias else 0)
         return weights + biases + 2 * self._norm_params()
 
     def embedding_params(self, tp: int = 1) -> int:
@@ -130,7 +138,8 @@ class ModelSpec:
                 "n_layers": self.n_layers, "n_heads": self.n_heads,
                 "n_kv_heads": self.n_kv_heads, "ffn_hidden": self.ffn_hidden,
                 "max_seq_len": max(self.max_seq_len, seq_len),
-                "tie_embeddings": self.tie_embeddings}
+                "tie_embeddings": self.tie_embeddings,
+                **({"qkv_bias": True} if self.qkv_bias else {}), **dict(self.carried)}
 
 
 _GPT_STYLE = dict(gated_mlp=False, bias=True, norm="layernorm")
@@ -156,7 +165,8 @@ def from_gpt_config(cfg, name: str) -> ModelSpec:
     return ModelSpec(name, cfg.n_layers, cfg.d_model, cfg.n_heads,
                      cfg.n_kv_heads or cfg.n_heads,
                      cfg.ffn_hidden or 32 * math.ceil(8 * cfg.d_model / 3 / 32),
-                     cfg.vocab_size, cfg.max_seq_len, tie_embeddings=cfg.tie_embeddings)
+                     cfg.vocab_size, cfg.max_seq_len, tie_embeddings=cfg.tie_embeddings,
+                     qkv_bias=getattr(cfg, "qkv_bias", False))
 
 
 def _local_preset(name: str) -> ModelSpec | None:
@@ -189,12 +199,26 @@ def load_model(spec: str) -> ModelSpec:
 
 # ---- TOML ---------------------------------------------------------------------------------
 
-_IGNORED_GPT_FIELDS = ("preset", "rope_theta", "norm_eps", "init_std")  # no effect on memory or time
+TRAIN_DEFAULT_PRESET = "small"
+"""The preset ``paratrain train`` starts a ``[model]`` table from when it names none
+(train/config.py)."""
+_IGNORED_GPT_FIELDS = (
+    "rope_theta", "rope_scaling",  # rotary frequencies: the same tensors and FLOPs
+    "norm_eps", "init_std",  # values, not shapes
+    # paratrain computes full attention and refuses sequences longer than the window, so
+    # every run train accepts costs what the planner counts without it.
+    "sliding_window",
+)
+"""``GPTConfig`` fields that change neither memory nor time; every other field is
+modelled (``qkv_bias`` is a ``ModelSpec`` field). tests/test_plan_ux.py checks that each
+``GPTConfig`` field is one or the other."""
 
 
 def from_toml(path: str | Path) -> ModelSpec:
-    """Read the ``[model]`` table (or the top level) of a TOML file: ``ModelSpec`` field
-    names; ``n_kv_heads`` / ``ffn_hidden`` of 0 mean what they mean in ``GPTConfig``."""
+    """Read the ``[model]`` table of a train config, or top-level fields of a model file:
+    ``ModelSpec`` field names; ``n_kv_heads`` / ``ffn_hidden`` of 0 mean what they mean in
+    ``GPTConfig``. As ``paratrain train`` reads it, a ``[model]`` table starts from its
+    ``preset`` (``TRAIN_DEFAULT_PRESET`` if none) and overrides that preset's fields."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -208,21 +232,41 @@ def from_toml(path: str | Path) -> ModelSpec:
     if not isinstance(table, dict):
         raise ValueError(f"{path}: [model] must be a table of model settings")
     table = dict(table)
-    for key in _IGNORED_GPT_FIELDS:
-        table.pop(key, None)
+    if "model" in data or "preset" in table:
+        name = table.pop("preset", TRAIN_DEFAULT_PRESET)
+        table = {**_preset_fields(path, name), **table}
+    carried = tuple((key, table.pop(key)) for key in _IGNORED_GPT_FIELDS if key in table)
     known = {f.name for f in fields(ModelSpec)} - {"name"}
     unknown = sorted(k for k in table if k not in known and not isinstance(table[k], dict))
     if unknown:
         raise ValueError(f"{path}: unknown model fields {unknown}; known: {sorted(known)}")
     missing = [k for k in ("n_layers", "d_model", "n_heads") if k not in table]
     if missing:
-        raise ValueError(f"{path}: the model needs {missing}")
+        raise ValueError(f"{path}: the model needs {missing} (or a preset = NAME to start "
+                         f"from, as in a train config's [model] table)")
     values = {"vocab_size": 256, "max_seq_len": 256, "n_kv_heads": 0, "ffn_hidden": 0,
               **{k: v for k, v in table.items() if k in known}}
     check_values(path, values, zero_ok=("n_kv_heads", "ffn_hidden"))
     values["n_kv_heads"] = values["n_kv_heads"] or values["n_heads"]
     values["ffn_hidden"] = values["ffn_hidden"] or 32 * math.ceil(8 * values["d_model"] / 3 / 32)
-    return ModelSpec(name=path.name, **values)
+    return ModelSpec(name=path.name, **values, carried=carried)
+
+
+def _preset_fields(path: Path, name: object) -> dict:
+    """The ``GPTConfig`` fields of ``preset = name`` as ``paratrain train`` resolves it
+    (``models.gpt.preset``: paratrain's presets or a Hugging Face model directory)."""
+    if not isinstance(name, str):
+        raise ValueError(f"{path}: preset must be a preset name in quotes, got {name!r}")
+    try:
+        from ..models.gpt import preset
+    except ImportError as exc:  # the planner runs without torch; presets need it
+        raise ValueError(f"{path}: preset = {name!r} needs paratrain's models ({exc}); "
+                         f"give the model's fields instead of a preset") from None
+    try:
+        cfg = preset(name)
+    except ValueError as err:
+        raise ValueError(f"{path}: preset: {err}") from None
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg)}
 
 
 def check_values(path: Path, values: dict, names: dict | None = None,
@@ -290,6 +334,7 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         norm="layernorm" if gpt_like else "rmsnorm",
         learned_pos=kind in ("gpt2", "gpt_bigcode", "opt"),
         dropout=any(float(cfg.get(k) or 0) > 0 for k in _DROPOUT_KEYS),
+        qkv_bias=kind == "qwen2",  # Qwen2 biases q, k and v only, without a config key
     )
 
 
