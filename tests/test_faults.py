@@ -270,6 +270,20 @@ def faults_in_one_world(tmp: str) -> dict:
     cfg = tiny_config(f"{tmp}/skip-resumed", **resumed)
     result = loop.train(cfg, Mesh.build(cfg.layout), keep_params=True)
     out["resumed_losses"], out["resumed_params"] = result.losses, result.params
+    # a rank that cannot read its boxes: every rank fails, none waits in a collective
+    real_fill = checkpoint.Reader.fill
+
+    def fill(self, piece):
+        if dist.get_rank() == 1:
+            raise RuntimeError("cannot decompress block")
+        return real_fill(self, piece)
+    checkpoint.Reader.fill = fill
+    try:
+        loop.train(tiny_config(f"{tmp}/load-fails", **resumed), mesh)
+    except Exception as exc:  # noqa: BLE001
+        out["load_fails"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        checkpoint.Reader.fill = real_fill
     loop.build = poisoned(build, {1})
     cfg = tiny_config(f"{tmp}/skip-resumed-over", **resumed)
     try:
@@ -324,6 +338,8 @@ def test_nonfinite_steps_and_failed_writes_in_one_world(tmp_path):
         for name, want in out["skip_params"].items():
             assert torch.allclose(out["resumed_params"][name], want, rtol=1e-5, atol=1e-7), name
         assert "over --max-skips 1" in out["resumed_over"] and "at step 4" in out["resumed_over"]
+        assert "CheckpointError" in out["load_fails"], out["load_fails"]
+        assert "cannot decompress block (on rank 1)" in out["load_fails"]
         for method in ("int8", "powersgd:2", "topk:0.5"):
             losses = out[method]
             assert isinstance(losses, list), (method, losses)

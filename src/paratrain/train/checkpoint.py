@@ -368,6 +368,21 @@ def load_into(engine, directory: str | Path, model_cfg) -> int:
     check_tensors(meta, model_cfg, directory)
     _check_files_once(directory, meta)
     S.prepare_optimizer_state(engine, meta["step"] - skipped_steps(meta))  # Adam's own count
+    error = ""
+    try:
+        _read_pieces(engine, directory, meta)
+    except Exception as exc:  # noqa: BLE001  every rank must hear of it, or the others wait
+        error = f"{type(exc).__name__}: {exc} (on rank {dist.get_rank()})"  # in the first collective
+    errors: list = [""] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise CheckpointError(f"loading {str(directory)!r} failed: {next(e for e in errors if e)}")
+    S.after_load(engine)
+    return meta["step"]
+
+
+def _read_pieces(engine, directory: str | Path, meta: dict) -> None:
+    """This rank's boxes of every tensor, and its gradient-compression state."""
     with Reader(Path(directory), meta) as reader:
         for piece in S.engine_pieces(engine, for_save=False):
             reader.fill(piece)
@@ -383,5 +398,3 @@ def load_into(engine, directory: str | Path, model_cfg) -> int:
         if why and any(k.startswith("compress/") for k in meta["tensors"]) and dist.get_rank() == 0:
             print(f"paratrain train: gradient compression starts fresh: {why}; the resumed run "
                   "is not an exact continuation of the saved one", flush=True)
-    S.after_load(engine)
-    return meta["step"]
