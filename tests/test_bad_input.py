@@ -126,6 +126,7 @@ CASES = [
      {}, "[model]"),
     ("microbatches-not-dividing", ["train", *TINY, "--microbatches", "3"], {}, {}, "use one of 1, 2, 4"),
     ("heat2d-field-for-lm", ["train", *TINY, "--grid-size", "32"], {}, {}, "add --task heat2d"),
+    ("heat2d-compressed", ["train", "--task", "heat2d", "--compress", "fp16"], {}, {}, "drop --compress"),
     ("heat2d-with-a-model", ["train", "--task", "heat2d", "--model", "tiny"], {}, {}, "drop --model"),
     ("val-fraction-with-data", ["train", *TINY, "--data", "{tmp}", "--val-fraction", "0.3"], {}, {},
      "data.val_fraction"),
@@ -145,6 +146,11 @@ CASES = [
     ("hf-truncated-weights", ["train", "--model", "{tmp}/m", "--seq-len", "16", "--nproc", "1"],
      {**hf(intermediate_size=128), "m/model.safetensors": b"\x40\x00\x00\x00\x00\x00\x00\x00{"},
      {}, "cannot be read"),
+    ("hf-without-weights-resume-auto", ["train", "--model", "{tmp}/m", "--seq-len", "16", "--nproc", "1",
+                                        "--resume", "auto", "--run-dir", "{tmp}/run"],
+     hf(intermediate_size=128), {}, "cannot be read"),
+    ("hf-bad-index", ["train", "--model", "{tmp}/m", "--seq-len", "16", "--nproc", "1"],
+     {**hf(intermediate_size=128), "m/model.safetensors.index.json": "{}"}, {}, "cannot be read"),
     ("hf-without-ffn-size", ["train", "--model", "{tmp}/m", "--seq-len", "16", "--nproc", "1"], hf(),
      {}, "intermediate_size missing"),
     ("plan-toml-true-layers", ["plan", "--model", "{tmp}/m.toml"],
@@ -227,3 +233,12 @@ def test_no_validation_set_means_no_validation_loss(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and not any("val_loss" in r for r in records)
     assert "val loss" not in done.stdout and "warning" not in done.stderr
+
+
+def test_heat2d_on_one_rank_with_zero_padding_may_be_thinner_than_the_kernel():
+    """Zero padding pads any size; only a circular pad (or a halo between ranks) needs the
+    deepest level at least as thick as the kernel's reach."""
+    from paratrain.train.config import load
+
+    load(None, dict(task="heat2d", boundary="zeros", grid_size=8, unet_levels=3, unet_kernel=5,
+                    heat_samples=64, global_batch=8)).validate()

@@ -212,3 +212,22 @@ def test_docs_rejected_layout_example_is_what_plan_prints(capsys):
     assert plan("--model", "llama3-405b", "--gpus", "8192", "--global-batch", batch,
                 "--layout", layout) == 1
     assert quoted in capsys.readouterr().out
+
+
+def test_out_of_a_hugging_face_model_fine_tunes_it(tmp_path, capsys):
+    """Planned from a Hugging Face directory (or a run's config.toml naming one), --out
+    names the directory as the preset: train loads its weights, not a fresh model of that
+    shape."""
+    from paratrain.models import hf
+    from paratrain.models.gpt import GPT, PRESETS
+    from paratrain.train.config import load
+
+    cfg = PRESETS["tiny"]
+    source = hf.export(GPT(cfg).state_dict(), cfg, tmp_path / "hf")
+    for model in (str(source), str(source / "config.json")):
+        out = tmp_path / "plan.toml"
+        assert plan("--model", model, "--cluster", "local", "--gpus", "2", "--global-batch", "8",
+                    "--seq-len", "32", "--out", str(out)) == 0
+        written = load(str(out)).validate()
+        assert written.model_preset == str(source) and written.model == hf.read_config(source)
+        out.unlink()

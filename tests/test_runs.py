@@ -4,11 +4,12 @@ a torchrun job whose rank is SIGKILLed coming back to finish like an uninterrupt
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,8 +35,7 @@ def config(**overrides):
 def fake_checkpoint(run_dir: Path, step: int, cfg, run_id: str = "r1") -> Path:
     """A complete checkpoint of the tiny model (zeros), written as the loop writes one."""
     tensors = {name: torch.zeros(shape) for name, shape in checkpoint.expected_shapes(cfg.model).items()}
-    data = {"step": step, "seed": cfg.train.seed, "global_batch": cfg.train.global_batch,
-            **dataclasses.asdict(cfg.data)}
+    data = {"step": step, **cfg.data_order()}
     meta = {"format": checkpoint.FORMAT, "step": step, "model": cfg.model.__dict__, "layout": "dp1",
             "run": {"id": run_id}, "data": data}
     path = run_dir / "checkpoints" / f"step-{step}"
@@ -83,6 +83,10 @@ def test_a_checkpoint_moved_aside_by_an_interrupted_save_is_put_back(tmp_path, m
     placed, notes = runs.place(config(resume="auto"), torchrun=False)
     assert notes[0] == "restored step-4: a save replacing it was interrupted"
     assert placed.train.resume == str(saved) and saved.is_dir()
+    # a crash after publishing leaves a stale .old beside the step: a re-save replaces both
+    shutil.copytree(saved, saved.with_name(".step-4.old"))
+    fake_checkpoint(run, 4, cfg)
+    assert saved.is_dir() and not saved.with_name(".step-4.old").exists()
 
 
 def test_a_checkpoint_named_through_latest_is_the_one_meant(tmp_path, monkeypatch):
@@ -247,6 +251,12 @@ def test_a_fresh_run_never_overwrites_another_runs_records(tmp_path, monkeypatch
         runs.place(config(run_dir=str(run)), torchrun=False)
     with pytest.raises(ConfigError, match="--metrics .* exists"):
         runs.place(config(metrics=str(run / "metrics.jsonl")), torchrun=False)
+    # a live run there: the lock names it, not the overwrite check (which would say "resume")
+    (run / ".lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    placed, _ = runs.place(config(run_dir=str(run)), torchrun=False)
+    with pytest.raises(RunDirError, match="in use by another paratrain run"):
+        RunDirLock(placed).acquire()
+    (run / ".lock").unlink()
     (run / "metrics.jsonl").unlink()
     fake_checkpoint(run, 2, config())
     with pytest.raises(ConfigError, match="holds another run's step-2"):

@@ -234,13 +234,19 @@ def _plot(path: str, plans: list, model: ModelSpec, cluster: Cluster, log) -> in
     return 0
 
 
+def _runtime_limit(cluster: Cluster) -> float | None:
+    """The usable bytes a written plan must also fit as paratrain's runtime holds memory
+    (GPU plans are ranked with fused kernels); None on the local cluster, which counts
+    paratrain's own runtime already."""
+    return cluster.memory_limit if cluster.kind != "local" else None
+
+
 def _write_out(path: str, result, model, training, cluster, log) -> int:
     """``--out``: the best plan ``paratrain train`` runs, as its config; 2 if there is none."""
     from . import export
 
     try:
-        limit = cluster.memory_limit if cluster.kind != "local" else None
-        chosen = export.trainable(result.plans, model, training, limit)
+        chosen = export.trainable(result.plans, model, training, _runtime_limit(cluster))
         export.write_config(path, chosen, model, training)
     except ValueError as err:  # no plan is one `paratrain train` runs
         print(f"paratrain plan: error: --out: {err}", file=sys.stderr)
@@ -313,8 +319,7 @@ def _write_layout(path: str, ev, model: ModelSpec, training: Training, cluster: 
             raise ValueError(f"{ev.cand.describe()} is rejected ({'; '.join(ev.problems)}); "
                              f"change the layout or drop --layout to write the winner")
         plan = Plan(ev.cand, ev.memory, ev.time, ev.tokens_per_s, ev.mfu)
-        export.check_trainable(plan, model, training,
-                               cluster.memory_limit if cluster.kind != "local" else None)
+        export.check_trainable(plan, model, training, _runtime_limit(cluster))
         export.write_config(path, plan, model, training)
     except ValueError as err:
         print(f"paratrain plan: error: --out: {err}; {path} not written", file=sys.stderr)

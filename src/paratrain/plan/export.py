@@ -39,9 +39,7 @@ def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str,
     if why:
         raise ValueError(f"{c.describe()}: {why}")
     return {
-        # A paratrain preset keeps its name, so that `train` reports the model it runs.
-        "model": {**({"preset": model.name} if model.name in TRAIN_PRESETS else {}),
-                  **model.gpt_fields(training.seq_len)},
+        "model": _model_table(model, training.seq_len),
         "parallel": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "zero": c.zero,
                      "sp": c.sp, "cp_method": c.cp_method,
                      "schedule": c.schedule if c.pp > 1 else "1f1b",
@@ -52,6 +50,18 @@ def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str,
         "train": {"global_batch": training.global_batch, "micro_batch": c.micro_batch,
                   "precision": training.precision, "recompute": c.recompute},
     }
+
+
+def _model_table(model: ModelSpec, seq_len: int) -> dict:
+    """``[model]`` as train builds this model: a Hugging Face directory as its preset (train
+    reads the shape from its config.json and loads its weights; only max_seq_len may
+    change), a paratrain preset by name (so that train reports the model it runs) with
+    the fields that shape it, else the fields alone."""
+    preset = model.preset or (model.name if model.name in TRAIN_PRESETS else "")
+    fields = model.gpt_fields(seq_len)
+    if preset and (Path(preset) / "config.json").is_file():
+        return {"preset": preset, "max_seq_len": fields["max_seq_len"]}
+    return {**({"preset": preset} if preset else {}), **fields}
 
 
 def _toml_value(value) -> str:
@@ -98,14 +108,10 @@ def trainable(plans: list[Plan], model: ModelSpec, training: Training,
     runnable = [p for p in plans if not refusal(p.cand, model, training)]
     if limit is None or not runnable:
         return (runnable or plans)[0]
-    for plan in runnable:
-        if runtime_bytes(plan, model, training) <= limit:
-            return plan
-    need = runtime_bytes(runnable[0], model, training)
-    raise ValueError(f"no plan fits paratrain's own runtime: the best, {runnable[0].cand.describe()}, "
-                     f"would hold {need / GiB:.1f} GiB per GPU of {limit / GiB:.1f} usable "
-                     f"(the ranking counts fused kernels' activations); try --recompute full "
-                     f"or more GPUs")
+    fitting = next((p for p in runnable if runtime_bytes(p, model, training) <= limit), None)
+    if fitting is None:  # none does: the best one's reason, with its numbers
+        check_trainable(runnable[0], model, training, limit)
+    return fitting
 
 
 def check_trainable(plan: Plan, model: ModelSpec, training: Training,

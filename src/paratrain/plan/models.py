@@ -56,6 +56,10 @@ class ModelSpec:
     qkv_bias: bool = False
     """Biases on the query, key and value projections only (Qwen2, ``GPTConfig.qkv_bias``);
     ``bias`` already includes them."""
+    preset: str = field(default="", compare=False)
+    """The ``paratrain train`` preset this model was read as (a train config's ``preset``,
+    or the Hugging Face directory of a ``config.json``), written back by ``--out`` so that
+    train builds it, and loads its weights; "" for a shape given field by field."""
     carried: tuple[tuple[str, object], ...] = field(default=(), compare=False)
     """``GPTConfig`` settings read from a train config that change neither memory nor time
     (rope_theta, ...): not modelled, but written back by ``--out`` so that the exported
@@ -90,9 +94,13 @@ class ModelSpec:
         kv = self.kv_heads_per_rank(tp) * self.head_dim
         mlp_in = 2 if self.gated_mlp else 1
         weights = h * h // tp * 2 + 2 * h * kv + (mlp_in + 1) * h * f // tp
-        biases = (h // tp + 2 * kv + h + mlp_in * f // tp + h) if self.bias else (
-            h // tp + 2 * kv if self.qkv_bias else 0)
+        biases = (h // tp + 2 * kv + h + mlp_in * f // tp + h) if self.bias else self.qkv_bias_params(tp)
         return weights + biases + 2 * self._norm_params()
+
+    def qkv_bias_params(self, tp: int = 1) -> int:
+        """The query, key and value biases of one block on one TP rank (split like their
+        weights' rows); 0 without ``qkv_bias``."""
+        return self.d_model // tp + 2 * self.kv_heads_per_rank(tp) * self.head_dim if self.qkv_bias else 0
 
     def embedding_params(self, tp: int = 1) -> int:
         """Vocab-parallel token embedding (plus replicated position embeddings)."""
@@ -232,9 +240,10 @@ def from_toml(path: str | Path) -> ModelSpec:
     if not isinstance(table, dict):
         raise ValueError(f"{path}: [model] must be a table of model settings")
     table = dict(table)
+    preset = ""
     if "model" in data or "preset" in table:
         name = table.pop("preset", TRAIN_DEFAULT_PRESET)
-        table = {**_preset_fields(path, name), **table}
+        table, preset = {**_preset_fields(path, name), **table}, name
     carried = tuple((key, table.pop(key)) for key in _IGNORED_GPT_FIELDS if key in table)
     known = {f.name for f in fields(ModelSpec)} - {"name"}
     unknown = sorted(k for k in table if k not in known and not isinstance(table[k], dict))
@@ -249,7 +258,7 @@ def from_toml(path: str | Path) -> ModelSpec:
     check_values(path, values, zero_ok=("n_kv_heads", "ffn_hidden"))
     values["n_kv_heads"] = values["n_kv_heads"] or values["n_heads"]
     values["ffn_hidden"] = values["ffn_hidden"] or 32 * math.ceil(8 * values["d_model"] / 3 / 32)
-    return ModelSpec(name=path.name, **values, carried=carried)
+    return ModelSpec(name=path.name, **values, preset=preset, carried=carried)
 
 
 def _preset_fields(path: Path, name: object) -> dict:
@@ -301,6 +310,8 @@ _HF_OPTIONAL = {
     "max_seq_len": ("max_position_embeddings", "n_positions", "seq_length", "n_ctx"),
 }
 _GPT_LIKE = {"gpt2", "gpt_neox", "bloom", "gpt_bigcode", "opt", "gptj"}
+_TRAINED = {"llama", "mistral", "qwen2"}
+"""model_type values whose directory ``paratrain train --model DIR`` loads (models/hf.py)."""
 _TIED_BY_DEFAULT = {"gpt2", "bloom", "gpt_bigcode", "opt"}
 _DROPOUT_KEYS = ("attn_pdrop", "resid_pdrop", "attention_dropout", "hidden_dropout")
 
@@ -335,6 +346,7 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         learned_pos=kind in ("gpt2", "gpt_bigcode", "opt"),
         dropout=any(float(cfg.get(k) or 0) > 0 for k in _DROPOUT_KEYS),
         qkv_bias=kind == "qwen2",  # Qwen2 biases q, k and v only, without a config key
+        preset=str(path.parent) if kind in _TRAINED else "",
     )
 
 

@@ -174,6 +174,7 @@ def _commit(tmp: Path, directory: Path, index: dict) -> str:
         os.rename(part, tmp / INDEX)  # the checkpoint is complete from here
         _fsync(tmp)
         if directory.exists():
+            shutil.rmtree(old, ignore_errors=True)  # a stale one from a crash after publishing
             directory.rename(old)
         os.rename(tmp, directory)
         _fsync(directory.parent)
@@ -353,13 +354,13 @@ def load(directory: str | Path, model_cfg) -> tuple[int, dict[str, dict[str, tor
     return meta["step"], state
 
 
-@torch.no_grad()
 def skipped_steps(meta: dict) -> int:
     """Steps of the saved run skipped as non-finite: counted by the loop, not applied by the
     optimizer (whose step count, and so Adam's bias correction, is this many behind)."""
     return int(meta.get("nonfinite", {}).get("skipped", 0))
 
 
+@torch.no_grad()
 def load_into(engine, directory: str | Path, model_cfg) -> int:
     """Fill this rank's parameters and Adam moments (any layout) from the checkpoint's
     slices, reading only the boxes the rank holds; returns the step (every rank calls it)."""

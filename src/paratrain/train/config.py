@@ -88,6 +88,12 @@ class Config:
         """Microbatches each rank runs per optimizer step."""
         return self.train.global_batch // (self.parallel.dp * self.micro_batch)
 
+    def data_order(self) -> dict[str, Any]:
+        """What the sampler's order depends on besides the step (kept by checkpoints, and
+        compared on resume): the seed, the global batch and the data settings."""
+        return {"seed": self.train.seed, "global_batch": self.train.global_batch,
+                **dataclasses.asdict(self.data)}
+
     @property
     def metrics_path(self) -> Path:
         return Path(self.train.metrics or Path(self.train.run_dir) / "metrics.jsonl")
@@ -124,7 +130,9 @@ class Config:
             try:
                 parse_rope_scaling(m.rope_scaling)
             except ValueError as exc:
-                raise ConfigError(f"model.{exc} (--rope-scaling)") from None
+                where = (f"from {self.model_preset}/config.json" if hf.is_model_dir(self.model_preset)
+                         else "--rope-scaling")
+                raise ConfigError(f"model.{exc} ({where})") from None
         self._check_strategies()
         self._check_batch()
         self._check_logs()
@@ -217,6 +225,9 @@ def _check_unused(cfg: Config) -> None:
         raise ConfigError("--task heat2d trains its own U-Net (shaped by --unet-width, "
                           "--unet-levels, --unet-kernel) without tensor parallelism: drop "
                           "--model and --sp")
+    if heat2d and cfg.parallel.compress != "none":
+        raise ConfigError(f"compress={cfg.parallel.compress!r}: --task heat2d averages its "
+                          f"gradients uncompressed; drop --compress")
     if cfg.data.data and cfg.data.val_fraction != DataConfig.val_fraction:
         raise ConfigError("data.val_fraction splits a --corpus; a prepared dataset (--data) "
                           "has its own validation split, set by `paratrain data prepare "

@@ -235,8 +235,7 @@ def _save(run: Run, step: int, skipped: int) -> None:
     cfg = run.cfg
     directory = Path(cfg.train.run_dir) / "checkpoints" / f"step-{step}"
     # The data position: the sampler's order is a function of (seed, global batch, step).
-    data = {"step": step, "samples_seen": step * cfg.train.global_batch, "seed": cfg.train.seed,
-            "global_batch": cfg.train.global_batch, **dataclasses.asdict(cfg.data)}
+    data = {"step": step, "samples_seen": step * cfg.train.global_batch, **cfg.data_order()}
     run_meta = {"run": {"id": run.run_id, "seed": cfg.train.seed, "config": dataclasses.asdict(cfg)},
                 "data": data, "nonfinite": {"skipped": skipped}}
     checkpoint.save(directory, step, run.engine, cfg.model, cfg.describe_layout(),

@@ -131,15 +131,15 @@ def check_weights(cfg: Config) -> None:
 
     from ..models import hf
 
-    if cfg.train.resume or not hf.is_model_dir(cfg.model_preset):
-        return
+    if cfg.train.resume not in ("", "auto", "none") or not hf.is_model_dir(cfg.model_preset):
+        return  # resuming a checkpoint ("auto" may still start from the weights)
     try:
         files = hf.weight_files(cfg.model_preset)
         hf.check_complete(cfg.model_preset, cfg.model, files)
         for name in sorted(set(files.values())):
             with safe_open(str(Path(cfg.model_preset) / name), framework="pt"):
                 pass  # the header parses and the file is as long as it says
-    except (hf.HFModelError, SafetensorError, OSError) as exc:
+    except (hf.HFModelError, SafetensorError, OSError, ValueError, KeyError) as exc:  # a bad index too
         raise ConfigError(f"model.preset: the weights of {cfg.model_preset!r} cannot be read: {exc}; "
                           f"give a directory with a complete model.safetensors (or its index "
                           f"and shards), as save_pretrained(safe_serialization=True) writes") from None

@@ -80,6 +80,17 @@ class RunDirLock:
                           f"another --run-dir (if that run is gone, remove {str(self.path)!r})")
 
 
+def in_use(run_dir: Path) -> bool:
+    """Whether another live run holds ``run_dir``'s lock (checks that would touch or judge
+    its files wait for the lock, which then names that run)."""
+    try:
+        owner = json.loads((Path(run_dir) / ".lock").read_text())
+        pid, host = int(owner["pid"]), owner["host"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return host != socket.gethostname() or _alive(pid)
+
+
 def _alive(pid: int) -> bool:
     if pid <= 0:
         return False

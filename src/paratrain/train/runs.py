@@ -12,7 +12,9 @@ SHA-256) of the run directory, which is DIR when given, else the run ``runs/late
 at. An incomplete checkpoint is skipped with a note. With nothing to resume in
 ``runs/latest`` (no complete checkpoint, another model, or the run already finished) a new
 run directory is started; in a given DIR, nothing to resume means a fresh start there, and
-a finished run is refused. A restarted torchrun job thus finds the run its first attempt
+a finished run, or another model's checkpoints, are refused. A fresh run (no ``--resume``)
+never overwrites another run's records: a DIR holding its metrics or checkpoints, or an
+existing ``--metrics`` file, is refused. A restarted torchrun job thus finds the run its first attempt
 started, whether ``--run-dir`` was given or not.
 
 The launcher decides all this once, before any rank starts (under torchrun, global rank 0
@@ -36,6 +38,7 @@ from .. import __version__
 from ..models import hf
 from . import checkpoint
 from .config import Config, ConfigError
+from .rundir import in_use
 
 ROOT = Path("runs")
 LATEST = "latest"
@@ -98,7 +101,7 @@ def _refuse_overwrite(cfg: Config, run_dir: Path | None) -> None:
     if metrics is not None and metrics.exists():
         raise ConfigError(f"--metrics {str(metrics)!r} exists (another run's records), and a fresh "
                           f"run would overwrite it; choose another path, or remove it")
-    if run_dir is None or not run_dir.is_dir():
+    if run_dir is None or not run_dir.is_dir() or in_use(run_dir):  # the lock says which run
         return
     held = [name for name in RECORDS if (run_dir / name).exists()]
     held += sorted((p.name for p in checkpoints(run_dir)), key=lambda n: _step_of(Path(n)))
@@ -129,7 +132,7 @@ def data_changes(meta: dict, cfg: Config) -> list[str]:
     saved = meta.get("data")
     if not saved:  # a checkpoint from before the data position was kept
         return []
-    now = {"seed": cfg.train.seed, "global_batch": cfg.train.global_batch, **dataclasses.asdict(cfg.data)}
+    now = cfg.data_order()
     changed = [f"{k}={now[k]!r} (saved: {saved[k]!r})" for k in now if k in saved and saved[k] != now[k]]
     if not changed:
         return []
@@ -158,7 +161,7 @@ def model_config(cfg: Config):
 def newest_complete(run_dir: Path, model_cfg, notes: list[str]) -> tuple[Path | None, int]:
     """The newest checkpoint of ``run_dir`` that verifies, and its step; each newer one that
     does not is named in ``notes``. (None, 0) when there is none."""
-    if (Path(run_dir) / "checkpoints").is_dir():
+    if (Path(run_dir) / "checkpoints").is_dir() and not in_use(run_dir):  # not a live run's save
         notes += checkpoint.recover_replaced(Path(run_dir) / "checkpoints")
     for path in sorted(checkpoints(run_dir), key=_step_of, reverse=True):
         try:

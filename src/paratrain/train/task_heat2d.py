@@ -89,7 +89,8 @@ def check_grid(size: int, parts: int, ucfg: UNetConfig, axis: str = "height") ->
                           f"x 2**unet_levels={2**ucfg.levels}: use a grid_size that is a "
                           f"multiple of {unit}")
     deepest, halo = size // unit, max(1, ucfg.kernel // 2)
-    if deepest < halo:  # one rank too: a circular pad wider than the image wraps around
+    if deepest < halo and (parts > 1 or ucfg.padding == "circular"):  # a circular pad
+        # wider than the image wraps around; zeros pad any size
         raise ConfigError(f"at the U-Net's deepest level each rank's block is {deepest} rows "
                           f"over the {axis}, thinner than the {halo}-row halo a {ucfg.kernel}x"
                           f"{ucfg.kernel} convolution needs: use a grid_size of at least "
