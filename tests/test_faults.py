@@ -26,7 +26,7 @@ from paratrain.cli import main
 from paratrain.mesh import Mesh
 from paratrain.models.gpt import GPT, PRESETS
 from paratrain.train import checkpoint, loop
-from paratrain.train.rundir import RunDirLock
+from paratrain.train.rundir import RunDirError, RunDirLock
 from paratrain.watchdog import HEARTBEAT, Watchdog
 from helpers import tiny_config
 
@@ -172,6 +172,10 @@ def test_ctrl_c_and_a_killed_launcher_leave_nothing_behind_and_runs_do_not_share
 def test_a_fresh_run_never_overwrites_another_runs_checkpoints(tmp_path):
     (tmp_path / "checkpoints" / "step-3").mkdir(parents=True)
     assert main(["train", *TINY, "--steps", "3", "--save-every", "3", "--run-dir", str(tmp_path)]) == 2
+    # and under the lock, where a torchrun job's `--resume auto` arrives once rank 0 placed it
+    with pytest.raises(RunDirError, match="holds checkpoints of another run"):
+        RunDirLock(tiny_config(str(tmp_path), nproc=2, steps=3, save_every=3)).acquire()
+    assert not (tmp_path / ".lock").exists()  # refused: no lock left behind
 
 
 def test_a_read_only_run_directory_is_refused_before_launch(tmp_path, monkeypatch, capsys):

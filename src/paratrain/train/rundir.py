@@ -47,7 +47,11 @@ class RunDirLock:
             with os.fdopen(fd, "w") as f:
                 json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}, f)
             self.held = True
-            check_checkpoints(self.cfg)
+            try:
+                check_checkpoints(self.cfg)
+            except RunDirError:
+                self.release()  # refused: leave no lock behind
+                raise
             return self
         raise RunDirError(f"could not lock {str(self.path)!r}; try again")
 
