@@ -63,7 +63,8 @@ def place(cfg: Config, torchrun: bool, now: float | None = None) -> tuple[Config
     # A checkpoint named through runs/latest: resolved now, before latest moves to a new run.
     resume, notes = ("" if mode in RESUME_CHOICES else os.path.realpath(mode)), []
     if mode == "auto" and run_dir is not None:
-        found, step = newest_complete(run_dir, model_config(cfg), notes)
+        foreign: list[checkpoint.ModelMismatch] = []
+        found, step = newest_complete(run_dir, model_config(cfg), notes, foreign)
         if found is not None and step >= cfg.train.steps:
             if explicit:
                 raise ConfigError(f"the run in {str(run_dir)!r} finished: its newest checkpoint is "
@@ -75,7 +76,9 @@ def place(cfg: Config, torchrun: bool, now: float | None = None) -> tuple[Config
             resume = str(found)
             notes.append(f"resuming {found} (step {step})")
         elif explicit:
-            _refuse_foreign_checkpoints(run_dir, model_config(cfg))
+            if foreign:  # complete, but another model's: starting fresh would overwrite that run
+                raise ConfigError(f"{str(run_dir)!r} holds a run of another model, which a fresh "
+                                  f"run there would overwrite ({foreign[0]}); choose another --run-dir")
             notes.append(f"no complete checkpoint in {run_dir}: starting fresh")
         else:
             notes.append(f"no complete checkpoint in {latest} ({run_dir.name}): starting a new run")
@@ -109,19 +112,6 @@ def _refuse_overwrite(cfg: Config, run_dir: Path | None) -> None:
         raise ConfigError(f"the run directory {str(run_dir)!r} holds another run's "
                           f"{', '.join(held)}, which a fresh run there would overwrite or mix with; "
                           f"resume it with --resume auto, choose another --run-dir, or remove them")
-
-
-def _refuse_foreign_checkpoints(run_dir: Path, model_cfg) -> None:
-    """``--resume auto`` in a given directory whose complete checkpoints are another
-    model's: starting fresh there would overwrite that run's records."""
-    for path in checkpoints(run_dir):
-        try:
-            checkpoint.check_model(checkpoint.read_meta(path), model_cfg, path)
-        except checkpoint.ModelMismatch as exc:
-            raise ConfigError(f"{str(run_dir)!r} holds a run of another model, which a fresh run "
-                              f"there would overwrite ({exc}); choose another --run-dir") from None
-        except checkpoint.CheckpointError:
-            continue  # torn: the run it belongs to never finished a save, nothing to keep
 
 
 def data_changes(meta: dict, cfg: Config) -> list[str]:
@@ -158,9 +148,11 @@ def model_config(cfg: Config):
     return cfg.model
 
 
-def newest_complete(run_dir: Path, model_cfg, notes: list[str]) -> tuple[Path | None, int]:
+def newest_complete(run_dir: Path, model_cfg, notes: list[str],
+                    foreign: list | None = None) -> tuple[Path | None, int]:
     """The newest checkpoint of ``run_dir`` that verifies, and its step; each newer one that
-    does not is named in ``notes``. (None, 0) when there is none."""
+    does not is named in ``notes``, and added to ``foreign`` when it is complete but of
+    another model. (None, 0) when there is none."""
     if (Path(run_dir) / "checkpoints").is_dir() and not in_use(run_dir):  # not a live run's save
         notes += checkpoint.recover_replaced(Path(run_dir) / "checkpoints")
     for path in sorted(checkpoints(run_dir), key=_step_of, reverse=True):
@@ -168,6 +160,8 @@ def newest_complete(run_dir: Path, model_cfg, notes: list[str]) -> tuple[Path | 
             meta, _ = checkpoint.verify(path, model_cfg)
         except checkpoint.CheckpointError as exc:
             notes.append(f"skipping {path.name}: {exc}")
+            if foreign is not None and isinstance(exc, checkpoint.ModelMismatch):
+                foreign.append(exc)
             continue
         return path, meta["step"]
     return None, 0
