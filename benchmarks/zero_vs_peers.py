@@ -50,20 +50,27 @@ def phase(name: str) -> record_function:
     return record_function(f"phase: {name}")
 
 
-def paratrain_zero(base, stage: int) -> Peer:
-    engine = ZeroDataParallel(copy.deepcopy(base), dist.group.WORLD, stage, OptimConfig(lr=LR))
-
+def phased_step(zero_grad, model, update, sync=None):
+    """One training step in labelled phases: forward, backward, the gradient sync where
+    the implementation has a separate one (paratrain's; the others sync inside backward),
+    and the optimizer step."""
     def step(tokens):
-        engine.zero_grad()
+        zero_grad()
         with phase("forward"):
-            loss = engine(tokens, tokens) / tokens.numel()
+            loss = model(tokens, tokens) / tokens.numel()
         with phase("backward"):
             loss.backward()
-        with phase("gradient sync"):
-            engine.finish_grad_sync()
+        if sync is not None:
+            with phase("gradient sync"):
+                sync()
         with phase("optimizer step"):
-            engine.step(LR)
+            update()
+    return step
 
+
+def paratrain_zero(base, stage: int) -> Peer:
+    engine = ZeroDataParallel(copy.deepcopy(base), dist.group.WORLD, stage, OptimConfig(lr=LR))
+    step = phased_step(engine.zero_grad, engine, lambda: engine.step(LR), engine.finish_grad_sync)
     return Peer(f"paratrain ZeRO-{stage}", engine, step, engine.state_tensors)
 
 
@@ -79,15 +86,7 @@ def _torch_tensors(model, opt, local):
 
 
 def _plain_step(model, opt):
-    def step(tokens):
-        opt.zero_grad(set_to_none=False)
-        with phase("forward"):
-            loss = model(tokens, tokens) / tokens.numel()
-        with phase("backward"):
-            loss.backward()
-        with phase("optimizer step"):
-            opt.step()
-    return step
+    return phased_step(lambda: opt.zero_grad(set_to_none=False), model, opt.step)
 
 
 PEER_SETTINGS = [

@@ -101,7 +101,7 @@ def _trace_run(args: argparse.Namespace, render_timeline) -> None:
         raise RenderError(str(exc)) from None
     drawn = step_index(timeline, args.step) + 1  # checks --step before any drawing
     render_timeline(timeline, args.out, drawn)
-    steps = len(timeline.ranks[0])
+    steps = step_index(timeline, None) + 1  # the count --step is checked against
     skip = 1 if steps > 1 else 0
     per_rank = " ".join(f"{b:.2%}" for b in timeline.bubbles(skip))
     print(f"recorded run: {timeline.schedule}, pp={timeline.stages}, "
