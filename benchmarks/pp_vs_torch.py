@@ -33,6 +33,7 @@ from paratrain.launch import spawn
 from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.parallel.pipeline import (Recorder, gather_timeline, run_schedule, schedule,
                                          split_model, theoretical_bubble)
+from paratrain.parallel.pipeline.schedules import GLOO_RECEIVES_AHEAD
 from paratrain.parallel.pipeline.simulator import simulate
 
 MODEL = GPTConfig(vocab_size=256, d_model=128, n_layers=8, n_heads=4, ffn_hidden=352,
@@ -79,7 +80,8 @@ def paratrain_runner(args, pp: int, rank: int, kind: str):
         opt.zero_grad()
         loss = run_schedule(table, chunks, mbs, None if pp == 1 else dist.group.WORLD,
                             1 / tokens.numel(), torch.device("cpu"),
-                            (micro, args.seq, MODEL.d_model), recorder=recorder)
+                            (micro, args.seq, MODEL.d_model), recorder=recorder,
+                            receives_ahead=args.receives_ahead)
         opt.step()
         return loss.item() / tokens.numel()
 
@@ -233,6 +235,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1,
                         help="timed steps per pair and round (default: 1: runners alternate "
                              "step by step, so bursts of load on the machine hit both)")
+    parser.add_argument("--receives-ahead", type=int, default=None, metavar="N",
+                        help="post paratrain's receives N computations early (default: the "
+                             "executor's, 2 on gloo; 0: where the schedule table puts them)")
     parser.add_argument("--timeline", default="", metavar="PREFIX",
                         help="save paratrain's timelines as PREFIX-<schedule>-pp<N>.json")
     args = parser.parse_args()
@@ -241,7 +246,7 @@ def main() -> None:
         result = spawn(world, pp, args, pp, backend="gloo")[0]
         for kind in SCHEDULES:
             pairs[(pp, kind)] = _pair(result, kind, theoretical_bubble(pp, args.microbatches))
-    _print_table(pairs, args.microbatches)
+    _print_table(pairs, args.microbatches, args.receives_ahead)
     # The headline is 1F1B at pp=2; where that pair was not run, 1F1B at the first pp.
     key = (2, "1f1b") if (2, "1f1b") in pairs else next(k for k in pairs if k[1] == "1f1b")
     head = pairs[key]
@@ -269,10 +274,12 @@ def _pair(result: dict, kind: str, theory: float) -> dict:
             "same_first_loss": abs(first[(kind, "paratrain")] / first[(kind, "torch")] - 1) < 1e-5}
 
 
-def _print_table(pairs: dict, microbatches: int) -> None:
+def _print_table(pairs: dict, microbatches: int, ahead: int | None) -> None:
     print(f"peer settings: torch.distributed.pipelining ScheduleGPipe / Schedule1F1B over the same "
           f"stage split and the same {microbatches} microbatches, scale_grads=False "
           f"(both scale the loss by the token count themselves)")
+    print(f"paratrain: receives posted {GLOO_RECEIVES_AHEAD if ahead is None else ahead} "
+          f"computations before the table places them (--receives-ahead)")
     print("bubble: theory = (p-1)/(m+p-1) for equal stages; stages = a perfect executor with "
           "this run's measured per-stage forward/backward times (the simulator); floor = the "
           "same, each transfer and each post costing what it costs on this machine (measured below)")

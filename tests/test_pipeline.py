@@ -19,6 +19,7 @@ from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.parallel.data import DataParallel
 from paratrain.parallel.pipeline import (Recorder, forward_schedule, gather_timeline,
                                          run_schedule, schedule, split_layers, split_model)
+from paratrain.parallel.pipeline.schedules import GLOO_RECEIVES_AHEAD, posting_order
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                 max_seq_len=16)
@@ -106,9 +107,11 @@ def by_name(chunks, tp, grads: bool = False) -> dict[str, torch.Tensor]:
             for c in chunks for n, p in c.named_parameters()}
 
 
-def train_pipeline(mesh: Mesh, kind: str, v: int, m: int, recorder: Recorder | None = None):
+def train_pipeline(mesh: Mesh, kind: str, v: int, m: int, recorder: Recorder | None = None,
+                   ahead: int | None = None):
     """Train STEPS steps under the mesh's pp (and dp, tp) axes, then evaluate; return what
-    ``reference`` returns, with this rank's tensors by their GPT names."""
+    ``reference`` returns, with this rank's tensors by their GPT names. ``ahead``: the
+    executor's ``receives_ahead`` (None: its gloo default)."""
     pp, dp, tp_size = mesh.size("pp"), mesh.size("dp"), mesh.size("tp")
     pp_rank, dp_rank = mesh.coord("pp"), mesh.coord("dp")
     chunks, tp = build_chunks(mesh, v)
@@ -128,7 +131,7 @@ def train_pipeline(mesh: Mesh, kind: str, v: int, m: int, recorder: Recorder | N
         loss = run_schedule(table, chunks, mbs, mesh.group("pp"), loss_scale=dp / TOKENS,
                             device=torch.device("cpu"), act_shape=shape,
                             no_sync=dp_model.no_sync if dp_model else None, recorder=recorder,
-                            positions=positions)
+                            positions=positions, receives_ahead=ahead)
         if dp_model is not None:
             # Every bucket must already be in flight: launched by each chunk's last backward.
             in_flight = [b.work is not None for b in dp_model.buckets]
@@ -144,7 +147,8 @@ def train_pipeline(mesh: Mesh, kind: str, v: int, m: int, recorder: Recorder | N
         losses.append(loss.item() / TOKENS)
     evaluation = run_schedule(forward_schedule(pp, m, v)[pp_rank], chunks,
                               microbatches(99, dp_rank, dp, m), mesh.group("pp"), 1.0,
-                              torch.device("cpu"), shape, positions=positions)
+                              torch.device("cpu"), shape, positions=positions,
+                              receives_ahead=ahead)
     C.broadcast(evaluation, src=pp - 1, group=mesh.group("pp"))
     C.all_reduce(evaluation, mesh.group("dp"))
     return {"losses": losses, "grads": grads, "eval": evaluation.item() / TOKENS,
@@ -161,6 +165,9 @@ def pp_world(pp: int, with_dp: bool):
         results[(f"pp{pp}", kind, m)] = train_pipeline(mesh, kind, v, m, recorder)
         if recorder is not None:
             results["timeline"] = gather_timeline(recorder, mesh.group("pp"), kind, m, v)
+    if pp == 2:  # receives where the table puts them (NCCL's posting), and far ahead
+        for ahead, (kind, v, m) in ((0, ("interleaved", 2, 8)), (8, ("1f1b", 1, 8))):
+            results[(f"ahead{ahead}", kind, m)] = train_pipeline(mesh, kind, v, m, ahead=ahead)
     if with_dp:
         mesh = Mesh.build(Layout(dp=2, pp=2))
         for kind, v in (("1f1b", 1), ("interleaved", 2)):
@@ -197,12 +204,17 @@ def test_pp2_every_schedule_matches_single_process(reference):
     results = run_world(pp_world, 2, 2, False)
     for kind, v, m in VARIANTS:
         assert_matches(results, ("pp2", kind, m), reference)
+    assert_matches(results, ("ahead0", "interleaved", 8), reference)
+    assert_matches(results, ("ahead8", "1f1b", 8), reference)
     timeline = results[0]["timeline"]
     assert timeline.ranks == results[1]["timeline"].ranks  # gathered on every rank
-    for steps in timeline.ranks:
+    for rank, steps in enumerate(timeline.ranks):
         assert len(steps) == STEPS
         kinds = [i.kind for i in steps[-1].intervals]
         assert kinds.count("F") == kinds.count("B") == 8
+        # On gloo receives go out early, each alone: one post per batch of that order.
+        posts = posting_order(schedule("1f1b", 2, 8)[rank], GLOO_RECEIVES_AHEAD)
+        assert kinds.count("POST") == sum(isinstance(item, list) for item in posts)
     assert 0.0 <= timeline.bubble() < 1.0
 
 

@@ -7,9 +7,10 @@ from fractions import Fraction
 
 import pytest
 
-from paratrain.parallel.pipeline.schedules import (Action, ScheduleError, check,
-                                                   check_transfers, forward_schedule, notes,
-                                                   owner, peak_inflight, schedule)
+from paratrain.parallel.pipeline.schedules import (Action, ScheduleError, batches, check,
+                                                   check_transfers, forward_schedule,
+                                                   held_receives, notes, owner, peak_inflight,
+                                                   posting_order, schedule)
 from paratrain.parallel.pipeline.simulator import simulate
 from paratrain.parallel.pipeline.timeline import Interval, StepRecord, Timeline
 from paratrain.plan.memory import inflight_microbatches
@@ -207,3 +208,54 @@ def test_simulator_charges_each_post_to_its_rank():
     sim = simulate(tables, post_cost=0.25)
     assert sim.makespan == 6.5 and sim.busy == [3, 3]
     assert [(i.start, i.end) for i in sim.intervals[1] if i.kind == "POST"] == [(0, 0.25), (4.25, 4.5)]
+
+
+# ---- posting receives early (gloo) ---------------------------------------------------------
+
+
+def _computes_before(items, action) -> int:
+    """Computations that run before ``action`` is posted in ``items``."""
+    count = 0
+    for item in items:
+        if isinstance(item, list):
+            if action in item:
+                return count
+        else:
+            count += 1
+    raise AssertionError(f"{action} is never posted")
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 5])
+def test_receives_posted_early_keep_their_order_and_sends_their_place(ahead):
+    for kind, p, m, v in GRID[::7]:
+        for actions in schedule(kind, p, m, v):
+            table, early = batches(actions), posting_order(actions, ahead)
+            flat = [a for item in early for a in (item if isinstance(item, list) else [item])]
+            assert sorted(map(str, flat)) == sorted(map(str, actions))
+            computes = [a for a in flat if not a.is_transfer]
+            assert computes == [a for a in actions if not a.is_transfer]
+            for a in actions:
+                if not a.is_transfer:
+                    continue
+                placed, posted = _computes_before(table, a), _computes_before(early, a)
+                if a.kind.startswith("SEND"):
+                    assert posted == placed, (kind, p, m, v, str(a))
+                else:
+                    assert posted == max(placed - ahead, 0), (kind, p, m, v, str(a))
+            for peer in {a.peer for a in actions if a.is_transfer}:
+                receives = [a for a in actions if a.kind.startswith("RECV") and a.peer == peer]
+                assert [a for a in flat if a in receives] == receives  # matching by order
+            for item in (i for i in early if isinstance(i, list)):  # a moved receive is alone:
+                moved = [a for a in item if a.kind.startswith("RECV")  # its compute waits for it only
+                         and _computes_before(early, a) < _computes_before(table, a)]
+                assert not moved or item == moved == [moved[0]], item
+
+
+def test_held_receives_count_the_buffers_posted_early():
+    assert posting_order(schedule("1f1b", 2, 8)[1], 0) == batches(schedule("1f1b", 2, 8)[1])
+    expected = {("gpipe", 2, 8, 1): [(1, 3), (1, 3)], ("1f1b", 2, 8, 1): [(1, 2), (1, 2)],
+                ("1f1b", 4, 8, 1): [(1, 3), (2, 4), (2, 4), (1, 2)],
+                ("interleaved", 2, 4, 2): [(1, 3), (3, 5)]}
+    for (kind, p, m, v), want in expected.items():
+        tables = schedule(kind, p, m, v)
+        assert [(held_receives(t, 0), held_receives(t, 2)) for t in tables] == want, kind

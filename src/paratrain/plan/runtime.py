@@ -25,6 +25,9 @@ stream, norms still computed in fp32).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
+from ..parallel.pipeline import schedules
 from .candidate import Candidate, Training
 from .models import ModelSpec
 
@@ -167,10 +170,11 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
         matrices = sum(units) - norms - (units[0] if stage == 0 else 0)  # no embedding cast
         total += 2 * matrices
     shard = model.d_model * tokens / (cand.tp if cand.sp else 1)
-    if stage < cand.pp - 1:  # outputs kept for backward, their send copies, a gradient received
-        total += (2 * inflight + 1) * r * shard
-    if stage > 0:  # the next microbatch's activation, received ahead
-        total += r * shard
+    if stage < cand.pp - 1:  # outputs kept for backward and their send copies
+        total += 2 * inflight * r * shard
+    if cand.pp > 1:  # activations and gradients received and not yet read, gloo posting early
+        total += held_receives(cand.schedule, cand.pp, cand.microbatches,
+                               cand.virtual_stages, stage) * r * shard
     total += held_zero_bytes(units, cand, weight)
     block = 2 * c * model.ffn_hidden / cand.tp * tokens
     if cand.zero == 3 and cand.reshards:  # the unit in use and the prefetched one
@@ -219,3 +223,16 @@ def paratrain_head_bytes(model: ModelSpec, s: int, b: int, cand: Candidate, mode
     transient = 8 * vocab if t == 1 else (2 * vocab if c == 2 else 0)
     kept = cand.microbatches if cand.schedule == "gpipe" and cand.pp > 1 else 1
     return tokens * ((norm + saved) * kept + transient)
+
+
+@lru_cache(maxsize=1 << 12)
+def held_receives(kind: str, pp: int, microbatches: int, chunks: int, stage: int) -> int:
+    """Receive buffers a pipeline rank holds at once: the table's own, posted
+    ``GLOO_RECEIVES_AHEAD`` computations early as the executor does on gloo. A shape
+    with no table (the search's probes, layouts it rejects for that) counts one buffer
+    per direction and per computation ahead."""
+    try:
+        table = schedules.schedule(kind, pp, microbatches, chunks)[stage]
+    except schedules.ScheduleError:
+        return 2 * (1 + schedules.GLOO_RECEIVES_AHEAD)
+    return schedules.held_receives(table, schedules.GLOO_RECEIVES_AHEAD)

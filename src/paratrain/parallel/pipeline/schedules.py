@@ -307,6 +307,59 @@ def batches(actions: list[Action]) -> list[Action | list[Action]]:
     return items
 
 
+GLOO_RECEIVES_AHEAD = 2
+"""How many computations before the table's place the executor posts a receive on gloo
+(``executor.run_schedule``); ``held_receives`` counts the buffers that holds."""
+
+
+def posting_order(actions: list[Action], ahead: int = 0) -> list[Action | list[Action]]:
+    """``batches(actions)`` with every receive posted ``ahead`` computations before the
+    table places it (none before the first computation), alone in a batch of its own so
+    that the computation needing it waits for nothing else. Receives keep their order,
+    which is what matching by order relies on; sends stay where they are."""
+    items = batches(actions)
+    if ahead == 0:
+        return items
+    computes = [i for i, item in enumerate(items) if not isinstance(item, list)]
+    early: dict[int, list[Action]] = {}  # compute ordinal -> receives posted just before it
+    kept: dict[int, list[Action]] = {}  # item index -> the batch without its early receives
+    ordinal = 0
+    for i, item in enumerate(items):
+        if not isinstance(item, list):
+            ordinal += 1
+            continue
+        at = max(ordinal - ahead, 0)
+        moved = [a for a in item if a.kind.startswith("RECV") and at < ordinal]
+        early.setdefault(at, []).extend(moved)
+        kept[i] = [a for a in item if a not in moved]
+    order: list[Action | list[Action]] = []
+    ordinal = 0
+    for i, item in enumerate(items):
+        if isinstance(item, list):
+            if kept[i]:
+                order.append(kept[i])
+            continue
+        order.extend([a] for a in early.get(ordinal, []))
+        order.append(item)
+        ordinal += 1
+    return order
+
+
+def held_receives(actions: list[Action], ahead: int = 0) -> int:
+    """The most receive buffers a rank holds posted and not yet read by its computation,
+    posting as ``posting_order(actions, ahead)`` does (counted as each computation starts)."""
+    held: set[tuple[str, int, int]] = set()
+    peak = 0
+    for item in posting_order(actions, ahead):
+        if isinstance(item, list):
+            held.update((a.kind[-1], a.microbatch, a.stage) for a in item
+                        if a.kind.startswith("RECV"))
+            continue
+        peak = max(peak, len(held))
+        held.discard((item.kind, item.microbatch, item.stage))
+    return peak
+
+
 def check_transfers(tables: list[list[Action]]) -> None:
     """Raise ``ScheduleError`` unless, for every pair of ranks, the n-th send from one is
     the n-th receive of the other (same microbatch, neighbouring stages, same kind).
