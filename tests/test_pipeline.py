@@ -232,6 +232,14 @@ def test_pp4_dp2_pp2_and_tp2_pp2_match_single_process(reference):
 # ---- one process ----------------------------------------------------------------------------
 
 
+def test_receives_ahead_must_be_non_negative():
+    chunks = split_model(GPT(CFG), 0, 1)
+    tokens, targets = data(0)
+    with pytest.raises(ValueError, match="receives_ahead=-1"):
+        run_schedule(schedule("1f1b", 1, 1)[0], chunks, [(tokens, targets)], None, 1.0,
+                     torch.device("cpu"), (BATCH, SEQ, CFG.d_model), receives_ahead=-1)
+
+
 @pytest.mark.parametrize("kind,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
                                     ("interleaved", 4)])
 def test_one_rank_runs_every_table_and_hands_chunks_over_in_memory(kind, v):

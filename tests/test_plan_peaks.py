@@ -21,6 +21,7 @@ from distributed import run_world
 from paratrain.mesh import Mesh
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.memory import rank_memory, stage_memory  # noqa: F401
+from paratrain.parallel.pipeline.schedules import GLOO_RECEIVES_AHEAD
 from paratrain.plan.memory import _paratrain_stage_memory
 from paratrain.plan.models import from_gpt_config
 from paratrain.train.config import load
@@ -116,7 +117,8 @@ def predicted(cfg, stage: int):
                      p.schedule, p.virtual_stages, cfg.train.recompute, p.sp,
                      reshard_after_forward=reshard)
     training = Training(cfg.train.global_batch, cfg.data.seq_len, cfg.train.precision)
-    return _paratrain_stage_memory(from_gpt_config(cfg.model, "tiny"), training, cand, stage)
+    return _paratrain_stage_memory(from_gpt_config(cfg.model, "tiny"), training, cand, stage,
+                                   GLOO_RECEIVES_AHEAD)
 
 
 @pytest.mark.parametrize("nproc", sorted(MATRIX))

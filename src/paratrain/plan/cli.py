@@ -241,13 +241,19 @@ def _runtime_limit(cluster: Cluster) -> float | None:
     return cluster.memory_limit if cluster.kind != "local" else None
 
 
+def _backend(cluster: Cluster) -> str:
+    """What ``paratrain train`` runs the plan on: gloo on the local cluster, NCCL on GPUs."""
+    return "gloo" if cluster.kind == "local" else "nccl"
+
+
 def _write_out(path: str, result, model, training, cluster, log) -> int:
     """``--out``: the best plan ``paratrain train`` runs, as its config; 2 if there is none."""
     from . import export
 
     try:
-        chosen = export.trainable(result.plans, model, training, _runtime_limit(cluster))
-        export.write_config(path, chosen, model, training)
+        chosen = export.trainable(result.plans, model, training, _runtime_limit(cluster),
+                                  _backend(cluster))
+        export.write_config(path, chosen, model, training, _backend(cluster))
     except ValueError as err:  # no plan is one `paratrain train` runs
         print(f"paratrain plan: error: --out: {err}", file=sys.stderr)
         return 2
@@ -319,8 +325,8 @@ def _write_layout(path: str, ev, model: ModelSpec, training: Training, cluster: 
             raise ValueError(f"{ev.cand.describe()} is rejected ({'; '.join(ev.problems)}); "
                              f"change the layout or drop --layout to write the winner")
         plan = Plan(ev.cand, ev.memory, ev.time, ev.tokens_per_s, ev.mfu)
-        export.check_trainable(plan, model, training, _runtime_limit(cluster))
-        export.write_config(path, plan, model, training)
+        export.check_trainable(plan, model, training, _runtime_limit(cluster), _backend(cluster))
+        export.write_config(path, plan, model, training, _backend(cluster))
     except ValueError as err:
         print(f"paratrain plan: error: --out: {err}; {path} not written", file=sys.stderr)
         return 2

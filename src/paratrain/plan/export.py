@@ -99,30 +99,31 @@ def refusal(cand: Candidate, model: ModelSpec, training: Training) -> str | None
 
 
 def trainable(plans: list[Plan], model: ModelSpec, training: Training,
-              limit: float | None = None) -> Plan:
+              limit: float | None = None, backend: str = "gloo") -> Plan:
     """The best of ``plans`` that ``paratrain train`` runs (``refusal``), or the best of
     all when none is (writing it then fails with the reason). With ``limit`` (usable bytes
     per GPU), also one that fits it as paratrain's own runtime holds memory: GPU plans are
     ranked with Megatron-style fused kernels (``plan.memory``), and paratrain's eager
-    block keeps more (``plan.runtime``)."""
+    block keeps more (``plan.runtime``), on ``backend`` (nccl for GPU plans)."""
     runnable = [p for p in plans if not refusal(p.cand, model, training)]
     if limit is None or not runnable:
         return (runnable or plans)[0]
-    fitting = next((p for p in runnable if runtime_bytes(p, model, training) <= limit), None)
+    fitting = next((p for p in runnable if runtime_bytes(p, model, training, backend) <= limit),
+                   None)
     if fitting is None:  # none does: the best one's reason, with its numbers
-        check_trainable(runnable[0], model, training, limit)
+        check_trainable(runnable[0], model, training, limit, backend)
     return fitting
 
 
 def check_trainable(plan: Plan, model: ModelSpec, training: Training,
-                    limit: float | None = None) -> None:
+                    limit: float | None = None, backend: str = "gloo") -> None:
     """Raise ValueError naming why ``paratrain train`` would not run ``plan`` as written:
     a planner-only choice (``refusal``) or, with ``limit`` (usable bytes per GPU), more
     memory than that as paratrain's own runtime holds it (``trainable``)."""
     why = refusal(plan.cand, model, training)
     if why:
         raise ValueError(f"{plan.cand.describe()}: {why}")
-    need = runtime_bytes(plan, model, training)
+    need = runtime_bytes(plan, model, training, backend)
     if limit is not None and need > limit:
         raise ValueError(f"{plan.cand.describe()} fits as ranked ({plan.memory.total / GiB:.2f} "
                          f"GiB per GPU, fused kernels' activations) but paratrain's eager "
@@ -130,24 +131,27 @@ def check_trainable(plan: Plan, model: ModelSpec, training: Training,
                          f"try rc=full, more sharding (zero3, tp, pp) or a smaller mb")
 
 
-def runtime_bytes(plan: Plan, model: ModelSpec, training: Training) -> float:
-    """Peak bytes per rank of ``plan`` as paratrain's eager runtime holds them: what
-    ``paratrain train`` predicts and checks before it starts (train/preflight.py)."""
-    return rank_memory(model, training, plan.cand, paratrain=True).total
+def runtime_bytes(plan: Plan, model: ModelSpec, training: Training,
+                  backend: str = "gloo") -> float:
+    """Peak bytes per rank of ``plan`` as paratrain's eager runtime holds them on
+    ``backend``: what ``paratrain train`` predicts and checks before it starts
+    (train/preflight.py)."""
+    return rank_memory(model, training, plan.cand, paratrain=True, backend=backend).total
 
 
-def write_config(path: str | Path, plan: Plan, model: ModelSpec, training: Training) -> None:
+def write_config(path: str | Path, plan: Plan, model: ModelSpec, training: Training,
+                 backend: str = "gloo") -> None:
     """Write ``plan`` as a config ``paratrain train --config`` reads."""
     Path(path).write_text(to_toml(config_tables(plan, model, training),
-                                  header(plan, model, training)))
+                                  header(plan, model, training, backend)))
 
 
-def header(plan: Plan, model: ModelSpec, training: Training) -> str:
+def header(plan: Plan, model: ModelSpec, training: Training, backend: str = "gloo") -> str:
     """The config's comment: the plan and its predictions. Memory is given as ranked and,
     where that differs (GPU plans, ranked with fused kernels), as paratrain's runtime
     holds it, the number `paratrain train` checks, so that the two never look like one
     number that changed."""
-    runtime = runtime_bytes(plan, model, training)
+    runtime = runtime_bytes(plan, model, training, backend)
     ranked = plan.memory.total
     if abs(runtime - ranked) < 0.005 * GiB:  # the local cluster ranks by the runtime's count
         memory = (f"{runtime / GiB:.2f} GiB per rank as paratrain's runtime holds it (what "

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..parallel.pipeline.schedules import GLOO_RECEIVES_AHEAD
 from . import runtime
 from .candidate import Candidate, Training
 from .models import ModelSpec
@@ -154,15 +155,20 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, stage: int 
 
 
 def rank_memory(model: ModelSpec, training: Training, cand: Candidate,
-                paratrain: bool = False) -> Memory:
+                paratrain: bool = False, backend: str = "gloo") -> Memory:
     """The peak of the fuller of the first and last pipeline stages. ``paratrain``: count
-    paratrain's own runtime exactly (``plan.runtime``) instead of the published formulas."""
+    paratrain's own runtime exactly (``plan.runtime``) instead of the published formulas,
+    on ``backend`` (on gloo its pipelines post receives early, holding more buffers)."""
     # The first and last stages hold the embedding and the head; with uneven stages the
     # second holds the most blocks at nearly the first's in-flight count.
     counts = model.stage_layer_counts(cand.pp, cand.virtual_stages)
     stages = sorted({0, cand.pp - 1} | ({1} if cand.pp > 2 and counts[1] > counts[0] else set()))
-    count = _paratrain_stage_memory if paratrain else stage_memory
-    return max((count(model, training, cand, s) for s in stages), key=lambda m: m.total)
+    if paratrain:
+        ahead = GLOO_RECEIVES_AHEAD if backend == "gloo" else 0
+        peaks = (_paratrain_stage_memory(model, training, cand, s, ahead) for s in stages)
+    else:
+        peaks = (stage_memory(model, training, cand, s) for s in stages)
+    return max(peaks, key=lambda m: m.total)
 
 
 def rank_states(model: ModelSpec, training: Training, cand: Candidate,
@@ -195,7 +201,7 @@ def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: i
 
 
 def _paratrain_stage_memory(model: ModelSpec, training: Training, cand: Candidate,
-                            stage: int) -> Memory:
+                            stage: int, receives_ahead: int) -> Memory:
     states = runtime.paratrain_state_bytes(model, cand, training.precision, training.optimizer,
                                            stage)
     mode = runtime.precision_mode(training.precision, cand.zero)
@@ -205,7 +211,8 @@ def _paratrain_stage_memory(model: ModelSpec, training: Training, cand: Candidat
     inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,
                                      cand.virtual_stages, stage)
     acts = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages) * inflight
-    buffers = runtime.paratrain_buffer_bytes(model, training, cand, stage, inflight)
+    buffers = runtime.paratrain_buffer_bytes(model, training, cand, stage, inflight,
+                                             receives_ahead)
     return Memory(states["param_bytes"], states["grad_bytes"], states["optim_bytes"], acts,
                   buffers, stage)
 

@@ -143,7 +143,7 @@ def paratrain_layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int = 
 
 
 def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate, stage: int,
-                           inflight: float) -> float:
+                           inflight: float, receives_ahead: int) -> float:
     """Bytes beyond the stored activations at a paratrain rank's peak (measured with live
     storages, tests/test_plan_peaks.py). Always: autocast's bf16 copies of the weights
     (the graph keeps them until backward reaches their layer), the batch's token ids and
@@ -172,9 +172,9 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
     shard = model.d_model * tokens / (cand.tp if cand.sp else 1)
     if stage < cand.pp - 1:  # outputs kept for backward and their send copies
         total += 2 * inflight * r * shard
-    if cand.pp > 1:  # activations and gradients received and not yet read, gloo posting early
+    if cand.pp > 1:  # activations and gradients received and not yet read
         total += held_receives(cand.schedule, cand.pp, cand.microbatches,
-                               cand.virtual_stages, stage) * r * shard
+                               cand.virtual_stages, stage, receives_ahead) * r * shard
     total += held_zero_bytes(units, cand, weight)
     block = 2 * c * model.ffn_hidden / cand.tp * tokens
     if cand.zero == 3 and cand.reshards:  # the unit in use and the prefetched one
@@ -225,14 +225,25 @@ def paratrain_head_bytes(model: ModelSpec, s: int, b: int, cand: Candidate, mode
     return tokens * ((norm + saved) * kept + transient)
 
 
-@lru_cache(maxsize=1 << 12)
-def held_receives(kind: str, pp: int, microbatches: int, chunks: int, stage: int) -> int:
-    """Receive buffers a pipeline rank holds at once: the table's own, posted
-    ``GLOO_RECEIVES_AHEAD`` computations early as the executor does on gloo. A shape
-    with no table (the search's probes, layouts it rejects for that) counts one buffer
-    per direction and per computation ahead."""
+def held_receives(kind: str, pp: int, microbatches: int, chunks: int, stage: int,
+                  ahead: int) -> int:
+    """Receive buffers a pipeline rank holds at once: its table's own, posted ``ahead``
+    computations early (``GLOO_RECEIVES_AHEAD`` on gloo, 0 on NCCL). A shape with no
+    table (the search's probes, layouts it rejects for that) counts one buffer per
+    direction and per computation ahead."""
+    # Past the warm-up the tables repeat, so the count stops growing with the microbatches:
+    # 3·pp of them give every rank's count (tests/test_plan_memory.py pins this), and the
+    # search's thousands of shapes share a few tables.
+    if microbatches > 3 * pp and (kind != "interleaved" or microbatches % pp == 0):
+        microbatches = 3 * pp
+    return _held_receives(kind, pp, microbatches, chunks, ahead)[stage]
+
+
+@lru_cache(maxsize=1 << 10)
+def _held_receives(kind: str, pp: int, microbatches: int, chunks: int,
+                   ahead: int) -> tuple[int, ...]:
     try:
-        table = schedules.schedule(kind, pp, microbatches, chunks)[stage]
+        tables = schedules.schedule(kind, pp, microbatches, chunks)
     except schedules.ScheduleError:
-        return 2 * (1 + schedules.GLOO_RECEIVES_AHEAD)
-    return schedules.held_receives(table, schedules.GLOO_RECEIVES_AHEAD)
+        return (2 * (1 + ahead),) * pp
+    return tuple(schedules.held_receives(table, ahead) for table in tables)

@@ -67,7 +67,8 @@ def predicted_memory(cfg: Config):
     cand = Candidate(p.dp, p.tp, p.pp, p.cp, p.zero, cfg.micro_batch, cfg.accumulation, schedule,
                      p.virtual_stages, t.recompute, sequence_parallel=p.sp, cp_method=p.cp_method)
     training = Training(t.global_batch, cfg.data.seq_len, t.precision)
-    return rank_memory(from_gpt_config(cfg.model, cfg.model_preset), training, cand, paratrain=True)
+    return rank_memory(from_gpt_config(cfg.model, cfg.model_preset), training, cand, paratrain=True,
+                       backend=pick_backend(cfg.parallel.backend))
 
 
 def available_memory(cfg: Config, local_ranks: int) -> tuple[int, str]:

@@ -246,9 +246,13 @@ def run_schedule(actions: list[Action], chunks: Sequence[nn.Module],
     run = _Executor(chunks, microbatches, pp_group, loss_scale, device, act_shape, act_dtype,
                     positions, recorder, autocast, training)
     _check(actions, run)
+    gloo = pp_group is not None and dist.get_backend(pp_group) == "gloo"
     if receives_ahead is None:
-        gloo = pp_group is not None and dist.get_backend(pp_group) == "gloo"
         receives_ahead = GLOO_RECEIVES_AHEAD if gloo else 0
+    elif receives_ahead < 0 or (receives_ahead > 0 and pp_group is not None and not gloo):
+        raise ValueError(f"receives_ahead={receives_ahead}: receives can be posted early only "
+                         f"on gloo (0 or more there); use 0 (or None) on "
+                         f"{dist.get_backend(pp_group) if pp_group is not None else 'one rank'}")
     with contextlib.nullcontext() if training else torch.no_grad():
         _run(actions, run, no_sync, recorder, receives_ahead)
     return run.loss

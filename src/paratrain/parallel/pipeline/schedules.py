@@ -320,7 +320,6 @@ def posting_order(actions: list[Action], ahead: int = 0) -> list[Action | list[A
     items = batches(actions)
     if ahead == 0:
         return items
-    computes = [i for i, item in enumerate(items) if not isinstance(item, list)]
     early: dict[int, list[Action]] = {}  # compute ordinal -> receives posted just before it
     kept: dict[int, list[Action]] = {}  # item index -> the batch without its early receives
     ordinal = 0
