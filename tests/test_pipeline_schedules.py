@@ -227,28 +227,26 @@ def _computes_before(items, action) -> int:
 
 @pytest.mark.parametrize("ahead", [1, 2, 5])
 def test_receives_posted_early_keep_their_order_and_sends_their_place(ahead):
-    for kind, p, m, v in GRID[::7]:
-        for actions in schedule(kind, p, m, v):
-            table, early = batches(actions), posting_order(actions, ahead)
-            flat = [a for item in early for a in (item if isinstance(item, list) else [item])]
-            assert sorted(map(str, flat)) == sorted(map(str, actions))
-            computes = [a for a in flat if not a.is_transfer]
-            assert computes == [a for a in actions if not a.is_transfer]
-            for a in actions:
-                if not a.is_transfer:
-                    continue
-                placed, posted = _computes_before(table, a), _computes_before(early, a)
-                if a.kind.startswith("SEND"):
-                    assert posted == placed, (kind, p, m, v, str(a))
-                else:
-                    assert posted == max(placed - ahead, 0), (kind, p, m, v, str(a))
-            for peer in {a.peer for a in actions if a.is_transfer}:
-                receives = [a for a in actions if a.kind.startswith("RECV") and a.peer == peer]
-                assert [a for a in flat if a in receives] == receives  # matching by order
-            for item in (i for i in early if isinstance(i, list)):  # a moved receive is alone:
-                moved = [a for a in item if a.kind.startswith("RECV")  # its compute waits for it only
-                         and _computes_before(early, a) < _computes_before(table, a)]
-                assert not moved or item == moved == [moved[0]], item
+    tables = [(f"{kind} p{p} m{m} v{v}", t) for kind, p, m, v in GRID[::7]
+              for t in schedule(kind, p, m, v)]
+    tables += [(f"forward p{p} v{v}", t) for p in (2, 3) for v in (1, 2)
+               for t in forward_schedule(p, 2 * p, v)]
+    for name, actions in tables:
+        table, early = batches(actions), posting_order(actions, ahead)
+        flat = [a for item in early for a in (item if isinstance(item, list) else [item])]
+        assert sorted(map(str, flat)) == sorted(map(str, actions)), name
+        assert [a for a in flat if not a.is_transfer] == [a for a in actions if not a.is_transfer]
+        for a in (a for a in actions if a.is_transfer):
+            placed, posted = _computes_before(table, a), _computes_before(early, a)
+            want = placed if a.kind.startswith("SEND") else max(placed - ahead, 0)
+            assert posted == want, (name, str(a))
+        for peer in {a.peer for a in actions if a.is_transfer}:  # matching by order
+            receives = [a for a in actions if a.kind.startswith("RECV") and a.peer == peer]
+            assert [a for a in flat if a in receives] == receives, name
+        for item in (i for i in early if isinstance(i, list)):  # a moved receive is alone:
+            moved = [a for a in item if a.kind.startswith("RECV")  # its compute waits for it only
+                     and _computes_before(early, a) < _computes_before(table, a)]
+            assert not moved or item == moved == [moved[0]], (name, item)
 
 
 def test_held_receives_count_the_buffers_posted_early():
