@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..parallel.pipeline.schedules import GLOO_RECEIVES_AHEAD
+from ..parallel.pipeline.schedules import receives_ahead
 from . import runtime
 from .candidate import Candidate, Training
 from .models import ModelSpec
@@ -164,7 +164,7 @@ def rank_memory(model: ModelSpec, training: Training, cand: Candidate,
     counts = model.stage_layer_counts(cand.pp, cand.virtual_stages)
     stages = sorted({0, cand.pp - 1} | ({1} if cand.pp > 2 and counts[1] > counts[0] else set()))
     if paratrain:
-        ahead = GLOO_RECEIVES_AHEAD if backend == "gloo" else 0
+        ahead = receives_ahead(backend)
         peaks = (_paratrain_stage_memory(model, training, cand, s, ahead) for s in stages)
     else:
         peaks = (stage_memory(model, training, cand, s) for s in stages)

@@ -336,11 +336,17 @@ def _check_files_once(directory: str | Path, meta: dict) -> None:
         except CheckpointError as exc:
             error = str(exc)
             break
-    everyone: list = [None] * world
+    _raise_first(error)
+
+
+def _raise_first(error: str, prefix: str = "") -> None:
+    """Every rank's error ("" for none) gathered, the first raised on every rank
+    (collective): a rank that failed alone must not leave the others waiting."""
+    everyone: list = [""] * dist.get_world_size()
     dist.all_gather_object(everyone, error)
     first = next((e for e in everyone if e), "")
     if first:
-        raise CheckpointError(first)
+        raise CheckpointError(prefix + first)
 
 
 def load(directory: str | Path, model_cfg) -> tuple[int, dict[str, dict[str, torch.Tensor]]]:
@@ -374,10 +380,7 @@ def load_into(engine, directory: str | Path, model_cfg) -> int:
         _read_pieces(engine, directory, meta)
     except Exception as exc:  # noqa: BLE001  every rank must hear of it, or the others wait
         error = f"{type(exc).__name__}: {exc} (on rank {dist.get_rank()})"  # in the first collective
-    errors: list = [""] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    if any(errors):
-        raise CheckpointError(f"loading {str(directory)!r} failed: {next(e for e in errors if e)}")
+    _raise_first(error, f"loading {str(directory)!r} failed: ")
     S.after_load(engine)
     return meta["step"]
 

@@ -39,7 +39,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ...comm import collectives as C
-from .schedules import GLOO_RECEIVES_AHEAD, Action, ScheduleError, local_chunk, owner, posting_order
+from .schedules import Action, ScheduleError, local_chunk, owner, posting_order
+from .schedules import receives_ahead as default_ahead
 from .timeline import Recorder, Timeline
 
 # (tokens, targets) each (micro_batch, seq), optionally with the tokens' positions in the
@@ -239,20 +240,19 @@ def run_schedule(actions: list[Action], chunks: Sequence[nn.Module],
     last, so the data-parallel reduction starts only with the final backward of each chunk
     and overlaps the rest. ``autocast`` wraps each forward (e.g. bf16 autocast).
     ``pp_group`` may be None for a pipeline of one rank. ``receives_ahead``: how many
-    computations early a receive may be posted (None: ``GLOO_RECEIVES_AHEAD`` on gloo, 0
-    on other backends; see the module docstring).
+    computations early a receive may be posted (None: ``schedules.receives_ahead`` of the
+    group's backend, 2 on gloo and 0 elsewhere; see the module docstring).
     """
     training = any(a.kind == "B" for a in actions)
     run = _Executor(chunks, microbatches, pp_group, loss_scale, device, act_shape, act_dtype,
                     positions, recorder, autocast, training)
     _check(actions, run)
-    gloo = pp_group is not None and dist.get_backend(pp_group) == "gloo"
+    backend = dist.get_backend(pp_group) if pp_group is not None else None
     if receives_ahead is None:
-        receives_ahead = GLOO_RECEIVES_AHEAD if gloo else 0
-    elif receives_ahead < 0 or (receives_ahead > 0 and pp_group is not None and not gloo):
+        receives_ahead = default_ahead(backend) if backend else 0
+    elif receives_ahead < 0 or (receives_ahead > 0 and backend not in (None, "gloo")):
         raise ValueError(f"receives_ahead={receives_ahead}: receives can be posted early only "
-                         f"on gloo (0 or more there); use 0 (or None) on "
-                         f"{dist.get_backend(pp_group) if pp_group is not None else 'one rank'}")
+                         f"on gloo (0 or more there); use 0 (or None) on {backend}")
     with contextlib.nullcontext() if training else torch.no_grad():
         _run(actions, run, no_sync, recorder, receives_ahead)
     return run.loss

@@ -312,6 +312,12 @@ GLOO_RECEIVES_AHEAD = 2
 (``executor.run_schedule``); ``held_receives`` counts the buffers that holds."""
 
 
+def receives_ahead(backend: str) -> int:
+    """The executor's default look-ahead on ``backend``: early on gloo only, where every
+    transfer completes on its own (on NCCL an early receive could hold back a send)."""
+    return GLOO_RECEIVES_AHEAD if backend == "gloo" else 0
+
+
 def posting_order(actions: list[Action], ahead: int = 0) -> list[Action | list[Action]]:
     """``batches(actions)`` with every receive posted ``ahead`` computations before the
     table places it (none before the first computation), alone in a batch of its own so
