@@ -33,7 +33,7 @@ from paratrain.launch import spawn
 from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.parallel.pipeline import (Recorder, gather_timeline, run_schedule, schedule,
                                          split_model, theoretical_bubble)
-from paratrain.parallel.pipeline.schedules import GLOO_RECEIVES_AHEAD
+from paratrain.parallel.pipeline.posting import GLOO_RECEIVES_AHEAD
 from paratrain.parallel.pipeline.simulator import simulate
 
 MODEL = GPTConfig(vocab_size=256, d_model=128, n_layers=8, n_heads=4, ffn_hidden=352,

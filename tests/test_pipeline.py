@@ -19,7 +19,7 @@ from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.parallel.data import DataParallel
 from paratrain.parallel.pipeline import (Recorder, forward_schedule, gather_timeline,
                                          run_schedule, schedule, split_layers, split_model)
-from paratrain.parallel.pipeline.schedules import GLOO_RECEIVES_AHEAD, posting_order
+from paratrain.parallel.pipeline.posting import GLOO_RECEIVES_AHEAD, posting_order
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                 max_seq_len=16)
@@ -155,6 +155,36 @@ def train_pipeline(mesh: Mesh, kind: str, v: int, m: int, recorder: Recorder | N
             "params": by_name(chunks, tp), "launches": launches}
 
 
+def sent_alive_at_backwards(mesh: Mesh) -> list[int]:
+    """Train GPipe (m=4) with the executor watched: after each backward's wait for its
+    gradient, how many of the tensors this rank sent are still alive. gloo reports a send
+    complete only when waited for, so they stay unless the executor waits for them."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from paratrain.parallel.pipeline.executor import _Executor
+    refs, alive = [], []
+    post, wait = _Executor._post, _Executor._await
+
+    def watched_post(self, actions):
+        for a in actions:
+            held = {"SEND_F": self.outputs, "SEND_B": self.input_grads}.get(a.kind, {})
+            if (a.microbatch, a.stage) in held:
+                refs.append(StorageWeakRef(held[(a.microbatch, a.stage)].untyped_storage()))
+        post(self, actions)
+
+    def watched_await(self, key):
+        wait(self, key)
+        if key[0] == "g":
+            alive.append(sum(not ref.expired() for ref in refs))
+
+    _Executor._post, _Executor._await = watched_post, watched_await
+    try:
+        train_pipeline(mesh, "gpipe", 1, 4)
+    finally:
+        _Executor._post, _Executor._await = post, wait
+    return alive
+
+
 def pp_world(pp: int, with_dp: bool):
     """Every variant at this pp; on 4 ranks also dp2 x pp2 with the no_sync trick, and
     tp2 (with sequence parallelism) x pp2."""
@@ -168,6 +198,7 @@ def pp_world(pp: int, with_dp: bool):
     if pp == 2:  # receives where the table puts them (NCCL's posting), and far ahead
         for ahead, (kind, v, m) in ((0, ("interleaved", 2, 8)), (8, ("1f1b", 1, 8))):
             results[(f"ahead{ahead}", kind, m)] = train_pipeline(mesh, kind, v, m, ahead=ahead)
+        results["sent_alive"] = sent_alive_at_backwards(mesh)
     if with_dp:
         mesh = Mesh.build(Layout(dp=2, pp=2))
         for kind, v in (("1f1b", 1), ("interleaved", 2)):
@@ -216,6 +247,10 @@ def test_pp2_every_schedule_matches_single_process(reference):
         posts = posting_order(schedule("1f1b", 2, 8)[rank], GLOO_RECEIVES_AHEAD)
         assert kinds.count("POST") == sum(isinstance(item, list) for item in posts)
     assert 0.0 <= timeline.bubble() < 1.0
+    # GPipe's first stage sent every output before its first backward, whose wait covers
+    # them all (posting.sends_before): none may outlive it.
+    assert results[0]["sent_alive"] == [0] * 4 * STEPS
+    assert results[1]["sent_alive"] == []  # the last stage receives no gradient
 
 
 def test_pp4_dp2_pp2_and_tp2_pp2_match_single_process(reference):

@@ -7,10 +7,11 @@ from fractions import Fraction
 
 import pytest
 
-from paratrain.parallel.pipeline.schedules import (Action, ScheduleError, batches, check,
-                                                   check_transfers, forward_schedule,
-                                                   held_receives, notes, owner, peak_inflight,
-                                                   posting_order, schedule)
+from paratrain.parallel.pipeline.posting import (batches, held_buffers, posting_order,
+                                                 sends_before)
+from paratrain.parallel.pipeline.schedules import (Action, ScheduleError, check, check_transfers,
+                                                   forward_schedule, notes, owner, peak_inflight,
+                                                   schedule)
 from paratrain.parallel.pipeline.simulator import simulate
 from paratrain.parallel.pipeline.timeline import Interval, StepRecord, Timeline
 from paratrain.plan.memory import inflight_microbatches
@@ -249,11 +250,31 @@ def test_receives_posted_early_keep_their_order_and_sends_their_place(ahead):
             assert not moved or item == moved == [moved[0]], (name, item)
 
 
-def test_held_receives_count_the_buffers_posted_early():
+def test_receive_buffers_held_count_those_posted_early():
     assert posting_order(schedule("1f1b", 2, 8)[1], 0) == batches(schedule("1f1b", 2, 8)[1])
     expected = {("gpipe", 2, 8, 1): [(1, 3), (1, 3)], ("1f1b", 2, 8, 1): [(1, 2), (1, 2)],
                 ("1f1b", 4, 8, 1): [(1, 3), (2, 4), (2, 4), (1, 2)],
                 ("interleaved", 2, 4, 2): [(1, 3), (3, 5)]}
     for (kind, p, m, v), want in expected.items():
         tables = schedule(kind, p, m, v)
-        assert [(held_receives(t, 0), held_receives(t, 2)) for t in tables] == want, kind
+        got = [(held_buffers(t, 0)[0], held_buffers(t, 2)[0]) for t in tables]
+        assert got == want, kind
+
+
+def test_sent_tensors_are_held_until_a_receive_waits_for_them():
+    """A computation waits for the sends its table placed before its input's receive (or
+    in the same batch); until then each sent tensor is held. Early posting moves receives,
+    not these waits."""
+    first, last = schedule("gpipe", 2, 4)
+    # Stage 0 sends 4 outputs, one batch each, before its first gradient arrives.
+    assert [sends_before(first)[a] for a in first if a.kind == "RECV_B"] == [4] * 4
+    # Stage 1 receives each input before sending anything; its gradients go out one per
+    # backward and are waited for at the end of the step.
+    assert [sends_before(last)[a] for a in last if a.kind == "RECV_F"] == [0] * 4
+    for ahead in (0, 2):
+        # While the last forward runs, the 3 outputs before it; the first backward waits
+        # for all 4 sends.
+        assert held_buffers(first, ahead)[1] == 3
+        assert held_buffers(last, ahead)[1] == 3  # the gradients sent before the last backward
+        # 1F1B: stage 0's warm-up forwards, then one send at a time.
+        assert [held_buffers(t, ahead)[1] for t in schedule("1f1b", 4, 8)] == [3, 1, 1, 1]

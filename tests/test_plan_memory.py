@@ -188,27 +188,28 @@ def test_uneven_stage_activations_follow_the_split():
             per_layer * layers * min(inflight, 128))
 
 
-def test_held_receives_are_counted_from_a_table_of_at_most_3_pp_microbatches():
-    """The planner's paratrain memory counts receive buffers from the schedule table; it
-    caps the table at 3·pp microbatches (past the warm-up the tables repeat), so that the
-    search's shapes share a few tables. The cap must not change any rank's count."""
-    from paratrain.parallel.pipeline import schedules
-    from paratrain.plan.runtime import held_receives
+def test_held_buffers_are_counted_from_a_table_of_at_most_3_pp_microbatches():
+    """The planner's paratrain memory counts receive buffers and sent tensors from the
+    schedule table; it caps the table at 3·pp microbatches (past the warm-up the tables
+    repeat), so that the search's shapes share a few tables. The cap must not change any
+    rank's count."""
+    from paratrain.parallel.pipeline import posting, schedules
+    from paratrain.plan.runtime import held_buffers
 
     for kind, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)):
         for pp in range(2, 7):
             for m in range(pp, 6 * pp + 1, pp if kind == "interleaved" else 1):
                 tables = schedules.schedule(kind, pp, m, chunks)
                 for ahead in (0, 2):
-                    want = [schedules.held_receives(t, ahead) for t in tables]
-                    got = [held_receives(kind, pp, m, chunks, r, ahead) for r in range(pp)]
+                    want = [posting.held_buffers(t, ahead) for t in tables]
+                    got = [held_buffers(kind, pp, m, chunks, r, ahead) for r in range(pp)]
                     assert got == want, (kind, pp, m, chunks, ahead)
 
 
 def test_paratrain_memory_counts_early_receives_on_gloo_only():
     """On gloo paratrain's pipelines post receives early and hold more buffers; the planner
     counts them there and not under NCCL: the difference is exactly the extra buffers."""
-    from paratrain.parallel.pipeline import schedules
+    from paratrain.parallel.pipeline import posting, schedules
     from paratrain.plan.memory import rank_memory
     from paratrain.plan.models import load_model
 
@@ -219,8 +220,24 @@ def test_paratrain_memory_counts_early_receives_on_gloo_only():
         gloo = rank_memory(model, training, cand, paratrain=True, backend="gloo")
         nccl = rank_memory(model, training, cand, paratrain=True, backend="nccl")
         table = schedules.schedule(kind, 2, 8)[gloo.stage]
-        extra = (schedules.held_receives(table, schedules.GLOO_RECEIVES_AHEAD)
-                 - schedules.held_receives(table, 0))
+        extra = (sum(posting.held_buffers(table, posting.GLOO_RECEIVES_AHEAD))
+                 - sum(posting.held_buffers(table, 0)))
         assert extra > 0
         activation = 4 * 2 * 64 * model.d_model  # fp32, micro_batch x seq x d_model
         assert gloo.stage == nccl.stage and gloo.buffers - nccl.buffers == extra * activation
+
+
+def test_paratrain_memory_counts_sent_tensors_until_waited():
+    """GPipe's first stage sends every output before its first backward waits for them
+    (``posting.sends_before``): each microbatch more is one more activation held."""
+    from paratrain.plan.memory import _paratrain_stage_memory
+    from paratrain.plan.models import load_model
+
+    model = load_model("tiny")
+    activation = 4 * 2 * 64 * model.d_model  # fp32, micro_batch x seq x d_model
+    buffers = {}
+    for m in (4, 8):
+        cand = Candidate(1, 1, 2, 1, 0, 2, m, "gpipe")
+        training = Training(global_batch=2 * m, seq_len=64, precision="fp32")
+        buffers[m] = _paratrain_stage_memory(model, training, cand, 0, 2).buffers
+    assert buffers[8] - buffers[4] == 4 * activation

@@ -21,7 +21,7 @@ from distributed import run_world
 from paratrain.mesh import Mesh
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.memory import rank_memory, stage_memory  # noqa: F401
-from paratrain.parallel.pipeline.schedules import GLOO_RECEIVES_AHEAD
+from paratrain.parallel.pipeline.posting import GLOO_RECEIVES_AHEAD
 from paratrain.plan.memory import _paratrain_stage_memory
 from paratrain.plan.models import from_gpt_config
 from paratrain.train.config import load

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..parallel.pipeline.schedules import receives_ahead
+from ..parallel.pipeline.posting import receives_ahead
 from . import runtime
 from .candidate import Candidate, Training
 from .models import ModelSpec
@@ -211,8 +211,7 @@ def _paratrain_stage_memory(model: ModelSpec, training: Training, cand: Candidat
     inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,
                                      cand.virtual_stages, stage)
     acts = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages) * inflight
-    buffers = runtime.paratrain_buffer_bytes(model, training, cand, stage, inflight,
-                                             receives_ahead)
+    buffers = runtime.paratrain_buffer_bytes(model, training, cand, stage, receives_ahead)
     return Memory(states["param_bytes"], states["grad_bytes"], states["optim_bytes"], acts,
                   buffers, stage)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..parallel.pipeline import schedules
+from ..parallel.pipeline import posting, schedules
 from .candidate import Candidate, Training
 from .models import ModelSpec
 
@@ -143,13 +143,13 @@ def paratrain_layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int = 
 
 
 def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate, stage: int,
-                           inflight: float, receives_ahead: int) -> float:
+                           receives_ahead: int) -> float:
     """Bytes beyond the stored activations at a paratrain rank's peak (measured with live
     storages, tests/test_plan_peaks.py). Always: autocast's bf16 copies of the weights
     (the graph keeps them until backward reaches their layer), the batch's token ids and
-    targets (int64), and on a stage that sends activations onward, its outputs of every
-    microbatch in flight plus the gradient it receives, and ZeRO's buffers that live
-    through the step (``held_zero_bytes``). Then the larger of two moments:
+    targets (int64), under a pipeline the activations and gradients received and not yet
+    read and those sent and not yet waited for (``held_buffers``), and ZeRO's buffers
+    that live through the step (``held_zero_bytes``). Then the larger of two moments:
 
     * the start of the loss's backward on the last stage (``paratrain_head_bytes``);
     * the backward of a block: ZeRO's gathered units and full unit gradients, the
@@ -170,11 +170,9 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
         matrices = sum(units) - norms - (units[0] if stage == 0 else 0)  # no embedding cast
         total += 2 * matrices
     shard = model.d_model * tokens / (cand.tp if cand.sp else 1)
-    if stage < cand.pp - 1:  # outputs kept for backward and their send copies
-        total += 2 * inflight * r * shard
-    if cand.pp > 1:  # activations and gradients received and not yet read
-        total += held_receives(cand.schedule, cand.pp, cand.microbatches,
-                               cand.virtual_stages, stage, receives_ahead) * r * shard
+    if cand.pp > 1:  # received and not yet read; sent and not yet waited for
+        total += sum(held_buffers(cand.schedule, cand.pp, cand.microbatches,
+                                  cand.virtual_stages, stage, receives_ahead)) * r * shard
     total += held_zero_bytes(units, cand, weight)
     block = 2 * c * model.ffn_hidden / cand.tp * tokens
     if cand.zero == 3 and cand.reshards:  # the unit in use and the prefetched one
@@ -225,25 +223,32 @@ def paratrain_head_bytes(model: ModelSpec, s: int, b: int, cand: Candidate, mode
     return tokens * ((norm + saved) * kept + transient)
 
 
-def held_receives(kind: str, pp: int, microbatches: int, chunks: int, stage: int,
-                  ahead: int) -> int:
-    """Receive buffers a pipeline rank holds at once: its table's own, posted ``ahead``
-    computations early (``GLOO_RECEIVES_AHEAD`` on gloo, 0 on NCCL). A shape with no
-    table (the search's probes, layouts it rejects for that) counts one buffer per
-    direction and per computation ahead."""
-    # Past the warm-up the tables repeat, so the count stops growing with the microbatches:
-    # 3·pp of them give every rank's count (tests/test_plan_memory.py pins this), and the
-    # search's thousands of shapes share a few tables.
-    if microbatches > 3 * pp and (kind != "interleaved" or microbatches % pp == 0):
-        microbatches = 3 * pp
-    return _held_receives(kind, pp, microbatches, chunks, ahead)[stage]
+def held_buffers(kind: str, pp: int, microbatches: int, chunks: int, stage: int,
+                 ahead: int) -> tuple[int, int]:
+    """(receive buffers, sent tensors) a pipeline rank holds at once, from its table
+    (``posting.held_buffers``), receives posted ``ahead`` computations early
+    (``GLOO_RECEIVES_AHEAD`` on gloo, 0 on NCCL). A shape with no table (the search's
+    probes, layouts it rejects for that) counts one buffer per direction and per
+    computation ahead, and every send of the step."""
+    # Past the warm-up the tables repeat, so a count stays flat in the microbatches or grows
+    # by the same step per group (GPipe's first and last stages hold every send until
+    # their first wait): the tables of 3·pp microbatches and one group fewer give every
+    # rank's counts (tests/test_plan_memory.py pins this), and the search's thousands of
+    # shapes share a few tables.
+    group = pp if kind == "interleaved" else 1
+    if microbatches <= 3 * pp or microbatches % group:
+        return _held_buffers(kind, pp, microbatches, chunks, ahead)[stage]
+    base = _held_buffers(kind, pp, 3 * pp, chunks, ahead)[stage]
+    fewer = _held_buffers(kind, pp, 3 * pp - group, chunks, ahead)[stage]
+    more = (microbatches - 3 * pp) // group
+    return base[0] + more * (base[0] - fewer[0]), base[1] + more * (base[1] - fewer[1])
 
 
 @lru_cache(maxsize=1 << 10)
-def _held_receives(kind: str, pp: int, microbatches: int, chunks: int,
-                   ahead: int) -> tuple[int, ...]:
+def _held_buffers(kind: str, pp: int, microbatches: int, chunks: int,
+                  ahead: int) -> tuple[tuple[int, int], ...]:
     try:
         tables = schedules.schedule(kind, pp, microbatches, chunks)
     except schedules.ScheduleError:
-        return (2 * (1 + ahead),) * pp
-    return tuple(schedules.held_receives(table, ahead) for table in tables)
+        return ((2 * (1 + ahead), 2 * microbatches * chunks),) * pp
+    return tuple(posting.held_buffers(table, ahead) for table in tables)

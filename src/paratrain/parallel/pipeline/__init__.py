@@ -1,8 +1,9 @@
 """Pipeline parallelism: stages of layers on different ranks, microbatches flowing through.
 
 * ``schedules``: GPipe, 1F1B and interleaved 1F1B as pure tables of actions per rank.
+* ``posting``: when a rank's transfers are posted and waited for, and the buffers held.
 * ``simulator``: executes tables with given costs (bubble, peak in-flight microbatches,
-  deadlock check). Like ``schedules`` and ``timeline``, no torch.
+  deadlock check). Like ``schedules``, ``posting`` and ``timeline``, no torch.
 * ``partition``: split a built GPT into each rank's chunks (virtual stages).
 * ``executor``: run any table with batched non-blocking point-to-point transfers.
 * ``timeline``: what each rank did when, recorded or simulated; the measured bubble.

@@ -15,13 +15,18 @@ action says:
   backend completes transfers while the rank computes (batches complete in posting order,
   as NCCL groups do; the tables are checked deadlock-free under that rule).
 * On gloo each receive is posted ``receives_ahead`` computations before the table places
-  it, alone in its batch (``schedules.posting_order``). A receive posted after its data
+  it, alone in its batch (``posting.posting_order``). A receive posted after its data
   arrived waits for gloo's thread to be scheduled: on a busy machine a scheduler slice
   (3.4 ms measured on 2 cores, against 0.19 ms posted in time), and in GPipe the
   downstream rank, slower by the head, posts every receive late. Early receives cannot
   deadlock on gloo, where each operation completes on its own and a computation waits for
   its own input only; NCCL queues a receive on the stream its sends use, where an early
   one could hold back a send the peer waits for, so there receives stay in place.
+* A sent output's data is dropped once its send completes (only its graph is kept for the
+  backward). gloo cannot say whether a send completed without waiting for it, so a
+  computation also waits for the sends its table placed before its input's receive: the
+  waits the in-place table implied, which it is checked deadlock-free with. Without them
+  every output sent stayed alive to the end of the step.
 
 Loss scaling: the caller passes ``loss_scale = dp / tokens_in_global_batch``; every
 microbatch's summed loss is multiplied by it before backward, so after the data-parallel
@@ -39,8 +44,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ...comm import collectives as C
-from .schedules import Action, ScheduleError, local_chunk, owner, posting_order
-from .schedules import receives_ahead as default_ahead
+from .posting import posting_order, sends_before
+from .posting import receives_ahead as default_ahead
+from .schedules import Action, ScheduleError, local_chunk, owner
 from .timeline import Recorder, Timeline
 
 # (tokens, targets) each (micro_batch, seq), optionally with the tokens' positions in the
@@ -63,7 +69,8 @@ class _Batch:
     def wait(self) -> None:
         if not self.done:
             C.wait_all(self.works)
-            self.done, self.tensors = True, []
+            # The works hold their tensors too: let both go.
+            self.done, self.works, self.tensors = True, [], []
             for out in self.sent:  # Megatron's deallocate_output_tensor: keep the graph only
                 out.data = torch.empty(0, dtype=out.dtype, device=out.device)
             self.sent = []
@@ -95,8 +102,11 @@ class _Executor:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # kept for backward
         self.grads: dict[tuple[int, int], torch.Tensor] = {}  # gradient of an output
         self.input_grads: dict[tuple[int, int], torch.Tensor] = {}  # to send back
-        self.arriving: dict[tuple[str, int, int], _Batch] = {}  # receives not yet waited for
-        self.sends: list[_Batch] = []
+        self.arriving: dict[tuple[str, int, int], tuple[_Batch, int]] = {}  # receives not
+        # yet waited for, each with the number of send batches to finish with it
+        self.sends: list[_Batch] = []  # every send batch of the step, in posting order
+        self.settled = 0  # sends[:settled] are done
+        self.sends_before: dict[Action, int] = {}  # set by ``_run``: ``posting.sends_before``
         self.loss = torch.zeros((), device=device)
 
     # ---- timing --------------------------------------------------------------------------
@@ -109,10 +119,13 @@ class _Executor:
         self.recorder.add(kind, mb, stage, start, self.recorder.now())
 
     def _await(self, key: tuple[str, int, int]) -> None:
-        """Wait for the batch bringing ``key`` (("x"|"g", mb, stage)), if still in flight."""
-        batch = self.arriving.pop(key, None)
-        if batch is not None and not batch.done:
-            self._timed("WAIT", -1, -1, batch.wait)
+        """Wait for the batch bringing ``key`` (("x"|"g", mb, stage)), if still in flight,
+        and for the send batches the table placed before it (usually done already)."""
+        batch, sends = self.arriving.pop(key, (None, 0))
+        pending = [b for b in [batch, *self.sends[self.settled:sends]] if b and not b.done]
+        if pending:
+            self._timed("WAIT", -1, -1, _wait_each, pending)
+        self.settled = max(self.settled, sends)
 
     # ---- transfers -----------------------------------------------------------------------
     def post(self, actions: list[Action]) -> None:
@@ -140,26 +153,30 @@ class _Executor:
         # A stable sort keeps each channel's order, which is what matching relies on.
         ops.sort(key=lambda op: op.kind != "recv")
         batch = _Batch(C.send_recv(ops, self.group), [op.tensor for op in ops], sent)
+        if any(a.kind.startswith("SEND") for a in actions):
+            self.sends.append(batch)
         for a, buf in received:
             if a.kind == "RECV_F":
                 self.inputs[(a.microbatch, a.stage)] = buf
-                self.arriving[("x", a.microbatch, a.stage)] = batch
+                self.arriving[("x", a.microbatch, a.stage)] = (batch, self.sends_before[a])
             else:
                 self.grads[(a.microbatch, a.stage)] = buf
-                self.arriving[("g", a.microbatch, a.stage)] = batch
-        if any(a.kind.startswith("SEND") for a in actions):
-            self.sends.append(batch)
+                self.arriving[("g", a.microbatch, a.stage)] = (batch, self.sends_before[a])
 
     def poll_sends(self) -> None:
-        """Release the outputs of sends that have completed (called between computations)."""
-        self.sends = [batch for batch in self.sends if not batch.poll()]
+        """Release the outputs of sends the backend reports completed (called between
+        computations; NCCL reports it, gloo's sends complete only when waited for)."""
+        for batch in self.sends[self.settled:]:
+            batch.poll()
+        while self.settled < len(self.sends) and self.sends[self.settled].done:
+            self.settled += 1
 
     def finish(self) -> None:
         """Wait for every send: their buffers may be reused once the step returns."""
-        for batch in self.sends:
+        for batch in self.sends[self.settled:]:
             if not batch.done:
                 self._timed("WAIT", -1, -1, batch.wait)
-        self.sends = []
+        self.sends, self.settled = [], 0
 
     # ---- compute -------------------------------------------------------------------------
     def forward(self, a: Action) -> None:
@@ -208,6 +225,11 @@ class _Executor:
         self._timed("B", mb, s, run)
 
 
+def _wait_each(pending: list[_Batch]) -> None:
+    for batch in pending:
+        batch.wait()
+
+
 def _backward(out: torch.Tensor, grad: torch.Tensor) -> None:
     """``torch.autograd.backward(out, grad)`` for an output whose data may have been
     released after its send (``_Batch.wait``): the engine checks ``grad`` against the shape
@@ -240,7 +262,7 @@ def run_schedule(actions: list[Action], chunks: Sequence[nn.Module],
     last, so the data-parallel reduction starts only with the final backward of each chunk
     and overlaps the rest. ``autocast`` wraps each forward (e.g. bf16 autocast).
     ``pp_group`` may be None for a pipeline of one rank. ``receives_ahead``: how many
-    computations early a receive may be posted (None: ``schedules.receives_ahead`` of the
+    computations early a receive may be posted (None: ``posting.receives_ahead`` of the
     group's backend, 2 on gloo and 0 elsewhere; see the module docstring).
     """
     training = any(a.kind == "B" for a in actions)
@@ -261,6 +283,7 @@ def run_schedule(actions: list[Action], chunks: Sequence[nn.Module],
 def _run(actions: list[Action], run: _Executor, no_sync: Callable[[], ContextManager] | None,
          recorder: Recorder | None, receives_ahead: int) -> None:
     final = _last_backwards(actions)
+    run.sends_before = sends_before(actions)
     if recorder is not None:
         recorder.begin_step()
     for item in posting_order(actions, receives_ahead):

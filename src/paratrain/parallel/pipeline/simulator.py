@@ -16,7 +16,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .schedules import Action, ScheduleError, batches, check_transfers, owner
+from .posting import batches
+from .schedules import Action, ScheduleError, check_transfers, owner
 from .timeline import Interval, busy_time
 
 
