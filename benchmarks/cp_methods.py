@@ -36,6 +36,8 @@ from paratrain.models.gpt import GPT, preset
 from paratrain.parallel.context import apply_context_parallel, shard_batch
 from paratrain.parallel.data import DataParallel
 
+from common import at_least
+
 MODES = ("ring", "ulysses", "none", "single")
 LABELS = {"ring": "ring (cp={n})", "ulysses": "ulysses (cp={n})", "none": "none (dp={n})",
           "single": "single process"}
@@ -148,12 +150,12 @@ def worker(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2, help="world size (cp, or dp for 'none')")
+    parser.add_argument("--nproc", type=at_least(1), default=2, help="world size (cp, or dp for 'none')")
     parser.add_argument("--model", default="tiny", help="GPT preset (max_seq_len is raised to --seq)")
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=2, help="sequences in the global batch")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode and round")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seq", type=at_least(1), default=4096)
+    parser.add_argument("--batch", type=at_least(1), default=2, help="sequences in the global batch")
+    parser.add_argument("--steps", type=at_least(1), default=3, help="timed steps per mode and round")
+    parser.add_argument("--rounds", type=at_least(1), default=2)
     args = parser.parse_args()
     if args.batch % args.nproc:
         parser.error("--batch must divide by --nproc (the no-CP peer splits it over dp)")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from paratrain.launch import spawn
 from paratrain.models.gpt import GPT, preset
 from paratrain.parallel.data import DataParallel
+from common import DDP_SETTINGS, at_least, check_model_flags, fast_ddp
 
 
 def time_steps(model, optimizer, batches, finish) -> list[float]:
@@ -40,11 +41,7 @@ def worker(args) -> dict:
     torch.manual_seed(0)
     base = GPT(preset(args.model))
     ours = DataParallel(copy.deepcopy(base), dist.group.WORLD, bucket_mb=args.bucket_mb)
-    # torch DDP at the settings its docs recommend for speed: gradients as views into the
-    # buckets (no copy), no buffer broadcast (the model has none), the same bucket size.
-    theirs = torch.nn.parallel.DistributedDataParallel(
-        copy.deepcopy(base), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True,
-        broadcast_buffers=False)
+    theirs = fast_ddp(copy.deepcopy(base), bucket_cap_mb=args.bucket_mb)  # the same buckets
     opts = {"paratrain": torch.optim.AdamW(ours.parameters(), lr=1e-3),
             "torch DDP": torch.optim.AdamW(theirs.parameters(), lr=1e-3)}
     gen = torch.Generator().manual_seed(dist.get_rank())
@@ -61,21 +58,22 @@ def worker(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=at_least(1), default=2)
     parser.add_argument("--model", default="small")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=at_least(1), default=8, help="sequences per rank")
+    parser.add_argument("--seq", type=at_least(1), default=128)
+    parser.add_argument("--steps", type=at_least(1), default=10)
+    parser.add_argument("--rounds", type=at_least(1), default=3)
     parser.add_argument("--bucket-mb", type=float, default=4.0)
     args = parser.parse_args()
+    check_model_flags(parser, args.model, args.seq)
     result = spawn(worker, args.nproc, args, backend="gloo")[0]
     ours, peer = result["paratrain"], result["torch DDP"]
     params = preset(args.model).num_params()
     print(f"DDP, model {args.model} ({params / 1e6:.2f}M params), {args.nproc} ranks x "
           f"{args.batch} x {args.seq} tokens, bucket {args.bucket_mb} MiB, "
           f"median of {args.rounds * args.steps} steps")
-    print(f"torch DDP configured for speed: gradient_as_bucket_view=True, broadcast_buffers=False, "
+    print(f"torch DDP configured for speed: {DDP_SETTINGS}, "
           f"bucket_cap_mb={args.bucket_mb} (paratrain's bucket size)")
     print(f"{'implementation':<16}{'ms/step':>10}{'tokens/s':>12}")
     tokens = args.nproc * args.batch * args.seq

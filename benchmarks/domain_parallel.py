@@ -44,6 +44,8 @@ from paratrain.parallel.data import DataParallel
 from paratrain.parallel.domain import DomainConv2d, Grid, apply_domain_parallel
 from paratrain.parallel.domain.measure import saved_activation_bytes
 
+from common import at_least
+
 MODES = ("halo", "gather", "single")
 
 
@@ -209,12 +211,12 @@ def report(nproc: int, results: list[dict], args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--size", type=int, default=256, help="height and width of each field")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--width", type=int, default=16, help="U-Net channels at full resolution")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per mode and round")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--nproc", type=at_least(1), nargs="+", default=[2, 4])
+    parser.add_argument("--size", type=at_least(1), default=256, help="height and width of each field")
+    parser.add_argument("--batch", type=at_least(1), default=2)
+    parser.add_argument("--width", type=at_least(1), default=16, help="U-Net channels at full resolution")
+    parser.add_argument("--steps", type=at_least(1), default=2, help="timed steps per mode and round")
+    parser.add_argument("--rounds", type=at_least(1), default=2)
     parser.add_argument("--timeline", metavar="FILE.json",
                         help="save every rank's overlapped forward at the largest nproc (for docs/img/make_domain.py)")
     args = parser.parse_args()

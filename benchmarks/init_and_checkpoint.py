@@ -41,6 +41,8 @@ import torch.distributed as dist
 
 from paratrain.launch import spawn
 
+from common import at_least
+
 
 class AnonPeak:
     """Peak rise of the process's anonymous RSS while the block runs (sampled)."""
@@ -163,12 +165,12 @@ def worker(args, system: str, name: str, layout: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=14)
-    parser.add_argument("--d-model", type=int, default=1024)
-    parser.add_argument("--ffn", type=int, default=4096)
-    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--layers", type=at_least(1), default=14)
+    parser.add_argument("--d-model", type=at_least(1), default=1024)
+    parser.add_argument("--ffn", type=at_least(1), default=4096)
+    parser.add_argument("--vocab", type=at_least(1), default=32000)
     parser.add_argument("--dir", default="/tmp/paratrain-bench-ckpt")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of the ZeRO-3 / DCP pair (medians)")
+    parser.add_argument("--rounds", type=at_least(1), default=2, help="rounds of the ZeRO-3 / DCP pair (medians)")
     args = parser.parse_args()
     from paratrain.models.gpt import GPTConfig
 

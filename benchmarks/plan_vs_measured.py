@@ -45,6 +45,8 @@ from paratrain.plan.models import from_gpt_config
 from paratrain.train.config import Config, load
 from paratrain.train.loop import train
 
+from common import at_least
+
 # (label, processes, config overrides): every strategy paratrain runs on CPU today; the
 # data-parallel size is what the other axes leave of the processes.
 LAYOUTS = [
@@ -195,11 +197,11 @@ def get_calibration(path: str | None, recalibrate: bool):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small", help="paratrain model preset")
-    parser.add_argument("--steps", type=int, default=5, help="steps per run (first untimed)")
-    parser.add_argument("--rounds", type=int, default=4,
+    parser.add_argument("--steps", type=at_least(2), default=5, help="steps per run (first untimed)")
+    parser.add_argument("--rounds", type=at_least(1), default=4,
                         help="runs of every layout (with 2, one layout's median moved by up to 27%% between benchmark runs)")
-    parser.add_argument("--global-batch", type=int, default=8, help="sequences per step")
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--global-batch", type=at_least(1), default=8, help="sequences per step")
+    parser.add_argument("--seq-len", type=at_least(1), default=128)
     parser.add_argument("--calibration", help="calibration file (default: the planner's)")
     parser.add_argument("--recalibrate", action="store_true", help="measure even if cached")
     parser.add_argument("--refresh", action=argparse.BooleanOptionalAction, default=True,

@@ -36,6 +36,8 @@ from paratrain.parallel.pipeline import (Recorder, gather_timeline, run_schedule
 from paratrain.parallel.pipeline.posting import GLOO_RECEIVES_AHEAD
 from paratrain.parallel.pipeline.simulator import simulate
 
+from common import at_least
+
 MODEL = GPTConfig(vocab_size=256, d_model=128, n_layers=8, n_heads=4, ffn_hidden=352,
                   max_seq_len=128)
 SCHEDULES = ("gpipe", "1f1b")
@@ -227,15 +229,15 @@ def world(args, pp: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", default="2,4", help="pipeline sizes (default: 2,4)")
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--sweeps", type=int, default=12,
+    parser.add_argument("--microbatches", type=at_least(1), default=8)
+    parser.add_argument("--batch", type=at_least(1), default=8, help="sequences per step")
+    parser.add_argument("--seq", type=at_least(1), default=128)
+    parser.add_argument("--sweeps", type=at_least(1), default=12,
                         help="rounds over all (schedule, runner) pairs (default: 12)")
-    parser.add_argument("--steps", type=int, default=1,
+    parser.add_argument("--steps", type=at_least(1), default=1,
                         help="timed steps per pair and round (default: 1: runners alternate "
                              "step by step, so bursts of load on the machine hit both)")
-    parser.add_argument("--receives-ahead", type=int, default=None, metavar="N",
+    parser.add_argument("--receives-ahead", type=at_least(0), default=None, metavar="N",
                         help="post paratrain's receives N computations early (default: the "
                              "executor's, 2 on gloo; 0: where the schedule table puts them)")
     parser.add_argument("--timeline", default="", metavar="PREFIX",

@@ -24,6 +24,8 @@ from paratrain.mesh import Mesh
 from paratrain.train.config import load
 from paratrain.train.loop import train
 
+from common import at_least
+
 
 def layouts(n: int) -> dict[str, dict]:
     out = {"DDP": dict(dp=n), "ZeRO-3": dict(dp=n, zero=3)}
@@ -81,9 +83,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--nproc", default="1,2,4")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=at_least(1), default=8)
+    parser.add_argument("--global-batch", type=at_least(1), default=16)
+    parser.add_argument("--seq", type=at_least(1), default=128)
     parser.add_argument("--plot", default="", help="write the picture here (PNG)")
     args = parser.parse_args()
     sizes = [int(x) for x in args.nproc.split(",")]

@@ -35,6 +35,8 @@ from paratrain.launch import spawn
 from paratrain.models.gpt import GPT, preset
 from paratrain.parallel.tensor import apply_tensor_parallel
 
+from common import at_least, check_model_flags
+
 
 def dtensor_tp(model: GPT, sp: bool) -> GPT:
     """torchtitan's plan for a Llama block, on our module names."""
@@ -109,14 +111,15 @@ def worker(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2, help="tensor-parallel size")
+    parser.add_argument("--nproc", type=at_least(1), default=2, help="tensor-parallel size")
     parser.add_argument("--model", default="small")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step (same on every rank)")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=18, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    parser.add_argument("--batch", type=at_least(1), default=8, help="sequences per step (same on every rank)")
+    parser.add_argument("--seq", type=at_least(1), default=128)
+    parser.add_argument("--steps", type=at_least(1), default=18, help="timed steps per variant")
+    parser.add_argument("--warmup", type=at_least(0), default=3, help="untimed steps per variant")
     parser.add_argument("--no-sp", action="store_true", help="skip the sequence-parallel variant")
     args = parser.parse_args()
+    check_model_flags(parser, args.model, args.seq)
     result = spawn(worker, args.nproc, args, backend="gloo")[0]
     cfg = preset(args.model)
     print(f"tensor parallel, model {args.model} ({cfg.num_params() / 1e6:.2f}M params, "

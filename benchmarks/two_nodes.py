@@ -7,7 +7,7 @@ of two network namespaces whose link is shaped with tc (scripts/cluster.py). Nee
 dp4 (2 processes per node) trains the same model on the same data with each paratrain
 ``--compress`` method and with torch DDP and its communication hooks (fp16_compress_hook,
 bf16_compress_hook, powerSGD_hook at the same rank; DDP configured with
-gradient_as_bucket_view=True, broadcast_buffers=False and paratrain's bucket size; PowerSGD
+gradient_as_bucket_view=True, no buffer sync before each forward and paratrain's bucket size; PowerSGD
 from the second step, warm start and error feedback on, batch_tensors_with_same_shape=True).
 Every run uses the same bucket size, by default one bucket for the whole model: with
 several, torch's powerSGD_hook aborts on gloo ("Received data size doesn't match expected
@@ -47,7 +47,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from common import at_least
+
 ROOT = Path(__file__).resolve().parents[1]
+UNTIMED = 3  # the first steps of every run: start-up, not step time
 METHODS = ["none", "fp16", "bf16", "int8", "topk:0.01", "powersgd:{r}"]
 PEERS = {"none": "ddp", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook",
          "powersgd:{r}": "powerSGD_hook"}
@@ -92,7 +95,7 @@ def paratrain_run(cfg) -> dict:
     if dist.get_rank() != 0:
         return {}
     records = [json.loads(line) for line in cfg.metrics_path.read_text().splitlines()]
-    return {"times": [r["step_time_s"] for r in records[3:]],
+    return {"times": [r["step_time_s"] for r in records[UNTIMED:]],
             "sent": records[-1].get("comm_bytes"), "link": link / cfg.train.steps,
             "loss": result.val_losses[-1][1]}
 
@@ -104,15 +107,14 @@ def torch_run(cfg, hook: str, rank_r: int) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from common import fast_ddp
     from paratrain.models.gpt import GPT
     from paratrain.optim import build_adamw, lr_at, set_lr
     from paratrain.train import data as D
 
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model)
-    ddp = model if hook == COMPUTE_ONLY else DDP(model, bucket_cap_mb=cfg.parallel.bucket_mb,
-                                                  gradient_as_bucket_view=True, broadcast_buffers=False)
+    ddp = model if hook == COMPUTE_ONLY else fast_ddp(model, bucket_cap_mb=cfg.parallel.bucket_mb)
     if hook == "powerSGD_hook":
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank_r,
                                    start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
@@ -155,7 +157,7 @@ def torch_run(cfg, hook: str, rank_r: int) -> dict:
             x, y = val.batch(indices[rank * share:(rank + 1) * share], torch.device("cpu"))
             total += model(x, y)
     dist.all_reduce(total)
-    return {"times": times[3:], "sent": None, "link": link / cfg.train.steps,
+    return {"times": times[UNTIMED:], "sent": None, "link": link / cfg.train.steps,
             "loss": total.item() / count}
 
 
@@ -289,13 +291,15 @@ def comm_share(results: dict) -> dict[str, float]:
 
 
 def report(args, results: dict, planned: dict, log: str, load: float) -> None:
+    from common import DDP_SETTINGS
+
     print(*(line for line in log.splitlines() if line.startswith("cluster:")), sep="\n")
     print(f"\n{args.model} model, dp4 on 2 nodes x 2 processes, {args.global_batch} x {args.seq_len} "
           f"tokens per step, {args.steps} steps; load average {load:.1f} (the machine is shared: "
           f"times are noisy, compare within this run)")
     print(f"bucket size {args.bucket_mb:g} MiB for every run (torch's powerSGD_hook aborts on gloo with "
           "several buckets: 'collective mismatch')")
-    print("torch peers: DDP(gradient_as_bucket_view=True, broadcast_buffers=False, same bucket_cap_mb), "
+    print(f"torch peers: DDP({DDP_SETTINGS}, same bucket_cap_mb), "
           f"powerSGD_hook(rank {args.rank}, start_powerSGD_iter=2, error feedback, warm start, "
           "batch_tensors_with_same_shape=True); paratrain: compress_start=2 (the same two "
           "uncompressed steps)\n")
@@ -347,18 +351,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bandwidth", default="1gbit")
     p.add_argument("--latency", default="0.5ms")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=at_least(UNTIMED + 1), default=20,
+                   help=f"dp4 runs: steps (the first {UNTIMED} untimed)")
     p.add_argument("--model", default="small")
-    p.add_argument("--global-batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--tp-global-batch", type=int, default=16, help="placement runs: sequences per step")
-    p.add_argument("--tp-seq-len", type=int, default=128, help="placement runs: tokens per sequence")
-    p.add_argument("--tp-steps", type=int, default=8, help="placement runs: steps")
+    p.add_argument("--global-batch", type=at_least(1), default=4)
+    p.add_argument("--seq-len", type=at_least(1), default=64)
+    p.add_argument("--tp-global-batch", type=at_least(1), default=16, help="placement runs: sequences per step")
+    p.add_argument("--tp-seq-len", type=at_least(1), default=128, help="placement runs: tokens per sequence")
+    p.add_argument("--tp-steps", type=at_least(UNTIMED + 1), default=8,
+                   help=f"placement runs: steps (the first {UNTIMED} untimed)")
     p.add_argument("--bucket-mb", type=float, default=100.0, help="gradient bucket size for every "
                    "run (default 100: one bucket; torch's powerSGD_hook aborts on gloo with several)")
-    p.add_argument("--repeats", type=int, default=2, help="times every dp4 run is repeated (in "
+    p.add_argument("--repeats", type=at_least(1), default=2, help="times every dp4 run is repeated (in "
                    "alternating order); step time is the median over all repeats' steps")
-    p.add_argument("--rank", type=int, default=4, help="PowerSGD rank, both implementations")
+    p.add_argument("--rank", type=at_least(1), default=4, help="PowerSGD rank, both implementations")
     p.add_argument("--calibration", help="planner calibration (default: the planner's cache; "
                    "made by `paratrain plan --cluster local --calibrate`)")
     p.add_argument("--save", metavar="FILE.json", help="also write every number to this file")

@@ -26,6 +26,7 @@ from paratrain.models.gpt import GPT, preset
 from paratrain.parallel.zero import ZeroDataParallel
 from paratrain.train.config import OptimConfig
 from paratrain.train.metrics import state_bytes
+from common import DDP_SETTINGS, at_least, check_model_flags, fast_ddp
 
 LR = 1e-3
 
@@ -91,8 +92,7 @@ def _plain_step(model, opt):
 
 PEER_SETTINGS = [
     "torch ZeroRedundancyOptimizer: overlap_with_ddp=True where torch allows it (its step runs "
-    "bucket by bucket inside DDP's communication hook), DDP with gradient_as_bucket_view=True, "
-    "broadcast_buffers=False",
+    f"bucket by bucket inside DDP's communication hook), DDP with {DDP_SETTINGS}",
     "torch FSDP2: fully_shard per block, embedding, final norm and head (paratrain's units), "
     "then the root; reshard_after_forward=True (paratrain ZeRO-3's default without a pipeline); "
     "explicit forward/backward prefetch of the next unit",
@@ -109,8 +109,7 @@ def torch_zero_redundancy(base) -> Peer:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     def build(overlap: bool):
-        model = torch.nn.parallel.DistributedDataParallel(
-            copy.deepcopy(base), gradient_as_bucket_view=True, broadcast_buffers=False)
+        model = fast_ddp(copy.deepcopy(base))
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                       lr=LR, overlap_with_ddp=overlap)
         if overlap:
@@ -247,15 +246,16 @@ def print_profiles(rank0: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=at_least(1), default=2)
     parser.add_argument("--model", default="small")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch", type=at_least(1), default=8, help="sequences per rank")
+    parser.add_argument("--seq", type=at_least(1), default=128)
+    parser.add_argument("--steps", type=at_least(1), default=6)
+    parser.add_argument("--rounds", type=at_least(1), default=2)
     parser.add_argument("--profile", action="store_true",
                         help="also profile each implementation's steps on rank 0 (torch.profiler)")
     args = parser.parse_args()
+    check_model_flags(parser, args.model, args.seq)
     args.deepspeed = deepspeed_available()
     results = spawn(worker, args.nproc, args, backend="gloo", timeout_s=1800)
     rank0 = results[0]

@@ -6,6 +6,9 @@ point of the test."""
 from __future__ import annotations
 
 import json
+import runpy
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -146,3 +149,30 @@ def test_export_refuses_a_non_empty_out_directory(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["architectures"]
     hf.export(GPT(cfg).state_dict(), cfg, out, overwrite=True)  # asked for: replaced
     assert json.loads((out / "config.json").read_text())["architectures"]
+
+
+# ---- benchmarks -------------------------------------------------------------------------------
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_benchmark(script: str, args: list[str], monkeypatch) -> int:
+    """Run a benchmark's ``__main__`` in this process with ``args``; its exit code."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    return exc.value.code
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")
+                                          if p.name != "common.py"))
+def test_benchmark_counts_are_checked_before_any_process(script, monkeypatch, capsys):
+    flag = "--rounds" if script == "init_and_checkpoint.py" else "--steps"
+    assert run_benchmark(script, [flag, "0"], monkeypatch) == 2
+    assert f"argument {flag}: must be at least" in capsys.readouterr().err
+
+
+def test_benchmark_sequence_must_fit_the_model(monkeypatch, capsys):
+    assert run_benchmark("zero_vs_peers.py", ["--model", "tiny"], monkeypatch) == 2
+    assert "--seq 128 is longer than model tiny's max_seq_len 64" in capsys.readouterr().err

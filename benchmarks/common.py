@@ -1,0 +1,59 @@
+"""Shared by the benchmarks: torch's DistributedDataParallel at the settings its
+documentation recommends for speed (whichever torch is installed), and checks of their
+flags, made before any process starts."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where a peer is built: two_nodes' driver never needs it
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+DDP_SETTINGS = "gradient_as_bucket_view=True, no buffer sync before each forward"
+
+
+def fast_ddp(module: nn.Module, **kwargs) -> DistributedDataParallel:
+    """DDP with gradients as views into its buckets (no copy) and no buffer sync before
+    each forward: the model's only buffers, the rotary tables, are equal on every rank.
+    torch 2.13 names that switch ``forward_sync_buffers`` and deprecates the older
+    ``broadcast_buffers``, which the GPU machines' torch 2.11 still needs."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = inspect.signature(DistributedDataParallel).parameters
+    no_sync = "forward_sync_buffers" if "forward_sync_buffers" in names else "broadcast_buffers"
+    return DistributedDataParallel(module, gradient_as_bucket_view=True, **{no_sync: False},
+                                   **kwargs)
+
+
+def check_model_flags(parser: argparse.ArgumentParser, model: str, seq: int) -> None:
+    """Exit with a usage error naming the flag unless ``--model`` is a GPT preset whose
+    rotary tables reach ``--seq`` tokens."""
+    from paratrain.models.gpt import preset
+
+    try:
+        longest = preset(model).max_seq_len
+    except ValueError as exc:
+        parser.error(f"--model: {exc}")
+    if seq > longest:
+        parser.error(f"--seq {seq} is longer than model {model}'s max_seq_len {longest}; "
+                     f"pass --seq {longest} or less, or a larger --model")
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``low`` (steps, rounds, ranks, sizes);
+    argparse then names the flag in its error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
