@@ -7,6 +7,8 @@ Impossible combinations are rejected up front by ``Config.validate``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -23,7 +25,7 @@ from .parallel.tensor import apply_tensor_parallel
 from .parallel.zero import ZeroDataParallel
 from .train.config import Config
 from .train.materialize import allocate
-from .layout import CP, DP_CP, PP, TP
+from .layout import CP, DP, DP_CP, PP, TP
 
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
@@ -53,16 +55,24 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
     apply_recompute(blocks, cfg.train.recompute, core=desc.attention_core)
     group = mesh.group(DP_CP)
     plan = step_plan(model, mesh, cfg)
+    compress = replace(cfg.compress_spec, place=place(mesh))
     if p.zero:  # lays out its flat units from meta parameters itself
         dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
         plan.act_dtype = dtype or plan.act_dtype
         return ZeroDataParallel(model, group, p.zero, cfg.optim, param_dtype=dtype,
                                 offload=p.offload, tp=tp, pp_group=pp_group,
-                                reshard_after_forward=cfg.reshard_after_forward, compress=cfg.compress_spec,
+                                reshard_after_forward=cfg.reshard_after_forward, compress=compress,
                                 plan=plan)
     allocate(model, mesh.device)
-    dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=cfg.compress_spec)
+    dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=compress)
     return ReplicatedEngine(dp, cfg.optim, tp, pp_group, plan=plan)
+
+
+def place(mesh: Mesh) -> str:
+    """This rank's coordinate and size along each axis, e.g. 'dp1of2.tp0of2.pp0of1.cp0of1':
+    what its gradient-compression state belongs to (``CompressSpec.place``). The same
+    place holds the same parameter shard and data shard whatever the axes' order."""
+    return ".".join(f"{axis}{mesh.coord(axis)}of{mesh.size(axis)}" for axis in (DP, TP, PP, CP))
 
 
 def step_plan(model: nn.Module, mesh: Mesh, cfg: Config) -> StepPlan:

@@ -70,6 +70,13 @@ class CompressSpec:
     """Reductions of each bucket (one per optimizer step) averaged uncompressed before
     compression starts, as torch's ``start_powerSGD_iter``: early training is the most
     sensitive to a compressed gradient."""
+    undoable: bool = False
+    """Keep the state each reduction starts from, so that a step skipped as non-finite
+    (``on_nonfinite = "skip"``) leaves no trace: one copy of the residual per step."""
+    place: str = ""
+    """This rank's place in the layout (``parallelize``: its coordinate and size along
+    each axis), which names its state in checkpoints, so that state is restored only to
+    the rank holding the same shard of parameters and data; '' names it by global rank."""
 
     @property
     def text(self) -> str:
@@ -192,9 +199,14 @@ class Compressor:
         """Reductions averaged uncompressed before compression starts (CompressSpec.start)."""
         self.reductions = 0
         """Reductions so far (kept in checkpoints with ``start``)."""
+        self.undoable = False
+        """Keep the state each reduction starts from (``CompressSpec.undoable``)."""
+        self._before: list[torch.Tensor] | None = None
 
     def reduce(self, bucket: torch.Tensor, group: ProcessGroup) -> Pending:
         """Launch the average of ``bucket`` over ``group``; it is in ``bucket`` after wait()."""
+        if self.undoable:
+            self._keep_state()
         nbytes = all_reduce_bytes(bucket.numel() * bucket.element_size(), C.size(group))
         self.dense_bytes += nbytes
         self.reductions += 1
@@ -224,9 +236,29 @@ class Compressor:
     def _sent(self, nbytes: int) -> None:
         self.sent_bytes += nbytes
 
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [v for k, v in self.state_dict().items() if k not in self.COUNTERS]
+
+    def _keep_state(self) -> None:
+        """Copy the state this reduction starts from (into buffers kept between steps)."""
+        if self._before is None:
+            self._before = [torch.empty_like(t) for t in self._state_tensors()]
+        for kept, live in zip(self._before, self._state_tensors()):
+            kept.copy_(live)
+
+    def undo(self) -> None:
+        """Forget the last reduction: its step was skipped as non-finite. With ``undoable``
+        the state it started from comes back, so the skipped gradient is neither applied
+        nor kept in the residual for later steps; without, only its NaN and inf go."""
+        if self._before is not None:
+            for kept, live in zip(self._before, self._state_tensors()):
+                live.copy_(kept)
+            self.reductions -= 1
+        self.drop_nonfinite()
+
     def drop_nonfinite(self) -> None:
-        """After a step whose gradients were not finite (its update skipped): zero what of
-        the residual is NaN or inf, or every later step would inherit it and be skipped too."""
+        """Zero what of the residual is NaN or inf, or every later step would inherit it
+        and be skipped too."""
         if self.residual is not None:
             self.residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
@@ -286,6 +318,7 @@ def make_compressor(spec: CompressSpec, views: list[tuple[int, torch.Size]], num
     (offset, shape) ``views`` (PowerSGD compresses each matrix on its own)."""
     compressor = _make(spec, views, numel, seed, device)
     compressor.start = spec.start if spec.method != "none" else 0
+    compressor.undoable = spec.undoable and spec.method != "none"
     return compressor
 
 
@@ -329,32 +362,39 @@ class CompressorSet:
             c.sent_bytes = c.dense_bytes = 0
         return sent, dense
 
-    def drop_nonfinite(self) -> None:
-        """Clear the NaN and inf a skipped step left in every compressor's state."""
+    def undo_step(self) -> None:
+        """Forget the reductions of a step skipped as non-finite (``Compressor.undo``)."""
         for c in self.items:
-            c.drop_nonfinite()
+            c.undo()
 
     def _prefix(self) -> str:
-        return f"{self.spec.text}/world{dist.get_world_size()}"
+        place = self.spec.place or f"rank{dist.get_rank()}of{dist.get_world_size()}"
+        return f"{self.spec.text}/{place}/"
 
     def local_state(self) -> dict[str, torch.Tensor]:
-        """This rank's compression state under 'METHOD/worldW/rankR/bI.NAME' (no copy,
-        no communication: sharded checkpoints write each rank's own)."""
-        prefix = f"{self._prefix()}/rank{dist.get_rank()}/"
-        return {f"{prefix}b{i}.{k}": v for i, c in enumerate(self.items) for k, v in c.state_dict().items()}
+        """This rank's compression state under 'METHOD/PLACE/bI-N.NAME' (bucket I of N
+        entries; no copy, no communication: sharded checkpoints write each rank's own)."""
+        return {f"{self._prefix()}b{i}-{c.numel}.{k}": v for i, c in enumerate(self.items)
+                for k, v in c.state_dict().items()}
 
-    def load_state(self, saved: dict[str, torch.Tensor]) -> str | None:
-        """Install this rank's state from every rank's saved ``local_state``. A checkpoint of
-        another method, world or bucket layout leaves the state fresh; the reason is
-        returned (None: restored, or nothing to restore)."""
-        prefix = f"{self._prefix()}/rank{dist.get_rank()}/"
-        wanted = [(i, k, v, saved.get(f"{prefix}b{i}.{k}")) for i, c in enumerate(self.items)
-                  for k, v in c.state_dict().items()]
-        missing = [f"b{i}.{k}" for i, k, v, s in wanted
-                   if k not in Compressor.COUNTERS and (s is None or s.shape != v.shape)]
-        if missing:
-            return (f"the checkpoint holds no {self.spec.text} state for this world and these "
-                    f"buckets (first missing: {prefix}{missing[0]})")
+    def load_state(self, saved: dict[str, torch.Tensor], group: ProcessGroup) -> str | None:
+        """Install this rank's state from the saved ``local_state`` of the rank that held the
+        same place, if every rank of ``group`` (all that compress) finds its own: a
+        checkpoint of another method, layout or bucket split leaves every rank's state
+        fresh, never some (their reductions would no longer match). Returns the reason
+        (None: restored, or nothing to restore)."""
+        local = self.local_state()
+        if not local:
+            return None
+        missing = [key for key, value in local.items()
+                   if key not in saved or saved[key].shape != value.shape]
+        agreed = torch.tensor(0 if missing else 1)
+        C.all_reduce(agreed, group, op="min")
+        if missing or not agreed.item():
+            first = f" (first missing here: {missing[0]})" if missing else " on another rank"
+            return (f"the checkpoint holds no {self.spec.text} state for this rank's place in "
+                    f"the layout and these buckets{first}")
         for i, c in enumerate(self.items):
-            c.load_state_dict({k: s for j, k, _, s in wanted if j == i and s is not None})
+            prefix = f"{self._prefix()}b{i}-{c.numel}."
+            c.load_state_dict({k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)})
         return None

@@ -56,8 +56,9 @@ class Engine(Protocol):
         """Gradient bytes sent since the last call, and what plain all-reduces would send."""
 
     def forget_nonfinite(self) -> None:
-        """A step whose gradients were not finite is skipped: clear the NaN and inf it left
-        in state that outlives the step (the compressors' residuals, PowerSGD's Q)."""
+        """A step whose gradients were not finite is skipped: undo what it did to state that
+        outlives the step (the compressors' residuals and PowerSGD's Q: restored where
+        ``CompressSpec.undoable``, else cleared of NaN and inf)."""
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """{"params", "grads", "optim"}: this rank's tensors, for exact accounting."""
@@ -115,7 +116,7 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         return self.dp.compressors.pop_bytes()
 
     def forget_nonfinite(self) -> None:
-        self.dp.compressors.drop_nonfinite()
+        self.dp.compressors.undo_step()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.module.parameters())
@@ -132,7 +133,7 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
 
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Install this rank's share of full moments (from any layout) after ``step`` steps."""
-        self.dp.compressors.load_state(moments.get("compress", {}))
+        self.dp.compressors.load_state(moments.get("compress", {}), dist.group.WORLD)
         for name, p in self.module.named_parameters():
             state = {"step": torch.tensor(float(step))}
             for key in MOMENTS:

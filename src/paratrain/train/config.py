@@ -67,11 +67,12 @@ class Config:
     @property
     def compress_spec(self) -> compress.CompressSpec:
         """``parallel.compress`` parsed, with ``compress_start`` resolved (-1: the larger of
-        the warm-up and 10% of the steps)."""
+        the warm-up and 10% of the steps), undoable when non-finite steps are skipped."""
         p, start = self.parallel, self.parallel.compress_start
         if start < 0:
             start = max(self.optim.warmup_steps, self.train.steps // 10)
-        return replace(compress.parse(p.compress), start=start)
+        return replace(compress.parse(p.compress), start=start,
+                       undoable=self.train.on_nonfinite == "skip")
 
     @property
     def micro_batch(self) -> int:

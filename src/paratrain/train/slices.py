@@ -194,7 +194,7 @@ def zero_pieces(engine, for_save: bool) -> list[Piece]:
 
 def _compress_pieces(compressors) -> list[Piece]:
     """This rank's gradient-compression state (error-feedback residuals, PowerSGD's Q):
-    each rank's own, stored whole under 'compress/METHOD/worldW/rankR/...'."""
+    each rank's own, stored whole under 'compress/METHOD/PLACE/...' (CompressorSet.local_state)."""
     return [Piece(f"compress/{k}", tuple(v.shape), (0,) * v.dim(), v.detach(), tuple(v.shape), v.dtype)
             for k, v in compressors.local_state().items()]
 

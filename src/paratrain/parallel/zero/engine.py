@@ -183,8 +183,8 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         return self.compressors.pop_bytes()
 
     def forget_nonfinite(self) -> None:
-        """Clear the NaN and inf a skipped step left in the compressors' state."""
-        self.compressors.drop_nonfinite()
+        """Forget the compressors' reductions of a step skipped as non-finite."""
+        self.compressors.undo_step()
 
     def start_grad_sync(self) -> None:
         """Launch the reduction of every unit not launched in this backward pass (e.g. one
@@ -287,7 +287,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
     @torch.no_grad()
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Install this rank's slices of full moments (from any layout) after ``step`` steps."""
-        self.compressors.load_state(moments.get("compress", {}))
+        self.compressors.load_state(moments.get("compress", {}), dist.group.WORLD)
         state = self.optimizer.optimizer.state
         for unit, views in zip(self.units, self.optimizer.unit_views):
             slices = {}
