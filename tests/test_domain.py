@@ -19,6 +19,7 @@ from paratrain.parallel.domain.halo import Halo, check_thickness
 from paratrain.parallel.domain.layers import conv_halo
 from paratrain.parallel.domain.measure import saved_activation_bytes
 from paratrain.train.config import ConfigError, load
+from paratrain.train.rundir import RunDirLock, run_id_of
 from helpers import assert_same_run, train_runs
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -156,6 +157,15 @@ def test_dp2_x_domain2_trains_like_one_process(four_ranks, one_rank):
 
 def test_domain_2x2_with_zero1_trains_like_one_process(four_ranks, one_rank):
     assert_same_run(four_ranks[0][2]["dom2x2 zero1"], one_rank["circular"])
+
+
+def test_domain_checkpoints_name_their_run_so_it_resumes_into_its_directory(two_ranks):
+    """Without its run's id in the index, every checkpoint of a heat2d run counted as
+    another run's, and --resume auto into its own directory was refused."""
+    tmp = two_ranks[1]
+    newest = f"{tmp}/checkpoints/step-4"
+    assert run_id_of(newest) == run_id_of(f"{tmp}/checkpoints/step-2") is not None
+    RunDirLock(heat_config(tmp, domain="2", save_every=2, steps=6, resume=newest)).acquire().release()
 
 
 def test_domain_checkpoint_resumes_on_one_process(one_rank):

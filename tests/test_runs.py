@@ -265,3 +265,29 @@ def test_a_fresh_run_never_overwrites_another_runs_records(tmp_path, monkeypatch
         runs.place(config(run_dir=str(run), resume="auto", d_model=32), torchrun=False)
     placed, _ = runs.place(config(run_dir=str(run), resume="auto"), torchrun=False)  # its own model
     assert placed.train.resume.endswith("step-2")
+
+
+def test_auto_resume_past_a_damaged_checkpoint_takes_the_run_directory(tmp_path, monkeypatch):
+    """--resume auto skips a checkpoint whose index is gone; the run it resumes may then
+    write beside it (and replaces it when it saves that step)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = config(save_every=2)
+    run = Path(runs.place(cfg, torchrun=False, now=0)[0].train.run_dir)
+    for step in (2, 4):
+        fake_checkpoint(run, step, cfg)
+    (run / "checkpoints" / "step-4" / checkpoint.INDEX).unlink()
+    placed, notes = runs.place(config(resume="auto", save_every=2), torchrun=False)
+    assert placed.train.resume == str(run / "checkpoints" / "step-2") and notes[0].startswith("skipping step-4")
+    RunDirLock(placed).acquire().release()
+    with pytest.raises(RunDirError, match="another run"):  # a fresh run there still may not
+        RunDirLock(config(run_dir=str(run), save_every=2)).acquire()
+
+
+def test_resuming_an_older_checkpoint_beside_newer_ones_of_its_run_is_refused(tmp_path):
+    """Going back to step 2 in the directory that holds steps 4 and 6 of the same run would
+    leave them for a later --resume auto to mix in; the newest may be resumed there."""
+    cfg = config(save_every=2)
+    saved = {step: fake_checkpoint(tmp_path, step, cfg) for step in (2, 4, 6)}
+    with pytest.raises(RunDirError, match=r"step-4, step-6 of the run .* newer than it"):
+        RunDirLock(config(run_dir=str(tmp_path), save_every=2, resume=str(saved[2]))).acquire()
+    RunDirLock(config(run_dir=str(tmp_path), save_every=2, steps=8, resume=str(saved[6]))).acquire().release()

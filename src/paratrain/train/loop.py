@@ -9,10 +9,8 @@ data- or context-parallel size, the accumulation steps or the padding.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from .config import Config
 from .materialize import fill, initial_source
 from .metrics import MetricsWriter, comm_metrics, state_bytes, summary
 from .nonfinite import NonFiniteGuard, culprits
+from .rundir import continued_run_id, run_record
 
 
 @dataclass
@@ -77,7 +76,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     """Model, parallel wrapper, optimizer and data for this rank."""
     torch.manual_seed(cfg.train.seed)
     meta = checkpoint.read_meta(cfg.train.resume) if cfg.train.resume else {}
-    run_id = meta.get("run", {}).get("id") or uuid.uuid4().hex
+    run_id = continued_run_id(cfg.train.resume)
     engine, start_step = build_engine(cfg, mesh)
     train_tokens, val_tokens = D.load_tokens(cfg.data)
     train_data = D.Samples(train_tokens, cfg.data.seq_len)
@@ -236,8 +235,7 @@ def _save(run: Run, step: int, skipped: int) -> None:
     directory = Path(cfg.train.run_dir) / "checkpoints" / f"step-{step}"
     # The data position: the sampler's order is a function of (seed, global batch, step).
     data = {"step": step, "samples_seen": step * cfg.train.global_batch, **cfg.data_order()}
-    run_meta = {"run": {"id": run.run_id, "seed": cfg.train.seed, "config": dataclasses.asdict(cfg)},
-                "data": data, "nonfinite": {"skipped": skipped}}
+    run_meta = {"run": run_record(cfg, run.run_id), "data": data, "nonfinite": {"skipped": skipped}}
     checkpoint.save(directory, step, run.engine, cfg.model, cfg.describe_layout(),
                     is_writer=run.is_logger, run_meta=run_meta)
     run.last_checkpoint = str(directory)

@@ -8,10 +8,12 @@ nothing, and while it is held the checkpoint check below cannot race with anothe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 
 from ..errors import RunError
@@ -109,7 +111,11 @@ def _alive(pid: int) -> bool:
 
 def check_checkpoints(cfg) -> None:
     """Refuse a run that would overwrite checkpoints another run wrote into its directory.
-    A resumed run continues the run it resumes (same run id), so it may write there."""
+    A resumed run continues the run it resumes (same run id), so it may write there, but
+    not beside checkpoints of that run newer than the one it resumes: a later
+    ``--resume auto`` would take one of those and mix the two histories. A damaged
+    checkpoint (no readable index) does not stop a resumed run: ``--resume auto`` skipped
+    it, and the run replaces it when it saves that step."""
     if not cfg.train.save_every:
         return
     from .checkpoint import CheckpointError, read_meta
@@ -117,19 +123,39 @@ def check_checkpoints(cfg) -> None:
     folder = Path(cfg.train.run_dir) / "checkpoints"
     existing = sorted(folder.glob("step-*"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
     mine = run_id_of(cfg.train.resume) if cfg.train.resume else None
-    others = []
+    others, newer = [], []
     for path in existing:
         try:
-            theirs = read_meta(path).get("run", {}).get("id")
+            meta = read_meta(path)
         except CheckpointError:
-            theirs = None
-        if mine is None or theirs != mine:
+            meta = None
+        if meta is None and mine is not None:
+            continue
+        if mine is None or meta is None or meta.get("run", {}).get("id") != mine:
             others.append(path.name)
+        elif meta["step"] > read_meta(cfg.train.resume)["step"]:
+            newer.append(path.name)
     if others:
         hint = (f"resume it with --resume auto (or --resume {folder / others[-1]}), "
                 if mine is None else "")
         raise RunDirError(f"{str(folder)!r} holds checkpoints of another run ({', '.join(others)}), "
                           f"which this run would overwrite; {hint}choose another --run-dir, or remove them")
+    if newer:
+        raise RunDirError(f"{str(folder)!r} holds {', '.join(newer)} of the run that "
+                          f"{cfg.train.resume!r} belongs to, newer than it: going on from there "
+                          f"here would mix two histories (a later --resume auto takes "
+                          f"{newer[-1]}); resume the newest with --resume auto, or go on from "
+                          f"{cfg.train.resume!r} in another --run-dir")
+
+
+def continued_run_id(resume: str) -> str:
+    """The id of the run a run continues: the resumed checkpoint's, else a new one."""
+    return (run_id_of(resume) if resume else None) or uuid.uuid4().hex
+
+
+def run_record(cfg, run_id: str) -> dict:
+    """What a checkpoint's index says of the run that wrote it (``meta["run"]``)."""
+    return {"id": run_id, "seed": cfg.train.seed, "config": dataclasses.asdict(cfg)}
 
 
 def run_id_of(checkpoint_dir: str) -> str | None:

@@ -39,6 +39,7 @@ from .config import Config, ConfigError
 from .heat2d import Fields, make_fields
 from .loop import RunResult, finish
 from .metrics import MetricsWriter, state_bytes
+from .rundir import continued_run_id, run_record
 
 NORM_GROUPS = 4
 
@@ -132,6 +133,8 @@ class Heat2DRun:
     val_data: Fields
     sampler: D.DistributedSampler
     start_step: int = 0
+    run_id: str = ""
+    """The run this one is or continues, named in its checkpoints (``rundir.run_record``)."""
 
 
 def build(cfg: Config, mesh: Mesh) -> Heat2DRun:
@@ -155,7 +158,8 @@ def build(cfg: Config, mesh: Mesh) -> Heat2DRun:
     train_data, val_data = make_fields(cfg.heat2d, cfg.train.seed)
     sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch, dp_rank=mesh.coord(DP),
                                    dp_size=mesh.size(DP), seed=cfg.train.seed)
-    return Heat2DRun(cfg, mesh, engine, grid, train_data, val_data, sampler, start_step)
+    return Heat2DRun(cfg, mesh, engine, grid, train_data, val_data, sampler, start_step,
+                     continued_run_id(cfg.train.resume))
 
 
 def _batch(run: Heat2DRun, fields: Fields, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +237,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         if cfg.train.save_every and (last or (step + 1) % cfg.train.save_every == 0):
             directory = Path(cfg.train.run_dir) / "checkpoints" / f"step-{step + 1}"
             checkpoint.save(directory, step + 1, run.engine, unet_config(cfg), cfg.describe_layout(),
-                            is_writer=is_logger)
+                            is_writer=is_logger, run_meta={"run": run_record(cfg, run.run_id)})
         progress.update(record)
     progress.close()
     writer.close()
