@@ -20,8 +20,8 @@ for every piece the rank holds, the intersecting boxes of the stored slices
 
 Trust: nothing non-finite is written; files go into a hidden temporary directory, each rank
 fsyncs its file, rank 0 writes the index last (atomically) and renames the directory into
-place, so a checkpoint exists whole or not at all; a failed write on any rank removes the
-temporary directory and raises a CheckpointError on every rank. Before launch ``verify``
+place (``publish.py``), so a checkpoint exists whole or not at all; a failed write on any
+rank removes the temporary directory and raises a CheckpointError on every rank. Before launch ``verify``
 checks the index (every tensor of the model, shapes, dtypes; the slices of each tensor tile
 it exactly once) and every file's size and SHA-256, naming the first problem.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.engine import MOMENTS
+from . import publish as P
 from . import slices as S
 from .shardio import CheckpointError, Reader, Tensors, coverage_gap, file_digest, read_header, save_file
 
@@ -57,7 +57,7 @@ def save(directory: Path, step: int, engine, model_cfg, layout: str, is_writer: 
     (``is_writer`` is kept for callers; rank 0 of the world coordinates.)"""
     directory, rank = Path(directory), dist.get_rank()
     tmp = directory.with_name(f".{directory.name}.tmp")
-    _agree(_fresh(tmp, directory) if rank == 0 else "")
+    _agree(P.fresh(tmp, directory) if rank == 0 else "")
     pieces = S.engine_pieces(engine, for_save=True)
     error, record = "", None
     if pieces:
@@ -73,7 +73,7 @@ def save(directory: Path, step: int, engine, model_cfg, layout: str, is_writer: 
     if rank == 0 and not outcome:
         meta = {"format": FORMAT, "step": step, "model": dataclasses.asdict(model_cfg),
                 "layout": layout, **(run_meta or {})}
-        outcome = _commit(tmp, directory, _index(meta, [r for _, r in everyone if r]))
+        outcome = P.commit(tmp, directory, INDEX, _index(meta, [r for _, r in everyone if r]))
     if rank == 0 and outcome:
         shutil.rmtree(tmp, ignore_errors=True)
     _agree(outcome)
@@ -85,11 +85,11 @@ def write(tensors: dict[str, torch.Tensor], directory: Path, meta: dict) -> None
     directory = Path(directory)
     pieces = [S.Piece(k, tuple(v.shape), (0,) * v.dim(), v, tuple(v.shape), v.dtype) for k, v in tensors.items()]
     tmp = directory.with_name(f".{directory.name}.tmp")
-    error = _fresh(tmp, directory)
+    error = P.fresh(tmp, directory)
     if not error:
         try:
             record = _write_file(tmp, STATE, pieces, directory)
-            error = _commit(tmp, directory, _index({**meta, "format": FORMAT}, [record]))
+            error = P.commit(tmp, directory, INDEX, _index({**meta, "format": FORMAT}, [record]))
         except CheckpointError as exc:
             error = str(exc)
     if error:
@@ -107,21 +107,6 @@ def _agree(error: str) -> None:
         raise CheckpointError(error)
 
 
-def _fresh(tmp: Path, directory: Path) -> str:
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    except OSError as exc:
-        return _os_error(exc, directory)
-    return ""
-
-
-def _os_error(exc: OSError, directory: Path) -> str:
-    return (f"could not write checkpoint {str(directory)!r}: {exc.strerror or exc} "
-            f"({exc.filename or directory}); nothing was left half-written. Free "
-            f"space or choose a writable --run-dir")
-
-
 def _write_file(tmp: Path, name: str, pieces: list[S.Piece], directory: Path) -> dict:
     """One rank's file; returns what the index records of it."""
     for p in pieces:
@@ -132,7 +117,7 @@ def _write_file(tmp: Path, name: str, pieces: list[S.Piece], directory: Path) ->
     try:
         size, sha = save_file(items, tmp / name)
     except OSError as exc:
-        raise CheckpointError(_os_error(exc, directory)) from None
+        raise CheckpointError(P.os_error(exc, directory)) from None
     return {"file": name, "bytes": size, "sha256": sha,
             "tensors": {p.key: [list(p.shape), _dtype(p.dtype)] for p in pieces},
             "slices": [[p.key, p.offsets, p.extents] for p in pieces]}
@@ -162,48 +147,6 @@ def _index(meta: dict, records: list[dict]) -> dict:
                                     "offsets": list(offsets), "extents": list(extents)})
     files = {r["file"]: {"bytes": r["bytes"], "sha256": r["sha256"]} for r in records}
     return {**meta, "files": files, "tensors": dict(sorted(tensors.items()))}
-
-
-def _commit(tmp: Path, directory: Path, index: dict) -> str:
-    """Write the index last (atomically), then publish the directory; '' or the error."""
-    old = directory.with_name(f".{directory.name}.old")
-    try:
-        part = tmp / f"{INDEX}.part"
-        part.write_text(json.dumps(index, indent=1))
-        _fsync(part)
-        os.rename(part, tmp / INDEX)  # the checkpoint is complete from here
-        _fsync(tmp)
-        if directory.exists():
-            shutil.rmtree(old, ignore_errors=True)  # a stale one from a crash after publishing
-            directory.rename(old)
-        os.rename(tmp, directory)
-        _fsync(directory.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    except OSError as exc:
-        if old.exists() and not directory.exists():
-            old.rename(directory)
-        return _os_error(exc, directory)
-    return ""
-
-
-def recover_replaced(folder: Path) -> list[str]:
-    """Put back each checkpoint that ``_commit`` had moved aside to replace it (re-saving a
-    step that exists) when the process died before the new one took its place; notes."""
-    notes = []
-    for old in Path(folder).glob(".step-*.old"):
-        directory = old.with_name(old.name[1:-len(".old")])
-        if not directory.exists():
-            old.rename(directory)
-            notes.append(f"restored {directory.name}: a save replacing it was interrupted")
-    return notes
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---- reading and checking ----------------------------------------------------------------------

@@ -36,7 +36,7 @@ import torch
 
 from .. import __version__
 from ..models import hf
-from . import checkpoint
+from . import checkpoint, publish
 from .config import Config, ConfigError
 from .rundir import in_use
 
@@ -154,7 +154,7 @@ def newest_complete(run_dir: Path, model_cfg, notes: list[str],
     does not is named in ``notes``, and added to ``foreign`` when it is complete but of
     another model. (None, 0) when there is none."""
     if (Path(run_dir) / "checkpoints").is_dir() and not in_use(run_dir):  # not a live run's save
-        notes += checkpoint.recover_replaced(Path(run_dir) / "checkpoints")
+        notes += publish.recover_replaced(Path(run_dir) / "checkpoints")
     for path in sorted(checkpoints(run_dir), key=_step_of, reverse=True):
         try:
             meta, _ = checkpoint.verify(path, model_cfg)
