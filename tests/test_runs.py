@@ -4,6 +4,7 @@ a torchrun job whose rank is SIGKILLed coming back to finish like an uninterrupt
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from paratrain.models.gpt import preset
+from paratrain.optim import lr_at
 from paratrain.train import checkpoint, runs
 from paratrain.train.config import ConfigError, load
 from paratrain.train.metrics import MetricsWriter, keep_records_until
@@ -32,12 +34,13 @@ def config(**overrides):
     return load(None, {**TINY, **overrides}).validate()
 
 
-def fake_checkpoint(run_dir: Path, step: int, cfg, run_id: str = "r1") -> Path:
-    """A complete checkpoint of the tiny model (zeros), written as the loop writes one."""
+def fake_checkpoint(run_dir: Path, step: int, cfg, run_id: str = "r1", **run: object) -> Path:
+    """A complete checkpoint of the tiny model (zeros), written as the loop writes one
+    (``run``: more of what its index says of the run, e.g. its ``config``)."""
     tensors = {name: torch.zeros(shape) for name, shape in checkpoint.expected_shapes(cfg.model).items()}
     data = {"step": step, **cfg.data_order()}
     meta = {"format": checkpoint.FORMAT, "step": step, "model": cfg.model.__dict__, "layout": "dp1",
-            "run": {"id": run_id}, "data": data}
+            "run": {"id": run_id, **run}, "data": data}
     path = run_dir / "checkpoints" / f"step-{step}"
     checkpoint.write(tensors, path, meta)
     return path
@@ -111,6 +114,21 @@ def test_resuming_with_other_data_settings_says_so(tmp_path, monkeypatch):
     _, notes = runs.place(config(resume=str(saved), global_batch=32, seed=3), torchrun=False, now=120)
     assert notes == ["resuming with seed=3 (saved: 0), global_batch=32 (saved: 16): the batches "
                      "after step 2 are not the ones the saved run would have read next"]
+
+
+def test_resuming_with_another_learning_rate_schedule_says_so(tmp_path, monkeypatch):
+    """The cosine decay spans --steps: extending a run stretches the rest of it, and the
+    launcher says so with the learning rate the next step gets either way."""
+    monkeypatch.chdir(tmp_path)
+    cfg = config(warmup_steps=1)
+    run = Path(runs.place(cfg, torchrun=False, now=0)[0].train.run_dir)
+    saved = fake_checkpoint(run, 3, cfg, config=dataclasses.asdict(cfg))
+    _, notes = runs.place(config(resume=str(saved), warmup_steps=1), torchrun=False, now=60)
+    assert notes == []
+    _, notes = runs.place(config(resume=str(saved), warmup_steps=1, steps=11), torchrun=False, now=120)
+    was, now = lr_at(3, 6, cfg.optim), lr_at(3, 11, cfg.optim)
+    assert notes == [f"resuming with steps=11 (saved: 6): the learning rate from step 4 follows "
+                     f"the new schedule ({now:.3g}, where the saved run's was {was:.3g})"]
 
 
 def test_auto_starts_fresh_when_there_is_nothing_to_resume(tmp_path, monkeypatch):

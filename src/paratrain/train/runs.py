@@ -31,11 +31,13 @@ import platform
 import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from .. import __version__
 from ..models import hf
+from ..optim import lr_at
 from . import checkpoint, publish
 from .config import Config, ConfigError
 from .rundir import in_use
@@ -84,7 +86,8 @@ def place(cfg: Config, torchrun: bool, now: float | None = None) -> tuple[Config
             notes.append(f"no complete checkpoint in {latest} ({run_dir.name}): starting a new run")
             run_dir = None
     if resume:
-        notes += data_changes(checkpoint.read_meta(resume), cfg)
+        meta = checkpoint.read_meta(resume)
+        notes += data_changes(meta, cfg) + schedule_changes(meta, cfg)
     elif mode == "none":
         _refuse_overwrite(cfg, run_dir if explicit else None)
     if run_dir is None:
@@ -128,6 +131,29 @@ def data_changes(meta: dict, cfg: Config) -> list[str]:
         return []
     return [f"resuming with {', '.join(changed)}: the batches after step {saved['step']} are not "
             f"the ones the saved run would have read next"]
+
+
+SCHEDULE = ("lr", "min_lr", "warmup_steps")
+"""The optimizer settings ``lr_at`` reads, besides the run's ``steps``."""
+
+
+def schedule_changes(meta: dict, cfg: Config) -> list[str]:
+    """A note when the resumed run's learning-rate schedule differs from the saved run's:
+    the cosine decay spans ``--steps``, so extending a run (as a finished run's refusal
+    suggests) stretches what is left of it."""
+    saved = meta.get("run", {}).get("config")
+    if not saved:  # a checkpoint from before the config was kept
+        return []
+    was = SimpleNamespace(steps=saved["train"]["steps"], **{k: saved["optim"][k] for k in SCHEDULE})
+    now = SimpleNamespace(steps=cfg.train.steps, **{k: getattr(cfg.optim, k) for k in SCHEDULE})
+    changed = [f"{k}={getattr(now, k)!r} (saved: {getattr(was, k)!r})" for k in ("steps", *SCHEDULE)
+               if getattr(now, k) != getattr(was, k)]
+    if not changed:
+        return []
+    step = meta["step"]
+    return [f"resuming with {', '.join(changed)}: the learning rate from step {step + 1} follows "
+            f"the new schedule ({lr_at(step, now.steps, now):.3g}, where the saved run's was "
+            f"{lr_at(step, was.steps, was):.3g})"]
 
 
 def place_and_print(cfg: Config, torchrun: bool) -> Config:
