@@ -5,6 +5,8 @@ strategy with parity, and exports back bit-identically to a directory transforme
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,10 @@ FAMILIES = {
               dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=32)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    # every layer slides (max_window_layers 0); paratrain trains within the window, the
+    # round trip below feeds transformers more tokens than it
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM",
+                     dict(use_sliding_window=True, sliding_window=32, max_window_layers=0)),
 }
 
 
@@ -74,8 +80,41 @@ def test_export_round_trip_is_bit_identical_and_loads(models, tmp_path):
         assert all(torch.equal(before[k], after[k]) for k in before), family
         again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family).eval()
         assert type(again).__name__ == type(theirs).__name__
-        x = torch.randint(0, 256, (1, 16))
+        x = torch.randint(0, 256, (1, 40))  # longer than qwen2-window's window
         torch.testing.assert_close(again(x).logits, theirs(x).logits, rtol=0, atol=0)
+
+
+def test_configs_that_do_not_describe_their_weights_are_refused(models, tmp_path):
+    """A config.json whose sizes differ from the tensors' (they used to be cut to fit), and
+    a Qwen2 that slides its window on some layers only (paratrain has one attention for all)."""
+    _, path = models["llama"]
+    shutil.copytree(path, tmp_path / "edited")
+    raw = json.loads((tmp_path / "edited" / "config.json").read_text())
+    (tmp_path / "edited" / "config.json").write_text(json.dumps({**raw, "intermediate_size": 64}))
+    with pytest.raises(hf.HFModelError, match=r"gate_proj.weight is \[128, 64\].*intermediate_size.*\[64, 64\]"):
+        hf.check_complete(tmp_path / "edited", preset(str(tmp_path / "edited")),
+                          hf.weight_files(tmp_path / "edited"))
+    raw = json.loads(Path(models["qwen2-window"][1], "config.json").read_text())
+    raw.pop("layer_types", None)
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "config.json").write_text(json.dumps({**raw, "max_window_layers": 1}))
+    with pytest.raises(hf.HFModelError, match="max_window_layers=1"):
+        preset(str(tmp_path / "mixed"))
+
+
+def test_export_over_a_sharded_model_removes_its_index_and_shards(models, tmp_path):
+    """Left beside the new model.safetensors, the old index would hand its reader the old
+    weights; model.safetensors is read first in any case, as transformers does."""
+    theirs, path = models["llama"]
+    theirs.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    source, cfg = models["qwen2"][1], preset(models["qwen2"][1])
+    params = hf.load_weights(source, cfg)
+    hf.export(params, cfg, tmp_path / "sharded", overwrite=True)
+    assert not list((tmp_path / "sharded").glob("model-*")) and \
+        not (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    again = hf.load_weights(tmp_path / "sharded", preset(str(tmp_path / "sharded")))
+    assert all(torch.equal(again[k], params[k]) for k in params)
 
 
 @pytest.mark.parametrize("config, name", [

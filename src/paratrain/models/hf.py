@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .gpt import GPTConfig
+from .gpt import GPT, GPTConfig
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -80,7 +80,7 @@ def read_config(directory: str | Path) -> GPTConfig:
         max_seq_len=raw.get("max_position_embeddings", 2048), rope_theta=float(rope.get("rope_theta", 10000.0)),
         norm_eps=raw.get("rms_norm_eps", 1e-6), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM", rope_scaling=_rope_scaling(rope, directory),
-        sliding_window=_sliding_window(raw, arch))
+        sliding_window=_sliding_window(raw, arch, directory))
 
 
 def _rope_scaling(rope: dict, directory) -> str:
@@ -93,10 +93,25 @@ def _rope_scaling(rope: dict, directory) -> str:
             f"{rope['original_max_position_embeddings']}")
 
 
-def _sliding_window(raw: dict, arch: str) -> int:
-    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window"):
+def _sliding_window(raw: dict, arch: str, directory) -> int:
+    """The attention window of every layer (0: none). Qwen2 slides only with
+    use_sliding_window, and then from layer max_window_layers on (its ``layer_types``);
+    paratrain gives every layer the same attention, so a mix is refused."""
+    window = int(raw.get("sliding_window") or 0)
+    if arch != "Qwen2ForCausalLM":
+        return window
+    first = raw.get("max_window_layers", 28) if raw.get("use_sliding_window") else raw["num_hidden_layers"]
+    types = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                       for i in range(raw["num_hidden_layers"])]
+    kinds = set(types)
+    if kinds == {"full_attention"} or not window:
         return 0
-    return int(raw.get("sliding_window") or 0)
+    if kinds == {"sliding_attention"}:
+        return window
+    raise HFModelError(f"{directory}: Qwen2 slides its attention window on some layers only "
+                       f"(use_sliding_window with max_window_layers={first}); paratrain gives "
+                       f"every layer the same attention: set max_window_layers to 0 (every "
+                       f"layer slides) or use_sliding_window to false")
 
 
 # ---- weights ------------------------------------------------------------------------------
@@ -146,20 +161,42 @@ def weight_files(directory: str | Path) -> dict[str, str]:
     from safetensors import safe_open
 
     root = Path(directory)
+    if (root / "model.safetensors").is_file():  # read first, as transformers reads it
+        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+            return {key: "model.safetensors" for key in f.keys()}
     index = root / "model.safetensors.index.json"
     if index.is_file():
         return dict(json.loads(index.read_text())["weight_map"])
-    if not (root / "model.safetensors").is_file():
-        raise HFModelError(f"{directory}: no model.safetensors or model.safetensors.index.json "
-                           f"(pytorch_model.bin is not read: it is a pickle)")
-    with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-        return {key: "model.safetensors" for key in f.keys()}
+    raise HFModelError(f"{directory}: no model.safetensors or model.safetensors.index.json "
+                       f"(pytorch_model.bin is not read: it is a pickle)")
+
+
+_FIELDS = {"tok_embeddings": "vocab_size, hidden_size", "output": "vocab_size, hidden_size",
+           "attn.w": "num_attention_heads, num_key_value_heads, head_dim, hidden_size",
+           "mlp.w": "intermediate_size, hidden_size", "norm": "hidden_size"}
+"""config.json fields that set the shape of each kind of tensor (for the error message)."""
 
 
 def check_complete(directory, cfg: GPTConfig, files: dict[str, str]) -> None:
-    missing = sorted(ours for ours, theirs in names(cfg).items() if theirs not in files)
+    """Every tensor config.json implies is in the safetensors files, with the shape it
+    implies: a config that does not describe the weights is refused, not cut to fit."""
+    from safetensors import safe_open
+
+    theirs_of = names(cfg)
+    missing = sorted(ours for ours, theirs in theirs_of.items() if theirs not in files)
     if missing:
         raise HFModelError(f"{directory}: tensors missing from the safetensors files: {missing[:5]}")
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in GPT(cfg).named_parameters()}
+    for file in sorted({files[theirs] for theirs in theirs_of.values()}):
+        with safe_open(str(Path(directory) / file), framework="pt") as f:
+            for ours, theirs in theirs_of.items():
+                got = tuple(f.get_slice(theirs).get_shape()) if files[theirs] == file else None
+                if got is not None and got != shapes[ours]:
+                    fields = next(v for k, v in _FIELDS.items() if k in ours)
+                    raise HFModelError(
+                        f"{directory}: {theirs} is {list(got)} in {file}, but config.json ({fields}) "
+                        f"implies {list(shapes[ours])}: the config does not describe these weights")
 
 
 def load_weights(directory: str | Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
@@ -240,16 +277,29 @@ def check_export_target(out: str | Path, overwrite: bool = False) -> Path:
 def export(params: dict[str, torch.Tensor], cfg: GPTConfig, out: str | Path,
            dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     """Write ``config.json`` + ``model.safetensors`` that transformers loads into ``out``,
-    a new or empty directory (``overwrite``: any directory, replacing those two files)."""
+    a new or empty directory (``overwrite``: any directory, replacing those two files and
+    removing a sharded model's index and shards)."""
     from safetensors.torch import save_file
 
     target = check_export_target(out, overwrite)
     target.mkdir(parents=True, exist_ok=True)
+    _remove_shards(target)
     tensors = {theirs: _permute_rope(ours, params[ours], cfg, False).to(dtype or params[ours].dtype).contiguous()
                for ours, theirs in names(cfg).items()}
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     (target / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
     return target
+
+
+def _remove_shards(target: Path) -> None:
+    """Remove a sharded model that ``export --overwrite`` replaces: its index and the shards
+    it lists. Left beside the new model.safetensors, they would give any reader of the index
+    the old weights."""
+    index = target / "model.safetensors.index.json"
+    if index.is_file():
+        for shard in set(json.loads(index.read_text())["weight_map"].values()) - {"model.safetensors"}:
+            (target / shard).unlink(missing_ok=True)
+        index.unlink()
 
 
 def hf_config(cfg: GPTConfig) -> dict:
@@ -272,6 +322,8 @@ def hf_config(cfg: GPTConfig) -> dict:
         raw["rope_scaling"] = rope
     if arch == "MistralForCausalLM":
         raw["sliding_window"] = cfg.sliding_window
-    if arch == "Qwen2ForCausalLM":
-        raw["use_sliding_window"] = False
+    if arch == "Qwen2ForCausalLM":  # one window for every layer (max_window_layers 0)
+        kind = "sliding_attention" if cfg.sliding_window else "full_attention"
+        raw.update(use_sliding_window=bool(cfg.sliding_window), sliding_window=cfg.sliding_window or None,
+                   max_window_layers=0, layer_types=[kind] * cfg.n_layers)
     return raw
