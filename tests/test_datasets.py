@@ -5,6 +5,7 @@ sampler whose per-step cost does not grow with the dataset."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import numpy as np
@@ -153,3 +154,25 @@ def test_a_dataset_beyond_the_models_vocabulary_is_refused_before_launch(inputs,
         preflight.check_data(cfg)
     preflight.check_data(load(None, {"preset": "tiny", "vocab_size": 300, "data": str(tmp_path / "ds"),
                                      "seq_len": 32, "global_batch": 8, "nproc": 1}).validate())
+
+
+def test_a_dataset_one_batch_short_is_refused_before_launch(tmp_path):
+    """T tokens make (T - 1) // seq_len samples (each needs its next token as a target), so
+    a dataset of exactly 2 x seq_len tokens holds one sample, not two; padding needs one."""
+    from paratrain.train import preflight
+    from paratrain.train.config import ConfigError, load
+
+    text = tmp_path / "doc.txt"
+    for length in (300, 301):  # one of them gives an even token count
+        shutil.rmtree(tmp_path / "ds", ignore_errors=True)
+        text.write_text("x" * length)
+        prepare([str(text)], "bytes", str(tmp_path / "ds"), val_fraction=0.0, workers=1,
+                progress=False)
+        tokens = read_meta(tmp_path / "ds").train_tokens
+        if tokens % 2 == 0:
+            break
+    base = {"preset": "tiny", "data": str(tmp_path / "ds"), "seq_len": tokens // 2,
+            "max_seq_len": tokens, "global_batch": 2, "nproc": 1}
+    with pytest.raises(ConfigError, match="make 1 samples .* fewer than one global batch of 2"):
+        preflight.check_data(load(None, base).validate())
+    preflight.check_data(load(None, {**base, "remainder": "pad"}).validate())

@@ -173,7 +173,9 @@ def check_dataset(cfg: Config) -> None:
         raise ConfigError(f"model.vocab_size: the dataset's tokenizer has {meta.vocab_size} "
                           f"tokens but the model only {cfg.model.vocab_size}; set "
                           f"--vocab-size {meta.vocab_size} (or more)")
-    if meta.train_tokens // cfg.data.seq_len < cfg.train.global_batch:
-        raise ConfigError(f"data.data: {meta.train_tokens} training tokens make fewer than one "
-                          f"global batch of {cfg.train.global_batch} x {cfg.data.seq_len}; "
+    samples = max(0, meta.train_tokens - 1) // cfg.data.seq_len  # as data.Samples windows them
+    needed = 1 if d.remainder == "pad" else cfg.train.global_batch
+    if samples < needed:
+        raise ConfigError(f"data.data: {meta.train_tokens} training tokens make {samples} samples "
+                          f"of seq_len={cfg.data.seq_len}, fewer than one global batch of {needed}; "
                           f"prepare more text, or lower --global-batch or --seq-len")
