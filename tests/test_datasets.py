@@ -176,3 +176,28 @@ def test_a_dataset_one_batch_short_is_refused_before_launch(tmp_path):
     with pytest.raises(ConfigError, match="make 1 samples .* fewer than one global batch of 2"):
         preflight.check_data(load(None, base).validate())
     preflight.check_data(load(None, {**base, "remainder": "pad"}).validate())
+
+
+def test_documents_that_are_not_text_are_named_by_line(tmp_path):
+    """A null text is skipped (as a parquet null is); a number or a list (a tokenizer would
+    read it as a sentence pair), a file that is not UTF-8 and a non-text parquet column are
+    refused, naming the line or column, before the worker pool tokenizes anything."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "one"}\n{"text": null}\n{"text": "two"}\n')
+    meta = prepare([str(good)], "bytes", str(tmp_path / "ok"), val_fraction=0.0, workers=1,
+                   progress=False)
+    assert (meta["documents"], meta["tokens"]) == (2, 8)  # 'one' and 'two', each with EOS
+    cases = {"number.jsonl": ('{"text": "one"}\n{"text": 123}\n', r"number.jsonl:2: the 'text' field is int"),
+             "pair.jsonl": ('{"text": ["a", "b"]}\n', r"pair.jsonl:1: the 'text' field is list"),
+             "latin1.jsonl": ('{"text": "caf\xe9"}\n'.encode("latin-1"), "not UTF-8")}
+    for name, (content, match) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        with pytest.raises(DataError, match=match):
+            prepare([str(path)], "bytes", str(tmp_path / f"out-{name}"), workers=1, progress=False)
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    with pytest.raises(DataError, match="column 'text' holds int64, not text"):
+        prepare([str(tmp_path / "ints.parquet")], "bytes", str(tmp_path / "p"), workers=1, progress=False)

@@ -168,6 +168,12 @@ def test_domain_checkpoints_name_their_run_so_it_resumes_into_its_directory(two_
     RunDirLock(heat_config(tmp, domain="2", save_every=2, steps=6, resume=newest)).acquire().release()
 
 
+def test_a_domain_checkpoint_is_not_exported_to_hugging_face(two_ranks, tmp_path, capsys):
+    assert main(["export", f"{two_ranks[1]}/checkpoints/step-4", "--to", "hf",
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "a checkpoint of a model other than paratrain's GPT" in capsys.readouterr().err
+
+
 def test_domain_checkpoint_resumes_on_one_process(one_rank):
     losses, params = one_rank["resumed"]["losses"], one_rank["resumed"]["params"]
     ref_losses, ref_params = one_rank["circular"]["losses"], one_rank["circular"]["params"]

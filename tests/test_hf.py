@@ -128,6 +128,14 @@ def test_other_architectures_are_refused_by_name(tmp_path, config, name):
         preset(str(tmp_path))
 
 
+def test_an_incomplete_llama3_rope_scaling_is_named(tmp_path):
+    rope = {k: v for k, v in LLAMA3_ROPE.items() if k != "low_freq_factor"}
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], **COMMON, "rope_scaling": rope}))
+    with pytest.raises(hf.HFModelError, match="rope_type llama3 needs .*; low_freq_factor missing"):
+        preset(str(tmp_path))
+
+
 def train_variants(configs):
     import torch.distributed as dist
 

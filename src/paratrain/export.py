@@ -33,7 +33,12 @@ def _run(args: argparse.Namespace) -> int:
     hf.check_export_target(args.out, args.overwrite)  # before any weights are read
     if (source / "meta.json").is_file():
         meta = checkpoint.read_meta(source)
-        cfg = GPTConfig(**meta["model"])
+        try:
+            cfg = GPTConfig(**meta["model"])
+        except TypeError:  # another model's fields (the heat2d task's U-Net)
+            raise hf.HFModelError(f"{source}: a checkpoint of a model other than paratrain's "
+                                  f"GPT (the --task heat2d U-Net?), which has no Hugging Face "
+                                  f"form; export GPT checkpoints") from None
         params = checkpoint.load(source, cfg)[1]["param"]
         what = f"checkpoint at step {meta['step']}"
     elif hf.is_model_dir(str(source)):

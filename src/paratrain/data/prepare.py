@@ -78,20 +78,36 @@ def read_documents(path: Path, field: str) -> Iterator[str]:
     if suffix == ".txt":
         yield path.read_text(encoding="utf-8", errors="replace")
     elif suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield json.loads(line)[field]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise DataError(f"{path}:{n}: not a JSON object with a {field!r} field "
-                                    f"(--field names the text field)") from None
+        yield from _json_lines(path, field)
     elif suffix == ".parquet":
         table = _parquet(path, field).read_table(path, columns=[field])
         yield from (doc for doc in table.column(field).to_pylist() if doc is not None)
     else:
         raise DataError(_unsupported(path))
+
+
+def _json_lines(path: Path, field: str) -> Iterator[str]:
+    """The ``field`` of each line: text, or null (skipped, as a parquet null is); anything
+    else, or a file that is not UTF-8, is named with its line."""
+    n = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    doc = json.loads(line)[field]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise DataError(f"{path}:{n}: not a JSON object with a {field!r} field "
+                                    f"(--field names the text field)") from None
+                if doc is not None and not isinstance(doc, str):
+                    raise DataError(f"{path}:{n}: the {field!r} field is {type(doc).__name__}, "
+                                    f"not text (--field names the text field)")
+                if doc is not None:
+                    yield doc
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 ({exc.reason}) near line {n + 1}; JSON lines "
+                        f"must be UTF-8 text") from None
 
 
 def _unsupported(path: Path) -> str:
@@ -117,14 +133,8 @@ def check_inputs(files: list[Path], field: str) -> None:
 
 
 def _check_first_line(path: Path, field: str) -> None:
-    with open(path, encoding="utf-8") as f:
-        first = next((line for line in f if line.strip()), None)
-    try:
-        if first is not None:
-            json.loads(first)[field]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise DataError(f"{path}: the first line is not a JSON object with a {field!r} field "
-                        f"(--field names the text field)") from None
+    """The first document of a .jsonl file reads as text (DataError naming the line if not)."""
+    next(_json_lines(path, field), None)
 
 
 def _parquet(path: Path, field: str):
@@ -133,8 +143,13 @@ def _parquet(path: Path, field: str):
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-    if field not in pq.read_schema(path).names:
+    schema = pq.read_schema(path)
+    if field not in schema.names:
         raise DataError(f"{path}: no column {field!r} (--field names the text column)")
+    kind = schema.field(field).type
+    if str(kind) not in ("string", "large_string", "string_view"):
+        raise DataError(f"{path}: column {field!r} holds {kind}, not text (--field names the "
+                        f"text column)")
     return pq
 
 

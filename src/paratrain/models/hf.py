@@ -83,12 +83,20 @@ def read_config(directory: str | Path) -> GPTConfig:
         sliding_window=_sliding_window(raw, arch, directory))
 
 
+LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+"""The fields of Llama-3's rope scaling."""
+
+
 def _rope_scaling(rope: dict, directory) -> str:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return ""
     if kind != "llama3":
         raise HFModelError(f"{directory}: rope_type {kind!r} is not supported (default or llama3)")
+    missing = [k for k in LLAMA3_ROPE if k not in rope]
+    if missing:
+        raise HFModelError(f"{directory}: rope_type llama3 needs {', '.join(LLAMA3_ROPE)} in "
+                           f"rope_scaling (or rope_parameters); {', '.join(missing)} missing")
     return (f"llama3:{rope['factor']}:{rope['low_freq_factor']}:{rope['high_freq_factor']}:"
             f"{rope['original_max_position_embeddings']}")
 
