@@ -124,3 +124,21 @@ def _parity(tmp: str) -> dict:
 def test_a_third_model_family_parallelizes_through_its_description(tmp_path):
     for errors in run_world(_parity, 2, str(tmp_path), timeout_s=300):
         assert all(e < 1e-5 for e in errors.values()), errors
+
+
+def test_a_description_that_does_not_match_the_model_is_refused():
+    """A wrong count (here KV heads, or the vocabulary) would cut the projections at the
+    wrong heads and pair query heads with the wrong keys, silently."""
+    import dataclasses
+
+    import pytest
+
+    from paratrain.parallel.tensor import _check_shapes
+
+    model = OtherLM()
+    _check_shapes(model, model.description())
+    for field, wrong, match in (("n_kv_heads", KV // 2, r"n_kv_heads x head_dim = .* trunk.0.mixer.key"),
+                                ("vocab_size", VOCAB + 1, "vocab_size = .* embed has")):
+        desc = dataclasses.replace(model.description(), **{field: wrong})
+        with pytest.raises(ValueError, match=match):
+            _check_shapes(model, desc)

@@ -271,6 +271,26 @@ def _check_model(model: nn.Module, desc: ModelDescription, t: int) -> None:
         raise ValueError("apply_tensor_parallel was already applied to this model")
     rules.heads(desc.n_heads, desc.n_kv_heads, t)
     rules.mlp_width(desc.ffn, t)
+    _check_shapes(model, desc)
+
+
+def _check_shapes(model: nn.Module, desc: ModelDescription) -> None:
+    """The description's numbers against the model's first block and its embedding: a
+    wrong count of KV heads, say, would otherwise pair query heads with the wrong ones."""
+    block = model.get_submodule(desc.blocks)[0]
+    wanted = {desc.q: (desc.n_heads * desc.head_dim, "n_heads x head_dim"),
+              desc.k: (desc.n_kv_heads * desc.head_dim, "n_kv_heads x head_dim"),
+              desc.v: (desc.n_kv_heads * desc.head_dim, "n_kv_heads x head_dim"),
+              **{path: (desc.ffn, "ffn") for path in desc.mlp_in}}
+    for path, (rows, fields) in wanted.items():
+        got = block.get_submodule(path).weight.shape[0]
+        if got != rows:
+            raise ValueError(f"the model description says {fields} = {rows} for {desc.blocks}.0."
+                             f"{path}, whose weight has {got} rows: describe the model as it is built")
+    vocab = model.get_submodule(desc.embedding).weight.shape[0]
+    if vocab != desc.vocab_size:
+        raise ValueError(f"the model description says vocab_size = {desc.vocab_size}, but "
+                         f"{desc.embedding} has {vocab} rows: describe the model as it is built")
 
 
 def _kv_split(kv_heads: int, t: int, rank: int) -> tuple[int, int, int]:
