@@ -117,6 +117,16 @@ def test_export_over_a_sharded_model_removes_its_index_and_shards(models, tmp_pa
     assert all(torch.equal(again[k], params[k]) for k in params)
 
 
+def test_export_records_the_dtype_it_stores(models, tmp_path):
+    """config.json's torch_dtype follows --dtype (it said float32 whatever was stored)."""
+    _, path = models["qwen2"]
+    cfg = preset(path)
+    hf.export(hf.load_weights(path, cfg), cfg, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")
+    assert next(again.parameters()).dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("config, name", [
     ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}, "MixtralForCausalLM"),
     ({"architectures": ["T5ForConditionalGeneration"], "is_encoder_decoder": True}, "T5ForConditionalGeneration"),

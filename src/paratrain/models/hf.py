@@ -295,7 +295,8 @@ def export(params: dict[str, torch.Tensor], cfg: GPTConfig, out: str | Path,
     tensors = {theirs: _permute_rope(ours, params[ours], cfg, False).to(dtype or params[ours].dtype).contiguous()
                for ours, theirs in names(cfg).items()}
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    (target / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
+    stored = next(iter(tensors.values())).dtype
+    (target / "config.json").write_text(json.dumps(hf_config(cfg, stored), indent=2))
     return target
 
 
@@ -310,7 +311,8 @@ def _remove_shards(target: Path) -> None:
         index.unlink()
 
 
-def hf_config(cfg: GPTConfig) -> dict:
+def hf_config(cfg: GPTConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """The config.json transformers reads for ``cfg``, whose tensors are stored in ``dtype``."""
     arch = "Qwen2ForCausalLM" if cfg.qkv_bias else ("MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM")
     rope: dict = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     if cfg.rope_scaling:
@@ -325,7 +327,7 @@ def hf_config(cfg: GPTConfig) -> dict:
            "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
            "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
            "hidden_act": "silu", "rope_parameters": rope, "rope_theta": cfg.rope_theta,
-           "torch_dtype": "float32"}
+           "torch_dtype": str(dtype).removeprefix("torch.")}
     if cfg.rope_scaling:
         raw["rope_scaling"] = rope
     if arch == "MistralForCausalLM":
