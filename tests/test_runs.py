@@ -86,6 +86,12 @@ def test_a_checkpoint_moved_aside_by_an_interrupted_save_is_put_back(tmp_path, m
     placed, notes = runs.place(config(resume="auto"), torchrun=False)
     assert notes[0] == "restored step-4: a save replacing it was interrupted"
     assert placed.train.resume == str(saved) and saved.is_dir()
+    # a save that died before publishing leaves its temporary directory: --resume auto clears it
+    torn = run / "checkpoints" / ".step-6.tmp"
+    torn.mkdir()
+    (torn / "rank-00000.safetensors").write_bytes(b"x" * 2**20)
+    _, notes = runs.place(config(resume="auto"), torchrun=False)
+    assert not torn.exists() and "removed .step-6.tmp (1.0 MiB)" in notes[0]
     # a crash after publishing leaves a stale .old beside the step: a re-save replaces both
     shutil.copytree(saved, saved.with_name(".step-4.old"))
     fake_checkpoint(run, 4, cfg)

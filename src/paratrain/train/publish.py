@@ -5,7 +5,8 @@ index is written last, to a ``.part`` file renamed into place, so a directory wi
 index is complete; the temporary directory is then renamed to ``step-N``, each step
 fsynced, so a checkpoint exists whole or not at all, also after a power loss. Re-saving a
 step that exists first moves the old one aside (``.step-N.old``); ``recover_replaced``
-puts it back if the process died before the new one took its place.
+puts it back if the process died before the new one took its place, and
+``remove_unpublished`` clears the temporary directory of a save that died before it.
 """
 
 from __future__ import annotations
@@ -65,6 +66,19 @@ def recover_replaced(folder: Path) -> list[str]:
         if not directory.exists():
             old.rename(directory)
             notes.append(f"restored {directory.name}: a save replacing it was interrupted")
+    return notes
+
+
+def remove_unpublished(folder: Path) -> list[str]:
+    """Remove each temporary directory a save left when its process died before publishing
+    (``.step-N.tmp``: never a checkpoint, and as large as one); notes. Call it only while no
+    live run may be saving into ``folder``."""
+    notes = []
+    for tmp in sorted(Path(folder).glob(".step-*.tmp")):
+        size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+        shutil.rmtree(tmp, ignore_errors=True)
+        notes.append(f"removed {tmp.name} ({size / 2**20:.1f} MiB): a save interrupted before "
+                     f"it published")
     return notes
 
 

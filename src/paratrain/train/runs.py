@@ -180,7 +180,8 @@ def newest_complete(run_dir: Path, model_cfg, notes: list[str],
     does not is named in ``notes``, and added to ``foreign`` when it is complete but of
     another model. (None, 0) when there is none."""
     if (Path(run_dir) / "checkpoints").is_dir() and not in_use(run_dir):  # not a live run's save
-        notes += publish.recover_replaced(Path(run_dir) / "checkpoints")
+        folder = Path(run_dir) / "checkpoints"
+        notes += publish.recover_replaced(folder) + publish.remove_unpublished(folder)
     for path in sorted(checkpoints(run_dir), key=_step_of, reverse=True):
         try:
             meta, _ = checkpoint.verify(path, model_cfg)
