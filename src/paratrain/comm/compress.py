@@ -388,7 +388,7 @@ class CompressorSet:
             return None
         missing = [key for key, value in local.items()
                    if key not in saved or saved[key].shape != value.shape]
-        agreed = torch.tensor(0 if missing else 1)
+        agreed = torch.tensor(0 if missing else 1, device=self.items[0].device)  # NCCL: on the GPU
         C.all_reduce(agreed, group, op="min")
         if missing or not agreed.item():
             first = f" (first missing here: {missing[0]})" if missing else " on another rank"
