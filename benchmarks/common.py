@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from paratrain.bench.flags import at_least  # noqa: F401  (the benchmarks import it from here)
 
 if TYPE_CHECKING:  # torch is imported where a peer is built: two_nodes' driver never needs it
     from torch import nn
@@ -41,19 +42,3 @@ def check_model_flags(parser: argparse.ArgumentParser, model: str, seq: int) -> 
     if seq > longest:
         parser.error(f"--seq {seq} is longer than model {model}'s max_seq_len {longest}; "
                      f"pass --seq {longest} or less, or a larger --model")
-
-
-def at_least(low: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer of at least ``low`` (steps, rounds, ranks, sizes);
-    argparse then names the flag in its error."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    return parse

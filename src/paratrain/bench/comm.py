@@ -32,6 +32,7 @@ from ..comm import collectives as C
 from ..comm import cost
 from ..comm.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from ..launch import RankFailed, pick_backend, spawn
+from .flags import at_least
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter")
 IMPLS = ("native", "ring")
@@ -68,22 +69,7 @@ def _ops(text: str) -> list[str]:
     return list(dict.fromkeys(ops))
 
 
-def _integer(minimum: int, why: str = "") -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum``; ``why`` explains the bound."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}{why}")
-        return value
-
-    return parse
-
-
-_nproc = _integer(2, ": a collective needs at least 2 processes to communicate, with 1 "
+_nproc = at_least(2, ": a collective needs at least 2 processes to communicate, with 1 "
                      "there is nothing to measure (try --nproc 2)")
 
 
@@ -98,9 +84,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              f"(default {DEFAULT_SIZES})")
     parser.add_argument("--ops", type=_ops, default=list(OPS),
                         help=f"comma list of {', '.join(OPS)} (default all)")
-    parser.add_argument("--iters", type=_integer(1), default=20,
+    parser.add_argument("--iters", type=at_least(1), default=20,
                         help="timed iterations per op and size (default 20)")
-    parser.add_argument("--warmup", type=_integer(0), default=5,
+    parser.add_argument("--warmup", type=at_least(0), default=5,
                         help="untimed iterations first (default 5)")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="auto = nccl with GPUs, gloo otherwise")

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .gpt import GPT, GPTConfig
+from . import param_shapes
+from .gpt import GPTConfig
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -194,17 +195,20 @@ def check_complete(directory, cfg: GPTConfig, files: dict[str, str]) -> None:
     missing = sorted(ours for ours, theirs in theirs_of.items() if theirs not in files)
     if missing:
         raise HFModelError(f"{directory}: tensors missing from the safetensors files: {missing[:5]}")
-    with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in GPT(cfg).named_parameters()}
-    for file in sorted({files[theirs] for theirs in theirs_of.values()}):
+    shapes = param_shapes(cfg)
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for ours, theirs in theirs_of.items():
+        by_file.setdefault(files[theirs], []).append((ours, theirs))
+    for file, pairs in sorted(by_file.items()):
         with safe_open(str(Path(directory) / file), framework="pt") as f:
-            for ours, theirs in theirs_of.items():
-                got = tuple(f.get_slice(theirs).get_shape()) if files[theirs] == file else None
-                if got is not None and got != shapes[ours]:
-                    fields = next(v for k, v in _FIELDS.items() if k in ours)
-                    raise HFModelError(
-                        f"{directory}: {theirs} is {list(got)} in {file}, but config.json ({fields}) "
-                        f"implies {list(shapes[ours])}: the config does not describe these weights")
+            got = {ours: tuple(f.get_slice(theirs).get_shape()) for ours, theirs in pairs}
+        for ours, theirs in pairs:
+            if got[ours] != shapes[ours]:
+                fields = next(v for k, v in _FIELDS.items() if k in ours)
+                raise HFModelError(
+                    f"{directory}: {theirs} is {list(got[ours])} in {file}, but config.json "
+                    f"({fields}) implies {list(shapes[ours])}: the config does not describe "
+                    f"these weights")
 
 
 def load_weights(directory: str | Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:

@@ -76,7 +76,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     """Model, parallel wrapper, optimizer and data for this rank."""
     torch.manual_seed(cfg.train.seed)
     meta = checkpoint.read_meta(cfg.train.resume) if cfg.train.resume else {}
-    run_id = continued_run_id(cfg.train.resume)
+    run_id = continued_run_id(meta)
     engine, start_step = build_engine(cfg, mesh)
     train_tokens, val_tokens = D.load_tokens(cfg.data)
     train_data = D.Samples(train_tokens, cfg.data.seq_len)

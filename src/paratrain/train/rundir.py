@@ -122,7 +122,11 @@ def check_checkpoints(cfg) -> None:
 
     folder = Path(cfg.train.run_dir) / "checkpoints"
     existing = sorted(folder.glob("step-*"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
-    mine = run_id_of(cfg.train.resume) if cfg.train.resume else None
+    try:
+        resumed = read_meta(cfg.train.resume) if cfg.train.resume else {}
+    except CheckpointError:
+        resumed = {}
+    mine = resumed.get("run", {}).get("id")
     others, newer = [], []
     for path in existing:
         try:
@@ -133,7 +137,7 @@ def check_checkpoints(cfg) -> None:
             continue
         if mine is None or meta is None or meta.get("run", {}).get("id") != mine:
             others.append(path.name)
-        elif meta["step"] > read_meta(cfg.train.resume)["step"]:
+        elif meta["step"] > resumed["step"]:
             newer.append(path.name)
     if others:
         hint = (f"resume it with --resume auto (or --resume {folder / others[-1]}), "
@@ -148,20 +152,12 @@ def check_checkpoints(cfg) -> None:
                           f"{cfg.train.resume!r} in another --run-dir")
 
 
-def continued_run_id(resume: str) -> str:
-    """The id of the run a run continues: the resumed checkpoint's, else a new one."""
-    return (run_id_of(resume) if resume else None) or uuid.uuid4().hex
+def continued_run_id(meta: dict) -> str:
+    """The id of the run a run continues: that of the checkpoint whose index ``meta`` it
+    resumes ({} for a fresh run), else a new one."""
+    return meta.get("run", {}).get("id") or uuid.uuid4().hex
 
 
 def run_record(cfg, run_id: str) -> dict:
     """What a checkpoint's index says of the run that wrote it (``meta["run"]``)."""
     return {"id": run_id, "seed": cfg.train.seed, "config": dataclasses.asdict(cfg)}
-
-
-def run_id_of(checkpoint_dir: str) -> str | None:
-    from .checkpoint import CheckpointError, read_meta
-
-    try:
-        return read_meta(checkpoint_dir).get("run", {}).get("id")
-    except CheckpointError:
-        return None

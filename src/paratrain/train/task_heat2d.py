@@ -158,8 +158,9 @@ def build(cfg: Config, mesh: Mesh) -> Heat2DRun:
     train_data, val_data = make_fields(cfg.heat2d, cfg.train.seed)
     sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch, dp_rank=mesh.coord(DP),
                                    dp_size=mesh.size(DP), seed=cfg.train.seed)
+    meta = checkpoint.read_meta(cfg.train.resume) if cfg.train.resume else {}
     return Heat2DRun(cfg, mesh, engine, grid, train_data, val_data, sampler, start_step,
-                     continued_run_id(cfg.train.resume))
+                     continued_run_id(meta))
 
 
 def _batch(run: Heat2DRun, fields: Fields, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
