@@ -11,6 +11,7 @@ import pytest
 from distributed import run_world
 from paratrain.train import checkpoint
 from paratrain.train.config import ConfigError, load
+from paratrain.train.rundir import records_owner
 from helpers import assert_identical_runs, assert_same_run, tail, tiny_config, train_runs
 
 STEPS = 6
@@ -44,6 +45,8 @@ def test_resume_under_other_layouts_continues_the_run(saved, tmp_path):
 
 def test_bad_checkpoints_are_reported_before_launch(saved, tmp_path):
     ckpt, _ = saved
+    # rank 0 named the run whose records the directory holds: a resume elsewhere may not cut them
+    assert records_owner(ckpt.parent.parent) == checkpoint.read_meta(ckpt)["run"]["id"]
     with pytest.raises(ConfigError, match="no checkpoint"):
         resume_config(str(tmp_path), 1, str(tmp_path / "nothing"))
     with pytest.raises(ConfigError, match="another model"):

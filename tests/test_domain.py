@@ -20,7 +20,7 @@ from paratrain.parallel.domain.layers import conv_halo
 from paratrain.parallel.domain.measure import saved_activation_bytes
 from paratrain.train.config import ConfigError, load
 from paratrain.train.checkpoint import read_meta
-from paratrain.train.rundir import RunDirLock
+from paratrain.train.rundir import RunDirLock, records_owner
 from helpers import assert_same_run, train_runs
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -167,6 +167,7 @@ def test_domain_checkpoints_name_their_run_so_it_resumes_into_its_directory(two_
     newest = f"{tmp}/checkpoints/step-4"
     ids = [read_meta(p).get("run", {}).get("id") for p in (newest, f"{tmp}/checkpoints/step-2")]
     assert ids[0] == ids[1] is not None
+    assert records_owner(tmp) == ids[0]  # and its records too (rank 0 writes run.json)
     RunDirLock(heat_config(tmp, domain="2", save_every=2, steps=6, resume=newest)).acquire().release()
 
 

@@ -21,7 +21,7 @@ import torch
 
 from paratrain.models.gpt import preset
 from paratrain.optim import lr_at
-from paratrain.train import checkpoint, runs
+from paratrain.train import checkpoint, rundir, runs
 from paratrain.train.config import ConfigError, load
 from paratrain.train.metrics import MetricsWriter, keep_records_until
 from paratrain.train.rundir import RunDirError, RunDirLock
@@ -315,3 +315,26 @@ def test_resuming_an_older_checkpoint_beside_newer_ones_of_its_run_is_refused(tm
     with pytest.raises(RunDirError, match=r"step-4, step-6 of the run .* newer than it"):
         RunDirLock(config(run_dir=str(tmp_path), save_every=2, resume=str(saved[2]))).acquire()
     RunDirLock(config(run_dir=str(tmp_path), save_every=2, steps=8, resume=str(saved[6]))).acquire().release()
+
+
+def test_a_resume_never_cuts_another_runs_records(tmp_path):
+    """A resumed run cuts its directory's metrics back to the step it resumes: it is refused
+    where those records are another run's (``run.json`` names their run; records from before
+    it count as the run's whose checkpoint lies in the directory)."""
+    cfg = config(save_every=2)
+    theirs, mine = tmp_path / "theirs", tmp_path / "mine"
+    ckpt = fake_checkpoint(mine, 2, cfg, run_id="r1")
+    (theirs / "metrics.jsonl").parent.mkdir()
+    (theirs / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    resume_there = config(run_dir=str(theirs), resume=str(ckpt))
+    with pytest.raises(ConfigError, match=r"holds another run's metrics.jsonl, which resuming .* "
+                                          r"would cut back to step 2"):
+        runs.place(resume_there, torchrun=False)
+    rundir.claim_records(theirs, "r0")
+    with pytest.raises(ConfigError, match="holds run r0's metrics.jsonl"):
+        runs.place(resume_there, torchrun=False)
+    assert len((theirs / "metrics.jsonl").read_text().splitlines()) == 3  # untouched
+    rundir.claim_records(theirs, "r1")  # the records are the resumed run's own
+    assert runs.place(resume_there, torchrun=False)[0].train.resume == str(ckpt)
+    (mine / "metrics.jsonl").write_text('{"step": 1}\n')  # no run.json: the checkpoint's directory
+    assert runs.place(config(run_dir=str(mine), resume=str(ckpt)), torchrun=False)[0].train.resume

@@ -30,7 +30,7 @@ from .config import Config
 from .materialize import fill, initial_source
 from .metrics import MetricsWriter, comm_metrics, state_bytes, summary
 from .nonfinite import NonFiniteGuard, culprits
-from .rundir import continued_run_id, run_record
+from .rundir import claim_records, continued_run_id, run_record
 
 
 @dataclass
@@ -148,6 +148,8 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     result = RunResult()
     resumed_at = run.start_step if cfg.train.resume else None  # append after its records
     writer = MetricsWriter(cfg.metrics_path if run.is_logger else None, resumed_at)
+    if run.is_logger:
+        claim_records(Path(cfg.train.run_dir), run.run_id)
     sinks = _sinks(cfg, resumed_at) if run.is_logger else []
     if run.is_logger:
         print(describe(run), flush=True)

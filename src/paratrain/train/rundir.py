@@ -152,6 +152,28 @@ def check_checkpoints(cfg) -> None:
                           f"{cfg.train.resume!r} in another --run-dir")
 
 
+RECORDS_OWNER = "run.json"
+"""Names the run whose records (metrics, CSV) a run directory holds: ``{"id": RUN_ID}``."""
+
+
+def claim_records(run_dir: Path, run_id: str) -> None:
+    """Write ``RUN_DIR/run.json`` for the run that opens the directory's records (rank 0, as
+    it opens them): a later resume into the directory can tell whose records it would cut."""
+    path = Path(run_dir) / RECORDS_OWNER
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"id": run_id}) + "\n")
+    tmp.replace(path)
+
+
+def records_owner(run_dir: Path) -> str | None:
+    """The id of the run whose records ``run_dir`` holds; None when no run named itself
+    (records from before ``run.json``, or none)."""
+    try:
+        return str(json.loads((Path(run_dir) / RECORDS_OWNER).read_text())["id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def continued_run_id(meta: dict) -> str:
     """The id of the run a run continues: that of the checkpoint whose index ``meta`` it
     resumes ({} for a fresh run), else a new one."""

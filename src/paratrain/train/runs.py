@@ -40,7 +40,7 @@ from ..models import hf
 from ..optim import lr_at
 from . import checkpoint, publish
 from .config import Config, ConfigError
-from .rundir import in_use
+from .rundir import in_use, records_owner
 
 ROOT = Path("runs")
 LATEST = "latest"
@@ -88,6 +88,8 @@ def place(cfg: Config, torchrun: bool, now: float | None = None) -> tuple[Config
     if resume:
         meta = checkpoint.read_meta(resume)
         notes += data_changes(meta, cfg) + schedule_changes(meta, cfg)
+        if run_dir is not None:
+            _refuse_cutting_records(run_dir, resume, meta)
     elif mode == "none":
         _refuse_overwrite(cfg, run_dir if explicit else None)
     if run_dir is None:
@@ -115,6 +117,26 @@ def _refuse_overwrite(cfg: Config, run_dir: Path | None) -> None:
         raise ConfigError(f"the run directory {str(run_dir)!r} holds another run's "
                           f"{', '.join(held)}, which a fresh run there would overwrite or mix with; "
                           f"resume it with --resume auto, choose another --run-dir, or remove them")
+
+
+def _refuse_cutting_records(run_dir: Path, resume: str, meta: dict) -> None:
+    """A resumed run keeps its directory's records up to the step it resumes and drops the
+    rest: they must be the resumed run's own. ``run.json`` names their run; records that
+    predate it are taken as the run's whose checkpoint lies in the same directory."""
+    held = [name for name in RECORDS if (run_dir / name).exists()]
+    if not held or in_use(run_dir):  # the lock names a live run
+        return
+    owner = records_owner(run_dir)
+    if owner is not None:
+        ours = owner == meta.get("run", {}).get("id")
+    else:
+        ours = Path(resume).resolve().is_relative_to(run_dir.resolve())
+    if ours:
+        return
+    whose = f"run {owner}'s" if owner else "another run's"
+    raise ConfigError(f"the run directory {str(run_dir)!r} holds {whose} {', '.join(held)}, which "
+                      f"resuming {resume!r} there would cut back to step {meta['step']}; resume "
+                      f"into another --run-dir (or none: a new one is made), or remove them")
 
 
 def data_changes(meta: dict, cfg: Config) -> list[str]:

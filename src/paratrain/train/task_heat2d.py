@@ -39,7 +39,7 @@ from .config import Config, ConfigError
 from .heat2d import Fields, make_fields
 from .loop import RunResult, finish
 from .metrics import MetricsWriter, state_bytes
-from .rundir import continued_run_id, run_record
+from .rundir import claim_records, continued_run_id, run_record
 
 NORM_GROUPS = 4
 
@@ -215,6 +215,8 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     is_logger = mesh.rank == 0
     writer = MetricsWriter(cfg.metrics_path if is_logger else None,
                            run.start_step if cfg.train.resume else None)
+    if is_logger:
+        claim_records(Path(cfg.train.run_dir), run.run_id)
     if is_logger:
         print(describe(run), flush=True)
     progress = logs.Progress(cfg.train.steps, run.start_step, is_logger and cfg.train.progress,
