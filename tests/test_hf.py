@@ -181,3 +181,50 @@ def test_a_qwen2_directory_trains_with_parity_under_each_strategy(models, tmp_pa
         for key, want in ref_params.items():
             err = ((params[key] - want).norm() / want.norm()).item()
             assert err <= 1e-5, f"{name}: {key} off by {err:.2e}"
+
+
+def _with_tokenizer(root: Path, model_dir: str) -> Path:
+    """A copy of ``model_dir`` with a tokenizer trained here, its config and a generation config."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
+
+    src = root / "with-tokenizer"
+    shutil.copytree(model_dir, src)
+    tok = Tokenizer(tok_models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["the cat sat on the mat"] * 20, trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(src / "tokenizer.json"))
+    (src / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, max_new_tokens=5).save_pretrained(src)
+    return src
+
+
+def test_export_carries_the_tokenizer_and_special_token_ids(models, tmp_path):
+    """An export is usable alone: AutoTokenizer loads from it and generate stops at the eos
+    id, whether it re-writes a Hugging Face directory, or exports a checkpoint of a run that
+    started from one, or of a run on a dataset prepared with a tokenizer."""
+    from paratrain.cli import main
+    from paratrain.data.prepare import prepare
+    from paratrain.train import checkpoint
+
+    src = _with_tokenizer(tmp_path, models["llama"][1])
+    cfg = preset(str(src))
+    tensors = {name: torch.zeros(shape) for name, shape in checkpoint.expected_shapes(cfg).items()}
+    (tmp_path / "text.txt").write_text("the cat sat on the mat\n" * 50)
+    prepare([str(tmp_path / "text.txt")], str(src / "tokenizer.json"), str(tmp_path / "data"))
+    for name, run in (("from-hf", {"model_preset": str(src), "data": {"data": ""}}),
+                      ("from-data", {"model_preset": "tiny", "data": {"data": str(tmp_path / "data")}})):
+        checkpoint.write(tensors, tmp_path / name, {"format": checkpoint.FORMAT, "step": 1, "layout": "dp1",
+                                                    "model": cfg.__dict__, "run": {"id": "r", "config": run}})
+    for source, files in ((src, {"generation_config.json"}), (tmp_path / "from-hf", {"generation_config.json"}),
+                          (tmp_path / "from-data", set())):
+        out = tmp_path / f"out-{source.name}"
+        assert main(["export", str(source), "--out", str(out)]) == 0
+        assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
+                                                  "tokenizer_config.json", *files}, source
+        tok = transformers.AutoTokenizer.from_pretrained(out)
+        assert (tok.eos_token, tok.eos_token_id) == ("</s>", 2), source
+        assert json.loads((out / "config.json").read_text())["eos_token_id"] == 2, source
+        assert transformers.AutoModelForCausalLM.from_pretrained(out).generation_config.eos_token_id == 2

@@ -1,12 +1,23 @@
 """``paratrain export CHECKPOINT --to hf --out DIR``: a checkpoint (any layout it was saved
-under) as a Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained`` loads."""
+under) as a Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained`` loads,
+with the tokenizer and special-token ids it was trained with, so that ``AutoTokenizer`` and
+``generate`` work from the directory alone."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+"""What transformers reads beside the weights to tokenize and to generate."""
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""config.json's special-token ids (``generate`` stops at the eos id)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,8 +59,78 @@ def _run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{source}: neither a checkpoint (meta.json) nor a Hugging Face "
                                 f"model directory (config.json)")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    out = hf.export(params, cfg, args.out, dtype, overwrite=args.overwrite)
+    extra = companions(source, meta if (source / "meta.json").is_file() else None)
+    out = hf.export(params, cfg, args.out, dtype, overwrite=args.overwrite, extra=extra.ids)
+    extra.write(out)
     print(f"exported      {what} -> {out} ({hf.hf_config(cfg)['architectures'][0]}, "
           f"{cfg.num_params() / 1e6:.2f}M params); load it with "
           f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    print(f"              {extra.describe()}")
     return 0
+
+
+@dataclass
+class Companions:
+    """The tokenizer files and special-token ids that go with the exported weights."""
+
+    origin: str = ""
+    """Where they come from ('' : nowhere known)."""
+    ids: dict[str, int] = field(default_factory=dict)
+    """config.json's ``TOKEN_IDS`` that are known."""
+    files: list[Path] = field(default_factory=list)
+    """Files copied beside the weights."""
+    tokenizer_config: dict | None = None
+    """A tokenizer_config.json to write, where the origin has a bare tokenizer.json."""
+
+    def write(self, out: Path) -> None:
+        for path in self.files:
+            shutil.copy2(path, out / path.name)
+        if self.tokenizer_config is not None:
+            (out / "tokenizer_config.json").write_text(json.dumps(self.tokenizer_config, indent=2))
+
+    def describe(self) -> str:
+        if not self.origin:
+            return ("no tokenizer carried: none beside the source, nor in its run's model "
+                    "directory or dataset (a run on a text corpus reads bytes as tokens)")
+        names = [p.name for p in self.files] + (["tokenizer_config.json"] if self.tokenizer_config else [])
+        ids = ", ".join(f"{k}={v}" for k, v in self.ids.items())
+        return f"with {', '.join(names) or 'no tokenizer files'}{f' and {ids}' if ids else ''} from {self.origin}"
+
+
+def companions(source: Path, meta: dict | None) -> Companions:
+    """Those of the Hugging Face directory exported (``meta`` None) or that the checkpoint's
+    run started from; else those of the dataset the run trained on (its tokenizer.json and
+    end-of-text id)."""
+    from .models import hf
+
+    run = (meta or {}).get("run", {}).get("config", {})
+    model_dir = source if meta is None else None
+    if run.get("model_preset") and hf.is_model_dir(run["model_preset"]):
+        model_dir = Path(run["model_preset"])
+    if model_dir is not None:
+        raw = json.loads((model_dir / "config.json").read_text())
+        found = Companions(str(model_dir), {k: raw[k] for k in TOKEN_IDS if raw.get(k) is not None},
+                           [model_dir / n for n in TOKENIZER_FILES if (model_dir / n).is_file()])
+        if found.ids or found.files:
+            return found
+    return _dataset_companions(run.get("data", {}).get("data", ""))
+
+
+def _dataset_companions(dataset: str) -> Companions:
+    from tokenizers import Tokenizer
+
+    from .data.dataset import read_meta
+    from .data.prepare import DataError
+
+    try:
+        data = read_meta(dataset) if dataset else None
+    except DataError:
+        data = None
+    if data is None or not Path(data.tokenizer).is_file():  # bytes, or moved away
+        return Companions()
+    try:
+        eos = Tokenizer.from_file(data.tokenizer).id_to_token(data.eos_id)
+    except Exception:  # tokenizers raises a bare Exception on a damaged file
+        return Companions()
+    return Companions(f"the dataset {dataset}", {"eos_token_id": data.eos_id}, [Path(data.tokenizer)],
+                      {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos})

@@ -287,10 +287,12 @@ def check_export_target(out: str | Path, overwrite: bool = False) -> Path:
 
 
 def export(params: dict[str, torch.Tensor], cfg: GPTConfig, out: str | Path,
-           dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` that transformers loads into ``out``,
-    a new or empty directory (``overwrite``: any directory, replacing those two files and
-    removing a sharded model's index and shards)."""
+           dtype: torch.dtype | None = None, overwrite: bool = False,
+           extra: dict | None = None) -> Path:
+    """Write ``config.json`` (with ``extra`` fields, e.g. special-token ids) +
+    ``model.safetensors`` that transformers loads into ``out``, a new or empty directory
+    (``overwrite``: any directory, replacing those two files and removing a sharded model's
+    index and shards)."""
     from safetensors.torch import save_file
 
     target = check_export_target(out, overwrite)
@@ -300,7 +302,7 @@ def export(params: dict[str, torch.Tensor], cfg: GPTConfig, out: str | Path,
                for ours, theirs in names(cfg).items()}
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     stored = next(iter(tensors.values())).dtype
-    (target / "config.json").write_text(json.dumps(hf_config(cfg, stored), indent=2))
+    (target / "config.json").write_text(json.dumps({**hf_config(cfg, stored), **(extra or {})}, indent=2))
     return target
 
 
