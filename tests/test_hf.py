@@ -228,3 +228,30 @@ def test_export_carries_the_tokenizer_and_special_token_ids(models, tmp_path):
         assert (tok.eos_token, tok.eos_token_id) == ("</s>", 2), source
         assert json.loads((out / "config.json").read_text())["eos_token_id"] == 2, source
         assert transformers.AutoModelForCausalLM.from_pretrained(out).generation_config.eos_token_id == 2
+
+
+def test_a_pretrained_model_fed_another_tokenizers_ids_is_warned(models, tmp_path):
+    """Its own tokenizer's data: no note; bytes, or another tokenizer of no larger vocabulary
+    (which the vocabulary-size check lets through): a note naming the fix."""
+    from tokenizers import Tokenizer
+
+    from paratrain.data.prepare import prepare
+    from paratrain.train import preflight
+    from paratrain.train.config import load
+
+    src = _with_tokenizer(tmp_path, models["llama"][1])
+    (tmp_path / "text.txt").write_text("the cat sat on the mat\n" * 50)
+    other = Tokenizer.from_file(str(src / "tokenizer.json"))
+    other.add_tokens(["<extra>"])  # one token more: another mapping of ids to tokens
+    other.save(str(tmp_path / "other.json"))
+    notes = {}
+    for name, tokenizer in (("own", str(src)), ("other", str(tmp_path / "other.json")), ("bytes", "bytes")):
+        prepare([str(tmp_path / "text.txt")], tokenizer, str(tmp_path / name))
+        cfg = load(None, dict(preset=str(src), data=str(tmp_path / name), seq_len=16, steps=30,
+                              run_dir=str(tmp_path / "run"))).validate()
+        notes[name] = [n for n in preflight.advice(cfg) if "tokeniz" in n]
+    corpus = load(None, dict(preset=str(src), seq_len=16, steps=30, run_dir=str(tmp_path / "run"))).validate()
+    assert notes["own"] == []
+    assert len(notes["other"]) == 1 and "other.json" in notes["other"][0] and f"--tokenizer {src}" in notes["other"][0]
+    assert len(notes["bytes"]) == 1 and "'bytes'" in notes["bytes"][0]
+    assert any("a text file's bytes as token ids" in n for n in preflight.advice(corpus))

@@ -153,7 +153,37 @@ def advice(cfg: Config) -> list[str]:
     if t.steps <= o.warmup_steps:
         notes.append(f"steps={t.steps} is not above warmup_steps={o.warmup_steps}: the learning "
                      f"rate only warms up and never decays; lower --warmup-steps or raise --steps")
-    return notes
+    return notes + _tokenizer_advice(cfg)
+
+
+def _tokenizer_advice(cfg: Config) -> list[str]:
+    """A pretrained model (a Hugging Face directory with its tokenizer) trained on tokens of
+    another tokenizer: its embedding reads each id as the token its own tokenizer gave it.
+    A vocabulary-size check passes whenever the other tokenizer is no larger."""
+    from ..models import hf
+
+    own = Path(cfg.model_preset) / "tokenizer.json"
+    if not hf.is_model_dir(cfg.model_preset) or not own.is_file():
+        return []
+    if not cfg.data.data:
+        return [f"the model {cfg.model_preset!r} comes with its tokenizer, and this run feeds it a "
+                f"text file's bytes as token ids; prepare the text with `paratrain data prepare "
+                f"TEXT --tokenizer {cfg.model_preset} --out DATA` and train with --data DATA"]
+    from tokenizers import Tokenizer
+
+    from ..data.dataset import read_meta
+
+    used = read_meta(cfg.data.data).tokenizer
+    try:
+        same = Path(used).is_file() and Tokenizer.from_file(used).get_vocab() == \
+            Tokenizer.from_file(str(own)).get_vocab()
+    except Exception:  # tokenizers raises a bare Exception on a damaged file
+        same = False
+    if same:
+        return []
+    return [f"the dataset {cfg.data.data!r} was tokenized with {used!r}, not with the model's own "
+            f"{str(own)!r}: its ids name other tokens to the pretrained embedding; prepare it again "
+            f"with --tokenizer {cfg.model_preset}"]
 
 
 def check_dataset(cfg: Config) -> None:
