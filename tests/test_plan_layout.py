@@ -130,3 +130,71 @@ def test_zero3_below_ptdp_as_narayanan_table_2(gpus):
     if gpus > 384:
         assert zero3_tflops(gpus) / zero3_tflops(gpus // 2) < 0.65
         assert ptdp.mfu / zero3.mfu > (1.5 if gpus == 768 else 2.5)
+
+
+def test_the_completion_honours_every_choice_the_layout_and_flags_make(capsys):
+    """--micro-batch/--recompute fix those choices for --layout as for the search; a schedule,
+    v or Ulysses is never completed with pp1/cp1 (where it would mean nothing); v is searched
+    as the search does (Llama 3's v8 for 126 layers on 16 stages); +sp is kept."""
+    from paratrain.plan.evaluate import evaluate
+    from paratrain.plan.search import search
+
+    def one(*args):
+        assert plan(*args, "--json") in (0, 1)
+        return json.loads(capsys.readouterr().out)["layouts"][0]
+
+    eight = ("--model", "llama3-8b", "--gpus", "8")
+    assert one(*eight, "--recompute", "full", "--layout", "dp8")["layout"]["recompute"] == "full"
+    assert one(*eight, "--micro-batch", "2", "--layout", "dp8")["layout"]["micro_batch"] == 2
+    assert plan(*eight, "--micro-batch", "2", "--layout", "dp8 mb4") == 2
+    assert "mb) 4, and --micro-batch 2" in capsys.readouterr().err
+    for text, axis in (("v2", "pp"), ("interleaved", "pp"), ("gpipe", "pp"), ("ulysses", "cp")):
+        assert one("--model", "llama3-8b", "--gpus", "16", "--layout", text)["layout"][axis] > 1, text
+    for text in ("pp1 v2", "cp1 ulysses", "dp8+sp", "tp2/ring"):
+        assert plan(*eight, "--layout", text) == 2, text
+        capsys.readouterr()
+    sp = one("--model", "llama3-8b", "--gpus", "8", "--seq-len", "8196", "--layout", "tp8+sp")
+    assert sp["layout"]["sp"] and not sp["fits"] and "sequence parallelism" in sp["problems"][0]
+    model, training = PRESETS["llama3-405b"], Training(2048, 8192)
+    cluster = Cluster(gpu_preset("h100-80g"), 16384)
+    result = search(model, training, cluster)
+    best = evaluate(parse_layout("tp4 pp16 cp8 zero1"), model, training, cluster, result)
+    first = next(i for i, p in enumerate(result.plans, 1)
+                 if (p.cand.tp, p.cand.pp, p.cand.cp, p.cand.zero) == (4, 16, 8, 1))
+    assert best.rank == first and best.cand.virtual_stages == result.plans[first - 1].cand.virtual_stages == 8
+
+
+def test_a_layout_costed_at_another_batch_is_not_ranked(capsys):
+    """dp8 runs 96 or 104 of a 100-sequence batch: its time is not comparable, so no rank,
+    and the batches that run it are named; nothing fitting means nothing to rank against."""
+    assert plan("--model", "llama3-8b", "--gpus", "8", "--global-batch", "100", "--layout",
+                "dp8", "--json") == 1
+    got = json.loads(capsys.readouterr().out)
+    ev = got["layouts"][0]
+    assert ev["rank"] is None and "costed at 96 sequences" in ev["unranked"] and "96 or 104" in ev["unranked"]
+    assert got["model"]["name"] == "llama3-8b" and got["cluster"]["memory_limit"] > 0
+    assert plan("--model", "llama3-405b", "--gpu", "a100-40g", "--gpus", "8", "--compare",
+                "tp8", "pp8") == 1
+    out = capsys.readouterr().out
+    assert "#1 of 0" not in out
+    assert plan("--model", "llama3-8b", "--gpus", "32", "--layout", "dp2 tp2 pp2 cp2") == 2
+    assert "needs 16 ranks; the cluster has 32" in capsys.readouterr().err
+    assert plan("--model", "llama3-8b", "--gpus", "8", "--layout", "dp8", "--explain") == 2
+    assert "--explain shapes the search's table" in capsys.readouterr().err
+
+
+def test_hsdp_steps_the_optimizer_on_its_group_shard():
+    """Hybrid sharding keeps 1/8 of the states where full ZeRO-3 keeps 1/64: 8x the update."""
+    from paratrain.plan.cost import step_time
+
+    model, training = PRESETS["llama3-8b"], Training(64, 8192)
+    cluster = Cluster(gpu_preset("h100-80g"), 64)
+    full, hsdp = (step_time(model, training, cluster, Candidate(64, 1, 1, 1, 3, 1, 1, shard_group=g))
+                  for g in (0, 8))
+    assert hsdp.optimizer == pytest.approx(8 * full.optimizer)
+    from paratrain.plan.hardware import Calibration, local_cluster
+
+    local = local_cluster(4, Calibration({"fp32": 50e9}, cores=2, alpha=20e-6, beta=0.8e9, memory=8 << 30))
+    ev = evaluate_candidate(PRESETS["llama3-8b"], Training(8, 128), local,
+                            Candidate(4, 1, 1, 1, 3, 1, 2, shard_group=2))
+    assert any("does not run it" in p for p in ev.problems)

@@ -20,6 +20,7 @@ DEFAULT_TOKENS = {"gpu": 2**22, "local": 2**13}
 """Tokens per step when --global-batch is not given: ~4M on GPUs (what Llama 3 and
 GPT-3 started with), 8K for CPU processes."""
 DEFAULT_GPU = "h100-80g"
+DEFAULT_TOP = 5
 DEFAULT_GPUS_PER_NODE = 8
 GPU_CLUSTER_FLAGS = ("gpu", "nodes", "gpus_per_node", "intra_bw", "inter_bw")
 """Flags that describe GPUs; a local cluster's rates and memory come from its calibration.
@@ -67,7 +68,7 @@ def add_parser(subparsers) -> None:
     tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     tr.add_argument("--recompute", choices=(*RECOMPUTE, "search"), default="search")
     out = p.add_argument_group("output")
-    out.add_argument("--top", type=int, default=5, metavar="N", help="plans to show")
+    out.add_argument("--top", type=int, metavar="N", help=f"plans to show (default {DEFAULT_TOP})")
     out.add_argument("--explain", action="store_true", help="why the winner wins")
     out.add_argument("--show-rejected", action="store_true", help="why layouts were dropped")
     out.add_argument("--json", action="store_true", help="machine-readable output")
@@ -135,6 +136,12 @@ def check_combinations(args: argparse.Namespace) -> None:
         raise ValueError("--layout and --compare both given: --layout evaluates one layout, "
                          "--compare several side by side; put every layout after --compare "
                          "(--compare 'A' 'B')")
+    ignored = [flag for flag, given in (("--top", args.top is not None), ("--explain", args.explain),
+                                        ("--show-rejected", args.show_rejected)) if given]
+    if (args.layout or args.compare) and ignored:
+        raise ValueError(f"{', '.join(ignored)} shape{'s' if len(ignored) == 1 else ''} the "
+                         f"search's table, which --layout and --compare do not print; drop "
+                         f"{', '.join(ignored)}, or drop --layout/--compare to see the ranking")
     if args.compare and args.out:
         raise ValueError("--out writes one layout as a train config and --compare gives "
                          "several; pass the one to write as --layout SPEC, or drop --compare "
@@ -189,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     recompute = None if args.recompute == "search" else args.recompute
     result = search(model, training, cluster, micro_batch=micro, recompute=recompute)
     if args.layout or args.compare:
-        return _evaluate(args, result, model, training, cluster, log)
+        return _evaluate(args, result, model, training, cluster, log, micro, recompute)
     _print_search(args, result, model, training, cluster)
     if not result.plans:
         print("paratrain plan: no layout fits; see the rejections above", file=sys.stderr)
@@ -197,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.out and _write_out(args.out, result, model, training, cluster, log):
         return 2
-    if args.plot and _plot(args.plot, result.plans[:args.top], model, cluster, log):
+    if args.plot and _plot(args.plot, result.plans[:args.top or DEFAULT_TOP], model, cluster, log):
         return 2
     return 0
 
@@ -207,12 +214,12 @@ def _print_search(args: argparse.Namespace, result, model: ModelSpec, training: 
     from . import report
 
     if args.json:
-        data = report.to_json(result, model, training, cluster, args.top)
+        data = report.to_json(result, model, training, cluster, args.top or DEFAULT_TOP)
         if args.explain:
             data["explain"] = report.explain(result, cluster)
         print(json.dumps(data, indent=2))
         return
-    print(report.summary(result, model, training, cluster, args.top))
+    print(report.summary(result, model, training, cluster, args.top or DEFAULT_TOP))
     if args.explain:
         print("\n" + report.explain(result, cluster))
     if args.show_rejected or not result.plans:
@@ -280,7 +287,7 @@ def _calibrate(path: str | None, log) -> int:
 
 
 def _evaluate(args: argparse.Namespace, result, model: ModelSpec, training: Training,
-              cluster: Cluster, log) -> int:
+              cluster: Cluster, log, micro: int | None, recompute: str | None) -> int:
     """``--layout`` / ``--compare``: 0 if every given layout fits, 1 otherwise, 2 on a
     spec that cannot be read or an ``--out`` / ``--plot`` that cannot be written."""
     from . import report
@@ -288,12 +295,13 @@ def _evaluate(args: argparse.Namespace, result, model: ModelSpec, training: Trai
 
     specs = [args.layout] if args.layout else list(args.compare)
     try:
-        evaluations = with_search(specs, model, training, cluster, result)
+        evaluations = with_search(specs, model, training, cluster, result, micro, recompute)
     except ValueError as err:
         print(f"paratrain plan: error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        data = {"layouts": [report.evaluation_dict(ev) for ev in evaluations],
+        data = {**report.setting_dict(model, training, cluster),
+                "layouts": [report.evaluation_dict(ev) for ev in evaluations],
                 "winner": report.plan_dict(result.plans[0]) if result.plans else None,
                 "search": {"ranked": len(result.plans), "seconds": result.seconds}}
         print(json.dumps(data, indent=2))

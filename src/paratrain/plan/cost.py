@@ -389,6 +389,6 @@ def zero3_links(cluster: Cluster, cand: Candidate) -> tuple[Link, Link]:
 def _optimizer_time(model: ModelSpec, training: Training, cluster: Cluster,
                     cand: Candidate) -> float:
     psi = max_stage_params(model, cand)
-    local = psi / (cand.shard if cand.zero >= 1 else 1)
+    local = psi / (cand.zero_shard if cand.zero >= 1 else 1)  # HSDP: its group
     return local * OPTIMIZER_BYTES[training.optimizer] / (cluster.gpu.optimizer_bw
                                                           or cluster.gpu.hbm_bw)

@@ -13,7 +13,7 @@ fits, the one closest to fitting.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import rules
 from .candidate import RECOMPUTE, SCHEDULES, Candidate, Training
@@ -22,7 +22,7 @@ from .flops import step_flops
 from .hardware import Cluster
 from .memory import Memory, rank_memory
 from .models import ModelSpec
-from .search import SearchResult, divisors, layout_problems, rank_key
+from .search import SearchResult, _virtual_stages, divisors, layout_problems, rank_key
 
 _SIZE = re.compile(r"(dp|tp|pp|cp)(\d+)(\+sp)?(?:/(ring|ulysses))?")
 _ALIASES = {"sel": "selective", "no": "none", "off": "none"}
@@ -59,6 +59,9 @@ class LayoutSpec:
     reshard_after_forward: bool | None = None
     """ZeRO-3 (``reshard=yes|no``, or ``z3/reshard``, ``z3/keep``): regather every
     microbatch, or keep the units gathered through the step (default: paratrain's auto)."""
+    sequence_parallel: bool | None = None
+    """``tp8+sp``: sequence parallelism asked for (the search uses it wherever the sequence
+    splits over tp, plain TP elsewhere)."""
     text: str = ""
     """The string it was parsed from."""
 
@@ -95,6 +98,14 @@ def _read_token(token: str) -> dict:
     low, values = token.lower(), {}
     if m := _SIZE.fullmatch(low):
         values[m.group(1)] = int(m.group(2))
+        if m.group(3) and m.group(1) != "tp":
+            raise ValueError(f"--layout {token!r}: +sp (sequence parallelism) goes with tp, "
+                             f"e.g. tp8+sp")
+        if m.group(3):
+            values["sequence_parallel"] = True
+        if m.group(4) and m.group(1) != "cp":
+            raise ValueError(f"--layout {token!r}: /{m.group(4)} is context parallelism's "
+                             f"attention, e.g. cp2/{m.group(4)}")
         if m.group(4):
             values["cp_method"] = m.group(4)
     elif low in ("ring", "ulysses"):
@@ -153,6 +164,8 @@ class Evaluation:
     """Position among the search's ranked plans by step time (1 = would win)."""
     ranked: int = 0
     """Plans the search ranked."""
+    unranked: str = ""
+    """Why it has no rank though it was costed ('' when ranked)."""
     tokens_per_s: float = 0.0
     """Throughput of the whole job."""
     mfu: float = 0.0
@@ -175,13 +188,20 @@ def candidates(spec: LayoutSpec, model: ModelSpec, training: Training,
     product = 1
     for size in named:
         product *= size
-    if n % product:
-        raise ValueError(f"--layout {spec.text!r} needs a multiple of {product} ranks; the "
-                         f"cluster has {n}")
+    if n % product or (len(named) == 4 and product != n):
+        sizes = " x ".join(f"{a}{getattr(spec, a)}" for a in ("dp", "tp", "pp", "cp") if getattr(spec, a))
+        need = f"{product} ranks" if len(named) == 4 else f"a multiple of {product} ranks"
+        raise ValueError(f"--layout {spec.text!r}: {sizes} needs {need}; the cluster has {n}")
+    # A schedule or v means a pipeline, Ulysses context parallelism: never complete them
+    # with pp1 or cp1, where the choice would silently mean nothing.
+    piped = spec.schedule in ("gpipe", "interleaved") or (spec.virtual_stages or 1) > 1
+    _needs_more_than_one(spec, "pp", piped, "a pipeline schedule or v")
+    _needs_more_than_one(spec, "cp", spec.cp_method == "ulysses", "ulysses")
     for tp in _options(spec.tp, divisors(n)):
         for cp in _options(spec.cp, divisors(n // tp) if n % tp == 0 else ()):
             for pp in _options(spec.pp, divisors(n // (tp * cp)) if n % (tp * cp) == 0 else ()):
-                if n % (tp * cp * pp):
+                if n % (tp * cp * pp) or (piped and pp == 1) or (
+                        spec.cp_method == "ulysses" and cp == 1):
                     continue
                 dp = n // (tp * cp * pp)
                 if spec.dp is not None and spec.dp != dp:
@@ -189,14 +209,22 @@ def candidates(spec: LayoutSpec, model: ModelSpec, training: Training,
                 yield from _choices(spec, model, training, dp, tp, pp, cp)
 
 
+def _needs_more_than_one(spec: LayoutSpec, axis: str, needed: bool, what: str) -> None:
+    if needed and getattr(spec, axis) == 1:
+        raise ValueError(f"--layout {spec.text!r}: {what} needs {axis} > 1, and {axis}1 is "
+                         f"given; raise {axis} or drop {what}")
+
+
 def _choices(spec, model, training, dp, tp, pp, cp):
     per_replica = max(training.global_batch // dp, 1)
-    sp = rules.sequence_parallel_splits(tp, cp, training.seq_len)  # as the search: else plain TP
+    # as the search: SP wherever the tokens split over tp, else plain TP; asked for (+sp),
+    # SP is kept, and the rules report it where it cannot run
+    sp = spec.sequence_parallel or rules.sequence_parallel_splits(tp, cp, training.seq_len)
     schedules = ("1f1b",) if pp == 1 and spec.schedule is None else _options(
         spec.schedule, SCHEDULES if (spec.virtual_stages or 1) == 1 else ("interleaved",))
     for schedule in schedules:
         vs = (1,) if schedule != "interleaved" else _options(
-            spec.virtual_stages, [v for v in divisors(max(model.n_layers // pp, 1))[1:]] or [2])
+            spec.virtual_stages, _virtual_stages(model.n_layers, pp) or [2])
         for v in vs:
             for zero in _options(spec.zero, (0, 1, 2, 3) if dp * cp > 1 else (0,)):
                 for mb in _options(spec.micro_batch, divisors(per_replica)):
@@ -260,16 +288,49 @@ def evaluate(spec: LayoutSpec, model: ModelSpec, training: Training, cluster: Cl
         best.problems.insert(0, f"mb{best.cand.micro_batch}x{spec.microbatches}: the global "
                                 f"batch gives {best.cand.microbatches} microbatches")
     best.ranked = len(result.plans)
-    if best.time is not None:
+    c, batch = best.cand, training.global_batch
+    if best.time is None:
+        best.unranked = "it cannot be costed"
+    elif batch % c.dp or (batch // c.dp) % c.micro_batch:
+        # costed at the sequences it can run, which are not the batch the others run
+        ran = c.dp * c.micro_batch * c.microbatches
+        best.unranked = (f"costed at {ran} sequences per step (dp{c.dp} x mb{c.micro_batch} x "
+                         f"{c.microbatches}), not {batch}; --global-batch "
+                         f"{' or '.join(map(str, _runnable_batches(batch, c.dp * c.micro_batch)))}"
+                         f" runs it")
+    elif not result.plans:
+        best.unranked = "no layout fits, so there is nothing to rank against"
+    else:
         key = rank_key(best.time.step, best.memory.total)
         best.rank = 1 + sum(rank_key(p.time.step, p.memory.total) < key for p in result.plans)
     return best
 
 
+def _runnable_batches(batch: int, unit: int) -> list[int]:
+    """The multiples of ``unit`` just below and above ``batch``."""
+    below = batch // unit * unit
+    return [b for b in (below, below + unit) if b > 0]
+
+
 def with_search(spec_texts: list[str], model: ModelSpec, training: Training,
-                cluster: Cluster, result: SearchResult) -> list[Evaluation]:
-    """Evaluate each ``--layout`` / ``--compare`` string."""
-    return [evaluate(parse_layout(t), model, training, cluster, result) for t in spec_texts]
+                cluster: Cluster, result: SearchResult, micro_batch: int | None = None,
+                recompute: str | None = None) -> list[Evaluation]:
+    """Evaluate each ``--layout`` / ``--compare`` string; ``--micro-batch`` and
+    ``--recompute`` fix those choices for each layout, as they do for the search."""
+    return [evaluate(_with_flags(parse_layout(t), micro_batch, recompute), model, training,
+                     cluster, result) for t in spec_texts]
+
+
+def _with_flags(spec: LayoutSpec, micro_batch: int | None, recompute: str | None) -> LayoutSpec:
+    for name, flag, value in (("micro_batch", "--micro-batch", micro_batch),
+                              ("recompute", "--recompute", recompute)):
+        mine = getattr(spec, name)
+        if value is not None and mine is not None and mine != value:
+            raise ValueError(f"--layout {spec.text!r} gives {_FIELD_NAMES[name]} {mine}, and "
+                             f"{flag} {value}; give it once")
+        if value is not None:
+            spec = replace(spec, **{name: value})
+    return spec
 
 
 
@@ -279,20 +340,14 @@ def nearest_batches(model: ModelSpec, training: Training, cluster: Cluster,
     """Global batches near ``training.global_batch`` for which some layout fits, nearest
     first (up to ``count``, from at most ``tries`` searches): the multiples of each
     possible data-parallel size (and of the fixed microbatch) just below and above."""
-    from dataclasses import replace as _replace
-
     from .search import search
 
     wanted = training.global_batch
-    step = micro_batch or 1
-    near: set[int] = set()
-    for dp in divisors(cluster.n_gpus):
-        unit = dp * step
-        below = wanted // unit * unit
-        near.update(b for b in (below, below + unit) if b > 0 and b != wanted)
+    near = {b for dp in divisors(cluster.n_gpus)
+            for b in _runnable_batches(wanted, dp * (micro_batch or 1)) if b != wanted}
     found = []
     for batch in sorted(near, key=lambda b: (abs(b - wanted), b))[:tries]:
-        if search(model, _replace(training, global_batch=batch), cluster,
+        if search(model, replace(training, global_batch=batch), cluster,
                   micro_batch=micro_batch, recompute=recompute).plans:
             found.append(batch)
             if len(found) == count:

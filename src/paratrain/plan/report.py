@@ -162,9 +162,8 @@ def plan_dict(plan: Plan) -> dict:
     }
 
 
-def to_json(result: SearchResult, model: ModelSpec, training: Training, cluster: Cluster,
-            top: int = 5) -> dict:
-    """Everything the tables show, in bytes and seconds."""
+def setting_dict(model: ModelSpec, training: Training, cluster: Cluster) -> dict:
+    """The model, cluster (with its usable memory) and training a plan is for."""
     return {
         "model": {**asdict(model), "params": model.num_params()},
         "cluster": {"gpu": {k: v if v != float("inf") else None  # JSON has no infinity
@@ -173,6 +172,14 @@ def to_json(result: SearchResult, model: ModelSpec, training: Training, cluster:
                     "inter_bw": cluster.inter_bw, "memory_limit": cluster.memory_limit,
                     "kind": cluster.kind},
         "training": asdict(training),
+    }
+
+
+def to_json(result: SearchResult, model: ModelSpec, training: Training, cluster: Cluster,
+            top: int = 5) -> dict:
+    """Everything the tables show, in bytes and seconds."""
+    return {
+        **setting_dict(model, training, cluster),
         "search": {"considered": result.considered, "ranked": len(result.plans),
                    "dominated": result.dominated, "seconds": result.seconds},
         "plans": [plan_dict(p) for p in result.plans[:top]],
@@ -197,9 +204,7 @@ def _status(ev) -> str:
 
 def _rank_line(ev, result: SearchResult) -> str:
     if ev.rank is None:
-        return "rank: cannot be costed"
-    if not result.plans:
-        return "rank: no layout fits, so nothing to rank against"
+        return f"rank: not ranked: {ev.unranked}"
     best = result.plans[0]
     where = "would rank" if not ev.fits else "ranks"
     return (f"rank: {where} #{ev.rank} of {ev.ranked} ranked layouts by step time; the "
@@ -256,7 +261,7 @@ def layout_report(evaluations: list, result: SearchResult, model: ModelSpec,
 def evaluation_dict(ev) -> dict:
     """One ``--layout`` / ``--compare`` entry for ``--json``."""
     data = {"fits": ev.fits, "problems": ev.problems, "overflow_bytes": ev.overflow,
-            "rank": ev.rank, "ranked": ev.ranked}
+            "rank": ev.rank, "ranked": ev.ranked, "unranked": ev.unranked}
     if ev.memory is None:
         return {"layout": {**asdict(ev.cand), "sp": ev.cand.sp}, **data}
     return {**plan_dict(Plan(ev.cand, ev.memory, ev.time, ev.tokens_per_s, ev.mfu)), **data}

@@ -207,6 +207,9 @@ def layout_problems(model: ModelSpec, training: Training, cluster: Cluster,
     if cand.shard_group and (cand.zero != 3 or cand.shard % cand.shard_group):
         problems.append(f"hsdp{cand.shard_group}: hybrid sharding needs zero3 and a group "
                         f"dividing dp x cp = {cand.shard}")
+    elif cand.hsdp and cluster.kind == "local":
+        problems.append(f"hsdp{cand.shard_group}: hybrid sharding is planned for GPU clusters "
+                        f"only; paratrain's runtime (--cluster local) does not run it")
     if training.global_batch % cand.dp:
         problems.append(f"dp={cand.dp} does not divide the global batch {training.global_batch}")
     elif (training.global_batch // cand.dp) % cand.micro_batch:
