@@ -230,3 +230,20 @@ def test_layers_refuse_what_would_compute_wrong():
         apply_domain_parallel(nn.Sequential(nn.BatchNorm2d(3)), grid)
     with pytest.raises(DomainError, match="kernel = stride"):
         apply_domain_parallel(nn.Sequential(nn.ConvTranspose2d(3, 3, 3, stride=2)), grid)
+
+
+def test_a_nan_loss_stops_or_skips_the_heat2d_task_as_it_does_the_language_model(tmp_path):
+    """Before, the U-Net task applied NaN updates, logged null losses and exited 0."""
+    import json
+
+    from paratrain.launch import RankFailed
+
+    blow_up = dict(lr=1e6, warmup_steps=0, steps=4, eval_every=0, nproc=1)
+    skip = heat_config(str(tmp_path / "skip"), on_nonfinite="skip", max_skips=8, **blow_up)
+    stop = heat_config(str(tmp_path / "stop"), **blow_up)
+    with pytest.raises(RankFailed, match=r"NonFiniteError: non-finite loss nan.* at step 2"):
+        run_world(train_runs, 1, {"skip": skip, "stop": stop})
+    skipped = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("skipped") for r in skipped] == [None, 1, 2, 3]
+    stopped = (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()
+    assert len(stopped) == 2  # the bad step is logged, and nothing after it

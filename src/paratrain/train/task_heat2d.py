@@ -16,6 +16,7 @@ computes, whatever the grid (even blocks of unequal size).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from .config import Config, ConfigError
 from .heat2d import Fields, make_fields
 from .loop import RunResult, finish
 from .metrics import MetricsWriter, state_bytes
+from .nonfinite import NonFiniteGuard, culprits
 from .rundir import claim_records, continued_run_id, run_record
 
 NORM_GROUPS = 4
@@ -135,6 +137,10 @@ class Heat2DRun:
     start_step: int = 0
     run_id: str = ""
     """The run this one is or continues, named in its checkpoints (``rundir.run_record``)."""
+    last_checkpoint: str = ""
+    """The newest checkpoint this run wrote or resumed from."""
+    skipped: int = 0
+    """Steps skipped as non-finite before ``start_step`` (kept by checkpoints)."""
 
 
 def build(cfg: Config, mesh: Mesh) -> Heat2DRun:
@@ -160,7 +166,7 @@ def build(cfg: Config, mesh: Mesh) -> Heat2DRun:
                                    dp_size=mesh.size(DP), seed=cfg.train.seed)
     meta = checkpoint.read_meta(cfg.train.resume) if cfg.train.resume else {}
     return Heat2DRun(cfg, mesh, engine, grid, train_data, val_data, sampler, start_step,
-                     continued_run_id(meta))
+                     continued_run_id(meta), cfg.train.resume, checkpoint.skipped_steps(meta))
 
 
 def _batch(run: Heat2DRun, fields: Fields, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,8 +202,12 @@ def train_step(run: Heat2DRun, step: int) -> dict[str, float]:
     grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
     loss_sum, norm = torch.stack([loss.total, grad_norm.float()]).tolist()  # the one host sync
     lr = lr_at(step, cfg.train.steps, cfg.optim)
+    record = {"loss": loss_sum / points, "grad_norm": norm, "lr": lr, "tokens": points}
+    if not (math.isfinite(loss_sum) and math.isfinite(norm)):  # as the language model's step
+        engine.forget_nonfinite()
+        return {**record, "nonfinite_ranks": culprits(loss.local)}
     engine.step(lr)
-    return {"loss": loss_sum / points, "grad_norm": norm, "lr": lr, "tokens": points}
+    return record
 
 
 @torch.no_grad()
@@ -221,6 +231,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         print(describe(run), flush=True)
     progress = logs.Progress(cfg.train.steps, run.start_step, is_logger and cfg.train.progress,
                              cfg.train.log_every)
+    guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skips, run.skipped)
     start = time.perf_counter()
     for step in range(run.start_step, cfg.train.steps):
         t0 = time.perf_counter()
@@ -235,12 +246,17 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
             record["val_loss"] = evaluate(run)
             result.val_losses.append((step + 1, record["val_loss"]))
+        stop = guard.check(record, run.last_checkpoint) if "nonfinite_ranks" in record else None
         writer.write(record)
+        if stop is not None:
+            raise stop
         records.append(record)
         if cfg.train.save_every and (last or (step + 1) % cfg.train.save_every == 0):
             directory = Path(cfg.train.run_dir) / "checkpoints" / f"step-{step + 1}"
             checkpoint.save(directory, step + 1, run.engine, unet_config(cfg), cfg.describe_layout(),
-                            is_writer=is_logger, run_meta={"run": run_record(cfg, run.run_id)})
+                            is_writer=is_logger, run_meta={"run": run_record(cfg, run.run_id),
+                                                           "nonfinite": {"skipped": guard.skips}})
+            run.last_checkpoint = str(directory)
         progress.update(record)
     progress.close()
     writer.close()
