@@ -338,3 +338,18 @@ def test_a_resume_never_cuts_another_runs_records(tmp_path):
     assert runs.place(resume_there, torchrun=False)[0].train.resume == str(ckpt)
     (mine / "metrics.jsonl").write_text('{"step": 1}\n')  # no run.json: the checkpoint's directory
     assert runs.place(config(run_dir=str(mine), resume=str(ckpt)), torchrun=False)[0].train.resume
+
+
+def test_auto_resume_never_starts_fresh_over_a_run_that_finished_without_checkpoints(tmp_path):
+    """--resume auto (the torchrun default) with no checkpoint starts fresh in the directory:
+    right after a kill before the first save, not over a finished run's records."""
+    run = tmp_path / "run"
+    placed, _ = runs.place(config(run_dir=str(run), steps=3), torchrun=False)
+    runs.record(placed)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
+    again = config(run_dir=str(run), steps=2, resume="auto")
+    assert runs.place(again, torchrun=False)[0].train.resume == ""  # killed at step 2 of 3: fresh
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)) + '{"st')
+    with pytest.raises(ConfigError, match=r"finished \(its metrics.jsonl reaches step 3 of steps=3\)"):
+        runs.place(again, torchrun=True)
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4

@@ -66,7 +66,7 @@ def keep_records_until(path: Path, step: int) -> None:
         column = next(csv.reader(lines[:1]), ["step"]).index("step")
         kept = lines[:1] + [ln for ln in lines[1:] if _csv_step(ln, column) <= step]
     else:
-        kept = [ln for ln in lines if _json_step(ln) <= step]
+        kept = [ln for ln in lines if json_record_step(ln) <= step]
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(ln if ln.endswith("\n") else ln + "\n" for ln in kept))
     tmp.replace(path)
@@ -77,7 +77,8 @@ def _csv_step(line: str, column: int) -> float:
     return _int(row[column]) if column < len(row) else math.inf
 
 
-def _json_step(line: str) -> float:
+def json_record_step(line: str) -> float:
+    """The step of one metrics.jsonl line (inf for a torn or stepless one)."""
     try:
         return _int(json.loads(line).get("step"))
     except (ValueError, AttributeError):

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import re
 import time
+import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,6 +42,7 @@ from ..models import hf
 from ..optim import lr_at
 from . import checkpoint, publish
 from .config import Config, ConfigError
+from .metrics import json_record_step
 from .rundir import in_use, records_owner
 
 ROOT = Path("runs")
@@ -81,6 +84,7 @@ def place(cfg: Config, torchrun: bool, now: float | None = None) -> tuple[Config
             if foreign:  # complete, but another model's: starting fresh would overwrite that run
                 raise ConfigError(f"{str(run_dir)!r} holds a run of another model, which a fresh "
                                   f"run there would overwrite ({foreign[0]}); choose another --run-dir")
+            _refuse_finished_records(run_dir)
             notes.append(f"no complete checkpoint in {run_dir}: starting fresh")
         else:
             notes.append(f"no complete checkpoint in {latest} ({run_dir.name}): starting a new run")
@@ -117,6 +121,26 @@ def _refuse_overwrite(cfg: Config, run_dir: Path | None) -> None:
         raise ConfigError(f"the run directory {str(run_dir)!r} holds another run's "
                           f"{', '.join(held)}, which a fresh run there would overwrite or mix with; "
                           f"resume it with --resume auto, choose another --run-dir, or remove them")
+
+
+def _refuse_finished_records(run_dir: Path) -> None:
+    """``--resume auto`` into a directory without checkpoints starts fresh there: right for a
+    run killed before its first save (a torchrun restart), not over one that finished, whose
+    metrics would be truncated."""
+    metrics, config = run_dir / "metrics.jsonl", run_dir / "config.toml"
+    if in_use(run_dir) or not (metrics.is_file() and config.is_file()):
+        return
+    try:
+        steps = tomllib.loads(config.read_text())["train"]["steps"]
+    except (tomllib.TOMLDecodeError, KeyError, OSError):
+        return
+    logged = (json_record_step(line) for line in metrics.read_text().splitlines())
+    done = max((step for step in logged if step != math.inf), default=0)  # torn lines: inf
+    if done >= steps:
+        raise ConfigError(f"the run in {str(run_dir)!r} finished (its metrics.jsonl reaches step "
+                          f"{done} of steps={steps}) without a checkpoint to resume; starting "
+                          f"fresh there would overwrite its records: choose another --run-dir, "
+                          f"or remove them")
 
 
 def _refuse_cutting_records(run_dir: Path, resume: str, meta: dict) -> None:
