@@ -417,3 +417,44 @@ def test_corrupt_partial_and_mismatched_checkpoints_are_refused_before_launch(tm
     with pytest.raises(checkpoint.CheckpointError, match=f"tensor 'exp_avg/.*' holds NaN"):
         write_checkpoint(tmp_path / "nan", lambda t: t[f"exp_avg/{name[6:]}"].fill_(float("nan")))
     assert not (tmp_path / "nan").exists() and not list(tmp_path.glob(".nan*"))
+
+
+def where_inside_a_wrapped_collective() -> dict:
+    """``watchdog._where`` of a main thread inside a subgroup collective that torch wraps
+    (torch 2.13: ``c10d_logger.wrapper`` -> ``all_reduce``), frames built to look like torch's."""
+    from paratrain.watchdog import _where
+
+    torch_code: dict = {}
+    exec(compile("def wrapper(fn, *args, **kwargs):\n    return fn(*args, **kwargs)\n",
+                 "/site-packages/torch/distributed/c10d_logger.py", "exec"), torch_code)
+    exec(compile("def all_reduce(tensor, op=None, group=None, here=None):\n    return here()\n",
+                 "/site-packages/torch/distributed/distributed_c10d.py", "exec"), torch_code)
+    group = dist.new_group([0])
+    frame = torch_code["wrapper"](torch_code["all_reduce"], None, group=group, here=sys._getframe)
+    return {"where": _where(frame), "name": dist.distributed_c10d._world.pg_names[group]}
+
+
+def test_a_hang_inside_a_wrapped_collective_names_its_group():
+    """Every torch 2.13 collective runs inside a wrapper frame without ``group``: the report
+    blamed the world group, and called every peer "waiting too"."""
+    got = run_world(where_inside_a_wrapped_collective, 1)[0]
+    assert (got["where"]["call"], got["where"]["group"]) == ("all_reduce", got["name"]), got
+    assert got["name"] != "0"
+
+
+def exit_quietly(code: int) -> None:
+    """Rank 1 leaves with ``code`` and no exception; rank 0 then waits for it in a collective."""
+    if dist.get_rank() == 1:
+        os._exit(code)
+    time.sleep(0.5)
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.parametrize("code", [3, 0])
+def test_a_rank_that_exits_without_an_error_is_named(code):
+    """Before, the report blamed rank 0 with a gloo 'Connection reset by peer' traceback."""
+    from paratrain.launch import RankFailed
+
+    with pytest.raises(RankFailed) as failed:
+        run_world(exit_quietly, 2, code, timeout_s=60)
+    assert str(failed.value).startswith(f"rank 1 exited with code {code} while its peers were running")

@@ -212,7 +212,8 @@ def _join(ctx: mp.ProcessContext, timeout_s: float | None, workdir: str) -> None
             mp_connection.wait(running, timeout=0.2)
             # A recorded failure counts at once: its rank may take a while to exit (a peer
             # it waits for in teardown is stopped).
-            if any(p.exitcode not in (None, 0) for p in procs) or _any_failure(workdir):
+            if (any(p.exitcode not in (None, 0) for p in procs) or _any_failure(workdir)
+                    or _silent_exits(procs, workdir)):
                 time.sleep(0.1)  # let a peer that lost this rank record its side too
                 report = _failure_report(procs, workdir)
                 _kill(ctx)
@@ -239,12 +240,25 @@ def _failure_report(procs: list, workdir: str) -> str:
                          f"(out of memory, or killed from outside?)")
         elif p.exitcode is None and _stopped(p.pid):
             lines.append(f"rank {rank} (pid {p.pid}) is stopped (SIGSTOP?)")
+    lines += _silent_exits(procs, workdir)
     first = _first_failure(workdir)
     if first:
         lines.append(first)
     if not lines:
         lines += [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(procs) if p.exitcode]
     return "\n".join(lines)
+
+
+def _silent_exits(procs: list, workdir: str) -> list[str]:
+    """Ranks that ended, with any code, recording neither an error nor a result (os._exit,
+    or a library's sys.exit): like a killed rank they cannot report themselves, and the
+    peers that lose them fail after them."""
+    return [f"rank {rank} exited with code {p.exitcode} while its peers were running, without "
+            f"an error or a result (os._exit, or sys.exit in a library?)"
+            for rank, p in enumerate(procs)
+            if p.exitcode is not None and p.exitcode >= 0
+            and not os.path.exists(os.path.join(workdir, f"error{rank}.txt"))
+            and not os.path.exists(os.path.join(workdir, f"rank{rank}.pt"))]
 
 
 def _any_failure(workdir: str) -> bool:

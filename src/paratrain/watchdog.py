@@ -220,9 +220,15 @@ def _where(frame) -> dict:
         code = frame.f_code
         path = code.co_filename.replace(os.sep, "/")
         if "/torch/distributed/" in path:
-            group = frame.f_locals.get("group")
-            out["call"], out["waiting"] = code.co_name, True
-            out["group"] = c10d._world.pg_names.get(group) if group is not None else "0"
+            # The outermost call names it (all_gather_object, not the all_gather inside), and
+            # the innermost frame with a group says which: torch wraps every collective in a
+            # c10d_logger ``wrapper`` whose frame holds no ``group``.
+            out["waiting"] = True
+            if code.co_name != "wrapper":
+                out["call"] = code.co_name
+            if out["group"] is None and "group" in frame.f_locals:
+                group = frame.f_locals["group"]
+                out["group"] = c10d._world.pg_names.get(group) if group is not None else "0"
         elif out["where"] is None and "/paratrain/" in path:
             out["where"] = f"{code.co_name} ({path.rsplit('/paratrain/', 1)[1]}:{frame.f_lineno})"
         if out["step"] is None and path.endswith("train/loop.py") and isinstance(frame.f_locals.get("step"), int):
