@@ -51,6 +51,7 @@ CASES = [
     ("lr-inf", ["train", "--lr", "inf"], {}, {}, "optim.lr"),
     ("lr-negative", ["train", "--lr", "-1"], {}, {}, "optim.lr"),
     ("timeout-negative", ["train", "--timeout-s", "-1"], {}, {}, "parallel.timeout_s"),
+    ("timeout-too-short", ["train", "--timeout-s", "0.01"], {}, {}, "parallel.timeout_s"),
     ("n-heads-0", ["train", "--n-heads", "0"], {}, {}, "model.n_heads"),
     ("val-fraction-1.5", ["train", "--val-fraction", "1.5"], {}, {}, "data.val_fraction"),
     ("plan-gpus-0", ["plan", "--model", "llama3-8b", "--gpus", "0"], {}, {}, "--gpus"),

@@ -201,3 +201,23 @@ def test_documents_that_are_not_text_are_named_by_line(tmp_path):
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
     with pytest.raises(DataError, match="column 'text' holds int64, not text"):
         prepare([str(tmp_path / "ints.parquet")], "bytes", str(tmp_path / "p"), workers=1, progress=False)
+
+
+def test_a_dataset_whose_validation_split_holds_no_sample_is_refused(tmp_path):
+    """As a corpus is: a run would otherwise end with no validation loss, silently."""
+    from paratrain.train import preflight
+    from paratrain.train.config import ConfigError, load
+
+    text = tmp_path / "doc.txt"
+    text.write_text("word " * 2000)
+    for fraction in (0.004, 0.0):  # 40 validation tokens, then none (no split: fine)
+        shutil.rmtree(tmp_path / "ds", ignore_errors=True)
+        prepare([str(text)], "bytes", str(tmp_path / "ds"), val_fraction=fraction, workers=1,
+                progress=False)
+        cfg = load(None, {"preset": "tiny", "data": str(tmp_path / "ds"), "seq_len": 64,
+                          "global_batch": 8, "nproc": 1}).validate()
+        if fraction:
+            with pytest.raises(ConfigError, match=r"validation split \(\d+ tokens\) holds no sample"):
+                preflight.check_data(cfg)
+        else:
+            preflight.check_data(cfg)

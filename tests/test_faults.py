@@ -458,3 +458,15 @@ def test_a_rank_that_exits_without_an_error_is_named(code):
     with pytest.raises(RankFailed) as failed:
         run_world(exit_quietly, 2, code, timeout_s=60)
     assert str(failed.value).startswith(f"rank 1 exited with code {code} while its peers were running")
+
+
+def test_the_step_of_a_hang_is_the_loops_not_a_helpers():
+    """A hang inside ``_save(run, step)`` (whose ``step`` already counts from 1) was reported
+    one step late; the step is read from the loop's ``train`` frame only."""
+    from paratrain.watchdog import _where
+
+    loop: dict = {}
+    exec(compile("def train(here):\n    step = 1\n    return _save(here, step + 1)\n"
+                 "def _save(here, step):\n    return here()\n",
+                 "/site-packages/paratrain/train/loop.py", "exec"), loop)
+    assert _where(loop["train"](sys._getframe))["step"] == 2

@@ -353,3 +353,11 @@ def test_auto_resume_never_starts_fresh_over_a_run_that_finished_without_checkpo
     with pytest.raises(ConfigError, match=r"finished \(its metrics.jsonl reaches step 3 of steps=3\)"):
         runs.place(again, torchrun=True)
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_metrics_path_that_cannot_be_a_file_is_refused_before_launch(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ConfigError, match=r"'.*a-file' is a file, so no directory can be made"):
+        runs.place(config(metrics=str(tmp_path / "a-file" / "m.jsonl")), torchrun=False)
+    with pytest.raises(ConfigError, match="is a directory; give a file path"):
+        runs.place(config(metrics=str(tmp_path)), torchrun=False)

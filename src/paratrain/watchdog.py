@@ -39,6 +39,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 HEARTBEAT = "paratrain/heartbeat/"
+LOOPS = ("train/loop.py", "train/task_heat2d.py")
+"""The training loops whose ``train`` frame holds the step (0-based ``step``)."""
 
 
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
@@ -231,7 +233,8 @@ def _where(frame) -> dict:
                 out["group"] = c10d._world.pg_names.get(group) if group is not None else "0"
         elif out["where"] is None and "/paratrain/" in path:
             out["where"] = f"{code.co_name} ({path.rsplit('/paratrain/', 1)[1]}:{frame.f_lineno})"
-        if out["step"] is None and path.endswith("train/loop.py") and isinstance(frame.f_locals.get("step"), int):
+        if (out["step"] is None and path.endswith(LOOPS) and code.co_name == "train"
+                and isinstance(frame.f_locals.get("step"), int)):  # the loop's own, 0-based
             out["step"] = frame.f_locals["step"] + 1  # as metrics.jsonl numbers it
         frame = frame.f_back
     return out

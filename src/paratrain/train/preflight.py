@@ -209,3 +209,9 @@ def check_dataset(cfg: Config) -> None:
         raise ConfigError(f"data.data: {meta.train_tokens} training tokens make {samples} samples "
                           f"of seq_len={cfg.data.seq_len}, fewer than one global batch of {needed}; "
                           f"prepare more text, or lower --global-batch or --seq-len")
+    val_tokens = meta.tokens - meta.train_tokens
+    if val_tokens > 0 and max(0, val_tokens - 1) // cfg.data.seq_len == 0:
+        raise ConfigError(f"data.data: the dataset's validation split ({val_tokens} tokens) holds "
+                          f"no sample of seq_len={cfg.data.seq_len}, so the run would report no "
+                          f"validation loss; lower --seq-len, or prepare the data with a larger "
+                          f"--val-fraction (or 0, for no validation split)")

@@ -59,6 +59,7 @@ def resume_mode(resume: str, torchrun: bool) -> str:
 def place(cfg: Config, torchrun: bool, now: float | None = None) -> tuple[Config, list[str]]:
     """``cfg`` with a concrete run directory and resume checkpoint ('' : fresh), and the notes
     to print. Creates a new run directory (and points ``runs/latest`` at it) when one is needed."""
+    _check_metrics_path(cfg.train.metrics)
     mode = resume_mode(cfg.train.resume, torchrun)
     explicit = bool(cfg.train.run_dir)
     latest = ROOT / LATEST
@@ -104,6 +105,20 @@ def place(cfg: Config, torchrun: bool, now: float | None = None) -> tuple[Config
 
 RECORDS = ("metrics.jsonl", "metrics.csv")
 """What a run writes into its directory that a fresh run there would overwrite."""
+
+
+def _check_metrics_path(metrics: str) -> None:
+    """--metrics names a file that can be made: not a directory, nor under a file."""
+    if not metrics:
+        return
+    path = Path(metrics)
+    if path.is_dir():
+        raise ConfigError(f"--metrics {metrics!r} is a directory; give a file path, e.g. "
+                          f"{str(path / 'metrics.jsonl')!r}")
+    existing = next((parent for parent in path.parents if parent.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(f"--metrics {metrics!r}: {str(existing)!r} is a file, so no directory "
+                          f"can be made there; choose a path under a directory")
 
 
 def _refuse_overwrite(cfg: Config, run_dir: Path | None) -> None:

@@ -51,7 +51,7 @@ LIMITS: dict[str, dict[str, float]] = {
     "norm_eps": {"above": 0}, "init_std": {"above": 0},
     # [parallel]
     "tp": {"min": 1}, "pp": {"min": 1}, "cp": {"min": 1}, "virtual_stages": {"min": 1},
-    "bucket_mb": {"above": 0}, "compress_start": {"min": -1}, "timeout_s": {"above": 0, "max": 1e7},  # ~4 months: no overflow
+    "bucket_mb": {"above": 0}, "compress_start": {"min": -1}, "timeout_s": {"min": 1, "max": 1e7},  # a collective may take a second; ~4 months: no overflow
     # [data]
     "seq_len": {"min": 1}, "val_fraction": {"below": 1},
     # [optim]
