@@ -4,6 +4,7 @@ U-Net trains under dp x domain exactly as on one process; what cannot work is re
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -247,3 +248,19 @@ def test_a_nan_loss_stops_or_skips_the_heat2d_task_as_it_does_the_language_model
     assert [r.get("skipped") for r in skipped] == [None, 1, 2, 3]
     stopped = (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()
     assert len(stopped) == 2  # the bad step is logged, and nothing after it
+
+
+@pytest.mark.parametrize("setting, named", [
+    (dict(log="csv"), "--log"), (dict(profile="1:1"), "--profile"), (dict(seq_len=100000), "--seq-len"),
+    (dict(schedule="gpipe"), "--schedule"), (dict(n_layers=4), "[model] fields"),
+    (dict(eval_batches=3), "--eval-batches")])
+def test_heat2d_refuses_language_model_settings_it_would_ignore(tmp_path, setting, named):
+    """They ran silently (no metrics.csv, no profile) or were refused for the wrong reason
+    (a corpus too short for --seq-len, which the task never reads)."""
+    from paratrain.train import preflight
+
+    with pytest.raises(ConfigError, match=rf"{re.escape(named)}.*does not use"):
+        heat_config(str(tmp_path), **setting)
+    preflight.check_data(heat_config(str(tmp_path)))  # reads no corpus
+    with pytest.raises(ConfigError, match="records a pipeline's schedule"):
+        load(None, {"timeline": True}).validate()

@@ -229,10 +229,34 @@ def _check_unused(cfg: Config) -> None:
     if heat2d and cfg.parallel.compress != "none":
         raise ConfigError(f"compress={cfg.parallel.compress!r}: --task heat2d averages its "
                           f"gradients uncompressed; drop --compress")
+    if heat2d:
+        _check_unused_by_heat2d(cfg)
+    if not heat2d and cfg.train.timeline and cfg.parallel.pp == 1:
+        raise ConfigError("train.timeline records a pipeline's schedule, and this run has none; "
+                          "add --pp 2 (or more), or drop --timeline")
     if cfg.data.data and cfg.data.val_fraction != DataConfig.val_fraction:
         raise ConfigError("data.val_fraction splits a --corpus; a prepared dataset (--data) "
                           "has its own validation split, set by `paratrain data prepare "
                           "--val-fraction`: drop --val-fraction")
+
+
+HEAT2D_UNUSED = {"data": ("corpus", "data", "seq_len", "val_fraction"),
+                 "parallel": ("cp_method", "schedule", "virtual_stages"),
+                 "train": ("log", "profile", "timeline", "eval_batches")}
+"""Language-model settings the heat2d task never reads (it makes its own fields, and runs
+neither a pipeline nor context parallelism, and logs metrics.jsonl only)."""
+
+
+def _check_unused_by_heat2d(cfg: Config) -> None:
+    given = [f"--{name.replace('_', '-')}" for section, names in HEAT2D_UNUSED.items()
+             for name in names
+             if getattr(getattr(cfg, section), name) != getattr(type(getattr(cfg, section))(), name)]
+    if cfg.model != Config().model:
+        given.insert(0, "the [model] fields (--n-layers, --d-model, ...)")
+    if given:
+        raise ConfigError(f"{', '.join(given)}: language-model settings, which --task heat2d "
+                          f"does not use (it generates its own fields and logs metrics.jsonl); "
+                          f"drop them")
 
 
 def _resolve_world(p: ParallelConfig, launcher: str = "local") -> ParallelConfig:
