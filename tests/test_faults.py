@@ -470,3 +470,25 @@ def test_the_step_of_a_hang_is_the_loops_not_a_helpers():
                  "def _save(here, step):\n    return here()\n",
                  "/site-packages/paratrain/train/loop.py", "exec"), loop)
     assert _where(loop["train"](sys._getframe))["step"] == 2
+
+
+def test_a_rank_that_never_joins_is_named_without_a_torch_traceback(tmp_path, monkeypatch):
+    """A rank stuck before the rendezvous made its peers fail in init_process_group with
+    torch's "Wait timeout" traceback, naming no rank."""
+    from paratrain import launch
+
+    def timeout(spec):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:446] Wait timeout")
+
+    monkeypatch.setattr(launch, "init_world", timeout)
+    with pytest.raises(launch.JoinError, match=r"^rank 0 could not join the world of 2 within 5 s "
+                                               r"\(--timeout-s\): .*Wait timeout$"):
+        launch.enter_world(launch.WorldSpec(0, 2, 0, "gloo", "file:///none", 5.0))
+
+    class Alive:  # a rank process still running (this one: not stopped)
+        exitcode, pid = None, os.getpid()
+
+    (tmp_path / "joining0").touch()
+    (tmp_path / "error0.txt").write_text(f"{time.time()}\nJoinError: rank 0 could not join ...")
+    report = launch._failure_report([Alive(), Alive()], str(tmp_path))
+    assert report.startswith("rank 1 never reached the process group's rendezvous"), report

@@ -34,6 +34,10 @@ from .errors import RunError
 from .watchdog import Watchdog
 
 
+class JoinError(RunError):
+    """A rank could not join the process group (a peer never arrived)."""
+
+
 class RankFailed(RuntimeError):
     """A rank of a spawned world raised (or the world timed out)."""
 
@@ -128,8 +132,9 @@ def _worker(local_rank: int, fn: Callable, args: tuple, init_method: str, world:
     watchdog = Watchdog(local_rank, collective_timeout_s, lambda report: _hung(result_dir, local_rank, report))
     watchdog.guard_parent(parent, result_dir).start()
     spec = WorldSpec(local_rank, world, local_rank, backend, init_method, collective_timeout_s)
+    open(os.path.join(result_dir, f"joining{local_rank}"), "w").close()  # reached the rendezvous
     try:
-        init_world(spec)
+        enter_world(spec)
         watchdog.attach(dist.distributed_c10d._get_default_store())
         result = fn(*args)
         torch.save(result, os.path.join(result_dir, f"rank{local_rank}.pt"))
@@ -142,6 +147,16 @@ def _worker(local_rank: int, fn: Callable, args: tuple, init_method: str, world:
         watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def enter_world(spec: WorldSpec) -> None:
+    """``init_world``, its failure named: torch's "Wait timeout" says neither who nor why."""
+    try:
+        init_world(spec)
+    except Exception as exc:
+        last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        raise JoinError(f"rank {spec.rank} could not join the world of {spec.world_size} "
+                        f"within {spec.timeout_s:g} s (--timeout-s): {last}") from None
 
 
 def describe_error(exc: BaseException) -> str:
@@ -241,6 +256,9 @@ def _failure_report(procs: list, workdir: str) -> str:
         elif p.exitcode is None and _stopped(p.pid):
             lines.append(f"rank {rank} (pid {p.pid}) is stopped (SIGSTOP?)")
     lines += _silent_exits(procs, workdir)
+    lines += [f"rank {rank} never reached the process group's rendezvous (stuck before it, "
+              f"in its imports or start-up?)" for rank, p in enumerate(procs)
+              if p.exitcode is None and not os.path.exists(os.path.join(workdir, f"joining{rank}"))]
     first = _first_failure(workdir)
     if first:
         lines.append(first)

@@ -8,7 +8,7 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-from ..launch import WorldSpec, init_world
+from ..launch import WorldSpec, enter_world
 from ..mesh import Mesh
 from ..watchdog import Watchdog
 from .config import Config, ConfigError
@@ -28,7 +28,7 @@ def run_worker(cfg: Config, world: WorldSpec | None) -> None:
     watchdog.guard_parent(os.getppid(), None).start()  # die with the torchrun agent
     lock = None
     try:
-        init_world(world)
+        enter_world(world)
         watchdog.attach(dist.distributed_c10d._get_default_store())
         cfg, lock = _agree_on_run(cfg, world.rank)
         train(cfg, Mesh.build(cfg.layout))
