@@ -255,3 +255,27 @@ def test_a_pretrained_model_fed_another_tokenizers_ids_is_warned(models, tmp_pat
     assert len(notes["other"]) == 1 and "other.json" in notes["other"][0] and f"--tokenizer {src}" in notes["other"][0]
     assert len(notes["bytes"]) == 1 and "'bytes'" in notes["bytes"][0]
     assert any("a text file's bytes as token ids" in n for n in preflight.advice(corpus))
+
+
+def test_errors_for_a_hugging_face_model_suggest_fixes_its_weights_allow(models, tmp_path):
+    """--vocab-size and tie_embeddings = false are fixed by the weights: the errors said to
+    change them, and the next check refused exactly that."""
+    from tokenizers import Tokenizer
+
+    from paratrain.data.prepare import prepare
+    from paratrain.train import preflight
+    from paratrain.train.config import ConfigError, load
+
+    llama = models["llama"][1]  # ties its embeddings
+    for flags, words in ((dict(pp=2, nproc=2), "a pipeline"), (dict(zero=1, nproc=2), "ZeRO")):
+        with pytest.raises(ConfigError, match=rf"ties its input and output embeddings.*that {words} cannot split"):
+            load(None, dict(preset=llama, seq_len=16, **flags)).validate()
+    src = _with_tokenizer(tmp_path, llama)
+    wide = Tokenizer.from_file(str(src / "tokenizer.json"))
+    wide.add_tokens([f"<extra{i}>" for i in range(80)])  # 280 tokens, over the model's 256
+    wide.save(str(tmp_path / "wide.json"))
+    (tmp_path / "text.txt").write_text("the cat sat on the mat\n" * 50)
+    prepare([str(tmp_path / "text.txt")], str(tmp_path / "wide.json"), str(tmp_path / "data"))
+    cfg = load(None, dict(preset=llama, data=str(tmp_path / "data"), seq_len=16)).validate()
+    with pytest.raises(ConfigError, match=r"fix its vocabulary: train on text tokenized with its own tokenizer"):
+        preflight.check_data(cfg)

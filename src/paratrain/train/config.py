@@ -117,6 +117,11 @@ class Config:
 
     def _check(self) -> None:
         m, p = self.model, self.parallel
+        if m.tie_embeddings and (p.pp > 1 or p.zero) and hf.is_model_dir(self.model_preset):
+            raise ConfigError(f"the Hugging Face model {self.model_preset!r} ties its input and "
+                              f"output embeddings (tie_word_embeddings), one tensor that "
+                              f"{'a pipeline' if p.pp > 1 else 'ZeRO'} cannot split; train it "
+                              f"with --pp 1 --zero 0 (dp, tp and cp split it)")
         try:
             rules.check_split(rules.Shape(m.n_heads, m.kv_heads, m.n_layers, m.ffn_dim),
                               rules.Split(p.tp, p.cp, p.pp, p.virtual_stages, self.data.seq_len,

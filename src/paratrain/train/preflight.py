@@ -123,8 +123,9 @@ def check_data(cfg: Config) -> None:
     top = int(tokens.max()) if len(tokens) else 0
     if top >= cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: the corpus holds token {top}, and the model's "
-                          f"vocabulary has {cfg.model.vocab_size}; set --vocab-size {top + 1} or "
-                          f"more (256 covers every byte) {where('model', 'vocab_size')}")
+                          f"vocabulary has {cfg.model.vocab_size}; "
+                          f"{_vocab_fix(cfg, top + 1, '(256 covers every byte) ')}"
+                          f"{where('model', 'vocab_size')}")
 
 
 def check_weights(cfg: Config) -> None:
@@ -188,6 +189,18 @@ def _tokenizer_advice(cfg: Config) -> list[str]:
             f"with --tokenizer {cfg.model_preset}"]
 
 
+def _vocab_fix(cfg: Config, needed: int, note: str = "") -> str:
+    """How to make the vocabulary cover ``needed`` tokens: a wider model, unless its
+    Hugging Face weights fix the vocabulary; then data from its own tokenizer."""
+    from ..models import hf
+
+    if hf.is_model_dir(cfg.model_preset):
+        return (f"the weights of {cfg.model_preset!r} fix its vocabulary: train on text "
+                f"tokenized with its own tokenizer (`paratrain data prepare TEXT --tokenizer "
+                f"{cfg.model_preset} --out DATA`, then --data DATA) ")
+    return f"set --vocab-size {needed} (or more) {note}"
+
+
 def check_dataset(cfg: Config) -> None:
     """A prepared dataset (--data): readable, within the model's vocabulary, a batch long."""
     from ..data.dataset import read_meta
@@ -203,8 +216,8 @@ def check_dataset(cfg: Config) -> None:
         raise ConfigError(f"data.data: {exc}") from None
     if meta.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: the dataset's tokenizer has {meta.vocab_size} "
-                          f"tokens but the model only {cfg.model.vocab_size}; set "
-                          f"--vocab-size {meta.vocab_size} (or more)")
+                          f"tokens but the model only {cfg.model.vocab_size}; "
+                          f"{_vocab_fix(cfg, meta.vocab_size)}")
     samples = max(0, meta.train_tokens - 1) // cfg.data.seq_len  # as data.Samples windows them
     needed = 1 if d.remainder == "pad" else cfg.train.global_batch
     if samples < needed:
