@@ -139,3 +139,34 @@ def test_moe_and_encoder_decoder_configs_are_refused_by_name(tmp_path, cfg, word
     dense = {**MIXTRAL, "num_local_experts": 1, "model_type": "mistral"}
     (directory / "config.json").write_text(json.dumps(dense))
     assert load_model(str(directory)).n_layers == 32  # one expert is a dense model
+
+
+@pytest.mark.parametrize("edit, words", [
+    (dict(head_dim=128, hidden_size=5120, num_attention_heads=32), r"head_dim = 128 differs from hidden_size / num_attention_heads = 160"),
+    (dict(tie_word_embeddings="false"), r"tie_word_embeddings must be true or false, got \"false\""),
+    (dict(attention_dropout=[0.1]), r"attention_dropout must be a number in \[0, 1\), got \[0.1\]"),
+    (dict(attention_dropout="0.1x"), r"attention_dropout must be a number"),
+    (dict(num_hidden_layers=1_000_003), r"num_hidden_layers = 1000003: more than 10,000 layers"),
+    (dict(hidden_size=4100), r"hidden_size = 4100 is not divisible by num_attention_heads = 32"),
+])
+def test_hf_fields_that_would_be_misread_are_refused_by_name(tmp_path, edit, words):
+    """Mistral-Nemo's head_dim, a string "false", a list as a rate: each read wrongly, or a
+    traceback, before; now one line naming the field."""
+    with pytest.raises(ValueError, match=words):
+        load_model(str(_write(tmp_path, "m", {**LLAMA3_8B_CONFIG, **edit})))
+
+
+def test_hf_reading_of_windows_gates_files_and_paths(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{'hidden_size': 1}")
+    with pytest.raises(ValueError, match=r"bad.json: not valid JSON"):
+        load_model(str(bad))
+    gemma = load_model(str(_write(tmp_path, "gemma", {**LLAMA3_8B_CONFIG, "model_type": "gemma",
+                                                       "hidden_act": "gelu_pytorch_tanh"})))
+    assert gemma.gated_mlp  # GeGLU
+    mistral = load_model(str(_write(tmp_path, "mistral", {**LLAMA3_8B_CONFIG, "model_type": "mistral",
+                                                          "max_position_embeddings": 32768,
+                                                          "sliding_window": 4096})))
+    assert mistral.max_seq_len == 4096  # paratrain trains within the window
+    monkeypatch.chdir(tmp_path)
+    assert load_model("mistral").preset == str(tmp_path / "mistral")  # absolute: --out from anywhere

@@ -4,6 +4,7 @@ config quote."""
 
 import dataclasses
 import importlib
+import json
 import re
 from pathlib import Path
 
@@ -231,3 +232,39 @@ def test_out_of_a_hugging_face_model_fine_tunes_it(tmp_path, capsys):
         written = load(str(out)).validate()
         assert written.model_preset == str(source) and written.model == hf.read_config(source)
         out.unlink()
+
+
+def test_bad_files_and_paths_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    """Each was a traceback (TypeError, IsADirectoryError, matplotlib's ValueError) or
+    silently another thing (--plot chart wrote chart.png)."""
+    monkeypatch.chdir(tmp_path)
+    cal = tmp_path / "cal.json"
+    good = {"matmul_flops": {"fp32": 5e10}, "cores": 2, "alpha": 2e-5, "beta": 8e8, "memory": 8 << 30}
+    for content, words in (("3", "not a calibration"), ("{", "not valid JSON"),
+                           (json.dumps({**good, "memory": -5}), "memory must be a positive number"),
+                           (json.dumps({**good, "cores": 0}), "cores must be a positive number")):
+        cal.write_text(content)
+        assert plan("--model", "tiny", "--cluster", "local", "--calibration", str(cal)) == 2
+        assert words in capsys.readouterr().err, words
+    (tmp_path / "m.toml").write_text("[model]\ncarried = 5\n")
+    assert plan("--model", str(tmp_path / "m.toml")) == 2
+    err = capsys.readouterr().err
+    assert "unknown model fields ['carried']" in err and "'preset'" not in err
+    for flags, words in ((("--out", str(tmp_path)), "a directory; give a file name"),
+                         (("--plot", "chart.xyz"), "name a .png, .svg, .pdf file"),
+                         (("--plot", "chart"), "name a .png, .svg, .pdf file")):
+        assert plan(*TINY8, *flags) == 2
+        assert words in capsys.readouterr().err, flags
+
+
+def test_the_default_sequence_is_at_most_8k_and_nothing_fits_names_it(tmp_path, capsys):
+    """A 1M-token context (Mistral-Nemo-like) made the default --seq-len 1,024,000, and
+    "nothing fits" then blamed the devices only."""
+    config = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+              "vocab_size": 128256, "max_position_embeddings": 1_024_000}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert plan("--model", str(tmp_path / "config.json"), "--gpus", "8", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["training"]["seq_len"] == 8192
+    assert plan("--model", "llama3-405b", "--gpu", "a100-40g", "--gpus", "8") == 1
+    assert "or a shorter --seq-len (now 8,192)" in capsys.readouterr().err

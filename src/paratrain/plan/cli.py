@@ -1,7 +1,7 @@
 """``paratrain plan``: rank every layout of a model on a cluster by predicted step time.
 
 Registered on the main parser's sub-commands by ``add_parser``; ``run`` does the work.
-Imports nothing heavy: the planner is arithmetic and starts instantly.
+The planner is arithmetic; torch comes in only through paratrain's own model presets.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ DEFAULT_TOKENS = {"gpu": 2**22, "local": 2**13}
 GPT-3 started with), 8K for CPU processes."""
 DEFAULT_GPU = "h100-80g"
 DEFAULT_TOP = 5
+DEFAULT_SEQ_CAP = 8192
+"""--seq-len when not given: the model's context, at most 8K, the length Llama 3 and most
+published runs pre-train at (long contexts are a later phase, asked for by --seq-len)."""
+PLOT_FORMATS = (".png", ".svg", ".pdf")
 DEFAULT_GPUS_PER_NODE = 8
 GPU_CLUSTER_FLAGS = ("gpu", "nodes", "gpus_per_node", "intra_bw", "inter_bw")
 """Flags that describe GPUs; a local cluster's rates and memory come from its calibration.
@@ -61,7 +65,8 @@ def add_parser(subparsers) -> None:
     tr = p.add_argument_group("training")
     tr.add_argument("--global-batch", type=int,
                     help="sequences per step (default: ~4M tokens on GPUs, 8K locally)")
-    tr.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    tr.add_argument("--seq-len", type=int,
+                    help=f"tokens per sequence (default: the model's context, at most {DEFAULT_SEQ_CAP})")
     tr.add_argument("--micro-batch", default="search", help="sequences per microbatch, or search")
     tr.add_argument("--precision", choices=PRECISIONS,
                     help="default bf16 on GPUs, fp32 for --cluster local")
@@ -102,7 +107,7 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
 
 
 def build_training(args: argparse.Namespace, model: ModelSpec, cluster: Cluster) -> Training:
-    seq = args.seq_len or model.max_seq_len
+    seq = args.seq_len or min(model.max_seq_len, DEFAULT_SEQ_CAP)
     batch = args.global_batch or max(1, DEFAULT_TOKENS[cluster.kind] // seq)
     precision = args.precision or ("fp32" if cluster.kind == "local" else "bf16")
     return Training(batch, seq, precision, args.optimizer)
@@ -126,6 +131,11 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         if path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{flag} {path}: the directory {Path(path).parent} does not exist")
+        if path and Path(path).is_dir():
+            raise ValueError(f"{flag} {path}: a directory; give a file name")
+    if args.plot and Path(args.plot).suffix.lower() not in PLOT_FORMATS:
+        raise ValueError(f"--plot {args.plot}: name a {', '.join(PLOT_FORMATS)} file (the format "
+                         f"follows the extension)")
     check_combinations(args)
 
 
@@ -354,4 +364,5 @@ def _suggest_batches(model: ModelSpec, training: Training, cluster: Cluster,
               f"{', '.join(map(str, batches))} (--global-batch N)", file=sys.stderr)
     else:
         print(f"paratrain plan: no global batch near {training.global_batch} fits either: "
-              f"the model needs more or larger devices", file=sys.stderr)
+              f"the model needs more or larger devices, or a shorter --seq-len (now "
+              f"{training.seq_len:,})", file=sys.stderr)

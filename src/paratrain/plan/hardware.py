@@ -261,8 +261,13 @@ class Calibration:
     the dispatch of an eager model's operators (fp32, measured with the efficiency)."""
 
     def __post_init__(self) -> None:
-        if "fp32" not in self.matmul_flops:
+        if not isinstance(self.matmul_flops, dict) or "fp32" not in self.matmul_flops:
             raise ValueError("matmul_flops has no 'fp32' rate")
+        for name in ("cores", "alpha", "beta", "memory", "world_size"):
+            value, least = getattr(self, name), 0 if name == "alpha" else 1e-300  # a fit may give α 0
+            if type(value) not in (int, float) or not value >= least:
+                what = "0 or more" if name == "alpha" else "a positive number"
+                raise ValueError(f"{name} must be {what}, got {json.dumps(value)}")
         for n, ops in self.comm.items():
             if not (n.isdigit() and isinstance(ops, dict)
                     and all(isinstance(v, list) and len(v) == 2 for v in ops.values())):
@@ -289,16 +294,21 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
         raise CalibrationError(
             f"no calibration at {path}: run `paratrain plan --cluster local --calibrate` "
             f"once to measure this machine's matmul rate and gloo all-reduce α/β")
-    data = json.loads(path.read_text())
+    fix = "re-run `paratrain plan --cluster local --calibrate` to measure it again"
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); {fix}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a calibration (a JSON object of rates); {fix}")
     known = {f.name for f in fields(Calibration)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{path}: unknown keys {unknown}; expected {sorted(known)}")
     try:
         return Calibration(**data)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{path}: {err}; re-run `paratrain plan --cluster local "
-                         f"--calibrate` to measure it again") from None
+    except (TypeError, ValueError, AttributeError) as err:
+        raise ValueError(f"{path}: {err}; {fix}") from None
 
 
 def local_cluster(n_procs: int, calibration: Calibration) -> Cluster:

@@ -196,7 +196,11 @@ def load_model(spec: str) -> ModelSpec:
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"model config {path} does not exist")
-        return from_toml(path) if path.suffix == ".toml" else from_hf_config(path)
+        if path.suffix == ".toml":
+            return from_toml(path)
+        from .hf_config import from_hf_config
+
+        return from_hf_config(path)
     found = _local_preset(spec)
     if found is None:
         known = ", ".join([*PRESETS, *LOCAL_PRESETS])
@@ -245,7 +249,7 @@ def from_toml(path: str | Path) -> ModelSpec:
         name = table.pop("preset", TRAIN_DEFAULT_PRESET)
         table, preset = {**_preset_fields(path, name), **table}, name
     carried = tuple((key, table.pop(key)) for key in _IGNORED_GPT_FIELDS if key in table)
-    known = {f.name for f in fields(ModelSpec)} - {"name"}
+    known = {f.name for f in fields(ModelSpec)} - {"name", "preset", "carried"}  # set by the reader
     unknown = sorted(k for k in table if k not in known and not isinstance(table[k], dict))
     if unknown:
         raise ValueError(f"{path}: unknown model fields {unknown}; known: {sorted(known)}")
@@ -294,86 +298,6 @@ def check_values(path: Path, values: dict, names: dict | None = None,
             raise ValueError(f"{path}: {label} must be {low}, got {json.dumps(value)}")
         if f.type == "bool" and type(value) is not bool:
             raise ValueError(f"{path}: {label} must be true or false, got {json.dumps(value)}")
-
-
-# ---- Hugging Face config.json -------------------------------------------------------------
-
-_HF_ALIASES = {
-    "n_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "d_model": ("hidden_size", "n_embd", "n_embed", "d_model"),
-    "n_heads": ("num_attention_heads", "n_head", "num_heads"),
-    "vocab_size": ("vocab_size",),
-}
-_HF_OPTIONAL = {
-    "n_kv_heads": ("num_key_value_heads", "num_kv_heads"),
-    "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
-    "max_seq_len": ("max_position_embeddings", "n_positions", "seq_length", "n_ctx"),
-}
-_GPT_LIKE = {"gpt2", "gpt_neox", "bloom", "gpt_bigcode", "opt", "gptj"}
-_TRAINED = {"llama", "mistral", "qwen2"}
-"""model_type values whose directory ``paratrain train --model DIR`` loads (models/hf.py)."""
-_TIED_BY_DEFAULT = {"gpt2", "bloom", "gpt_bigcode", "opt"}
-_DROPOUT_KEYS = ("attn_pdrop", "resid_pdrop", "attention_dropout", "hidden_dropout")
-
-
-def from_hf_config(path: str | Path) -> ModelSpec:
-    """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen, GPT-2, GPT-NeoX, BLOOM)."""
-    path = Path(path)
-    cfg = json.loads(path.read_text())
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object of model settings")
-    refuse_unmodelled(cfg, path)
-    values, keys_used = {}, {}
-    for field, keys in {**_HF_ALIASES, **_HF_OPTIONAL}.items():
-        key = next((k for k in keys if cfg.get(k) is not None), None)
-        if key is None and field in _HF_ALIASES:
-            raise ValueError(f"{path}: no {field} (looked for {', '.join(keys)})")
-        if key is not None:
-            values[field], keys_used[field] = cfg[key], key
-    check_values(path, values, keys_used)
-    kind = str(cfg.get("model_type", "llama"))
-    gpt_like = kind in _GPT_LIKE
-    values.setdefault("n_kv_heads", values["n_heads"])
-    values.setdefault("ffn_hidden", 4 * values["d_model"])
-    values.setdefault("max_seq_len", 2048)
-    act = str(cfg.get("hidden_act", cfg.get("activation_function", "")))
-    return ModelSpec(
-        name=f"{path.parent.name or path.name} ({kind})", **values,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", kind in _TIED_BY_DEFAULT)),
-        gated_mlp=not gpt_like and act in ("silu", "swish", "swiglu", ""),
-        bias=gpt_like or bool(cfg.get("attention_bias", False)),
-        norm="layernorm" if gpt_like else "rmsnorm",
-        learned_pos=kind in ("gpt2", "gpt_bigcode", "opt"),
-        dropout=any(float(cfg.get(k) or 0) > 0 for k in _DROPOUT_KEYS),
-        qkv_bias=kind == "qwen2",  # Qwen2 biases q, k and v only, without a config key
-        preset=str(path.parent) if kind in _TRAINED else "",
-    )
-
-
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
-                "num_experts_per_tok")
-_ENCODER_DECODER = {"t5", "mt5", "umt5", "longt5", "switch_transformers", "bart", "mbart",
-                    "pegasus", "marian", "whisper", "encoder-decoder"}
-
-
-def refuse_unmodelled(cfg: dict, path: Path) -> None:
-    """Raise ValueError, naming the model, for architectures the planner would misread as
-    a dense decoder: mixtures of experts (their parameters, memory and FLOPs depend on
-    the experts and expert parallelism) and encoder-decoders (two stacks, cross
-    attention)."""
-    kind = str(cfg.get("model_type", "?"))
-    name = f"{path.parent.name or path.name} (model_type {kind!r})"
-    experts = {k: cfg[k] for k in _EXPERT_KEYS[:-1]
-               if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool) and cfg[k] > 1}
-    if experts:
-        key, count = next(iter(experts.items()))
-        raise ValueError(f"{name} is a mixture of experts ({key} = {count}): the planner "
-                         f"models dense decoder-only transformers only and would plan it as "
-                         f"a dense model of the same width; MoE is not supported yet")
-    if cfg.get("is_encoder_decoder") is True or kind in _ENCODER_DECODER:
-        raise ValueError(f"{name} is an encoder-decoder model: the planner models "
-                         f"decoder-only transformers only and would plan it as a decoder; "
-                         f"encoder-decoder models are not supported")
 
 
 def describe(model: ModelSpec) -> str:
