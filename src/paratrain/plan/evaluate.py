@@ -278,7 +278,10 @@ def evaluate(spec: LayoutSpec, model: ModelSpec, training: Training, cluster: Cl
     """The best completion of ``spec`` (or the closest to fitting), ranked against
     ``result``, the search over all layouts."""
     best = None
-    for cand in candidates(spec, model, training, cluster):
+    searched = next((plan.cand for plan in result.plans if _completes(spec, plan.cand)), None)
+    if searched is not None:  # the search's fastest completion: no need to enumerate them all
+        best = evaluate_candidate(model, training, cluster, searched)
+    for cand in () if searched is not None else candidates(spec, model, training, cluster):
         ev = evaluate_candidate(model, training, cluster, cand)
         if best is None or _closeness(ev) < _closeness(best):
             best = ev
@@ -304,6 +307,20 @@ def evaluate(spec: LayoutSpec, model: ModelSpec, training: Training, cluster: Cl
         key = rank_key(best.time.step, best.memory.total)
         best.rank = 1 + sum(rank_key(p.time.step, p.memory.total) < key for p in result.plans)
     return best
+
+
+_SEARCHED = ("dp", "tp", "pp", "cp", "zero", "micro_batch", "schedule", "virtual_stages",
+             "recompute", "cp_method")
+"""Spec fields a search plan can be matched on; a spec fixing any other choice (HSDP,
+reshard, +sp, the microbatch count) is completed by enumeration."""
+
+
+def _completes(spec: LayoutSpec, cand: Candidate) -> bool:
+    """Whether ``cand`` (a search plan: it fits) is a completion of ``spec``."""
+    if (spec.shard_group, spec.reshard_after_forward, spec.sequence_parallel,
+            spec.microbatches) != (None, None, None, None):
+        return False
+    return all(getattr(spec, name) in (None, getattr(cand, name)) for name in _SEARCHED)
 
 
 def _runnable_batches(batch: int, unit: int) -> list[int]:
