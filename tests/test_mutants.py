@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "mutants.py"
 
@@ -19,6 +21,7 @@ def test_every_mutant_file_is_well_formed():
     assert done.stdout.count("tests:") >= 12
 
 
+@pytest.mark.timeout(600)  # 2-4 minutes; more on a loaded machine (the subprocess's own limit)
 def test_ci_mutants_are_caught():
     # No baseline run: the suite runs every one of these tests unmutated anyway, and a
     # failing one shows there (the baseline cost 35 s of a 2-minute check). Two at a time:
