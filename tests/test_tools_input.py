@@ -176,3 +176,25 @@ def test_benchmark_counts_are_checked_before_any_process(script, monkeypatch, ca
 def test_benchmark_sequence_must_fit_the_model(monkeypatch, capsys):
     assert run_benchmark("zero_vs_peers.py", ["--model", "tiny"], monkeypatch) == 2
     assert "--seq 128 is longer than model tiny's max_seq_len 64" in capsys.readouterr().err
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+def test_report_reads_a_torn_metrics_file_and_checks_out_first(tmp_path, capsys):
+    """A killed run tears its last line (docs/runs.md): report drew nothing but a
+    JSONDecodeError traceback; --out x.txt was matplotlib's traceback, --out DIR wrote DIR.png."""
+    run = tmp_path / "run"
+    run.mkdir()
+    record = {"loss": 2.0, "tokens_per_s": 1.0, "lr": 1e-3}
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **record}) + "\n" for s in (1, 2))
+                                       + '{"step": 3, "lo')
+    assert main(["report", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 1 line(s)" in captured.err and "(2 steps)" in captured.out
+    assert main(["report", str(run / "metrics.jsonl"), "--out", str(tmp_path / "r.svg")]) == 0
+    assert (tmp_path / "r.svg").is_file()
+    for out, words in ((tmp_path / "x.txt", "name a .png, .svg, .pdf file"),
+                       (tmp_path, "name a .png, .svg, .pdf file"),
+                       (tmp_path / "none" / "x.png", "does not exist")):
+        assert main(["report", str(run), "--out", str(out)]) == 2
+        assert words in capsys.readouterr().err, out

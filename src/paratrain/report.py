@@ -5,19 +5,49 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 
+FORMATS = (".png", ".svg", ".pdf")
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
+    """The step records of a run directory's ``metrics.jsonl`` (or of that file itself);
+    lines that are not a step's record, such as the one a killed run tore, are skipped
+    with a note."""
+    path = run_dir if run_dir.is_file() else run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics at {path}: pass the directory of a run "
-                                f"(e.g. runs/latest), or the --metrics file's directory")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+                                f"(e.g. runs/latest), or a metrics.jsonl file")
+    records, skipped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        elif line.strip():
+            skipped += 1
+    if skipped:
+        print(f"paratrain report: skipped {skipped} line(s) of {path} that are not a step's "
+              f"record (a run killed mid-write tears its last line)", file=sys.stderr)
     if not records:
-        raise FileNotFoundError(f"{path} is empty: the run wrote no step yet")
+        raise FileNotFoundError(f"{path} holds no step record: the run wrote no step yet")
     return records
+
+
+def check_out(out: str) -> Path:
+    """``--out``: a .png/.svg/.pdf file in an existing directory."""
+    path = Path(out)
+    if path.is_dir() or path.suffix.lower() not in FORMATS:
+        raise ValueError(f"--out {out}: name a {', '.join(FORMATS)} file (the format follows "
+                         f"the extension)")
+    if not path.resolve().parent.is_dir():
+        raise ValueError(f"--out {out}: the directory {path.parent} does not exist")
+    return path
 
 
 def draw(records: list[dict[str, Any]], out: Path, title: str) -> Path:
@@ -66,7 +96,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
+    try:
+        out = check_out(args.out) if args.out else None  # before reading: a bad flag costs nothing
+    except ValueError as exc:
+        print(f"paratrain report: error: {exc}", file=sys.stderr)
+        return 2
     records = read_metrics(run_dir)
-    out = draw(records, Path(args.out) if args.out else run_dir / "report.png", str(run_dir))
+    home = run_dir.parent if run_dir.is_file() else run_dir
+    out = draw(records, out or home / "report.png", str(run_dir))
     print(f"report        {out} ({len(records)} steps)")
     return 0
