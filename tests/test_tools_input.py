@@ -198,3 +198,18 @@ def test_report_reads_a_torn_metrics_file_and_checks_out_first(tmp_path, capsys)
                        (tmp_path / "none" / "x.png", "does not exist")):
         assert main(["report", str(run), "--out", str(out)]) == 2
         assert words in capsys.readouterr().err, out
+
+
+def test_trace_and_bench_comm_refuse_what_cannot_run(tmp_path, capsys):
+    """trace --pp 100000 --microbatches 100000 ran until killed; bench comm --nproc 100000
+    tried to start 100000 processes, and --sizes , ended in StopIteration after spawning."""
+    for argv, words in ((["trace", "--pp", "100000", "--microbatches", "100000"], "boxes to draw"),
+                        (["trace", "--run", str(tmp_path / "none.json")], "--run"),
+                        (["trace", "--out", str(tmp_path / "none" / "x.png")], "does not exist"),
+                        (["bench", "comm", "--nproc", "100000"], "more than 64 processes"),
+                        (["bench", "comm", "--sizes", "1000000G"], "lower the largest size")):
+        assert main(argv) == 2, argv
+        assert words in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):
+        main(["bench", "comm", "--sizes", ","])
+    assert "give at least one size" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from .parallel.pipeline.schedules import KINDS, notes
 from .parallel.pipeline.timeline import Timeline, theoretical_bubble
@@ -60,11 +61,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+MAX_TASKS = 100_000
+"""Forward and backward boxes of a simulated schedule worth drawing (pp x m x v)."""
+
+
 def run(args: argparse.Namespace) -> int:
     from .trace import RenderError, render_schedule, render_timeline
 
     # A bad schedule raises ScheduleError, a LayoutError: cli.main prints it like any other.
     try:
+        if not Path(args.out).resolve().parent.is_dir():
+            raise RenderError(f"--out {args.out}: the directory {Path(args.out).parent} does not exist")
         if args.step is not None and not args.run:
             raise RenderError(f"--step {args.step} picks a step of a recorded run: give --run "
                               f"TIMELINE.json too (a simulated schedule has one step)")
@@ -81,6 +88,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _trace_schedule(args: argparse.Namespace, render_schedule) -> None:
     p, m, v = args.pp, args.microbatches, args.virtual_stages
+    if p * m * v > MAX_TASKS:
+        from .trace import RenderError
+
+        raise RenderError(f"--pp {p} x --microbatches {m} x --virtual-stages {v} = {p * m * v:,} "
+                          f"boxes to draw, more than {MAX_TASKS:,} (no one could read them); "
+                          f"lower --pp or --microbatches")
     sim = render_schedule(args.schedule, p, m, v, args.out, args.f_cost, args.b_cost)
     theory = theoretical_bubble(p, m, v)
     print(f"schedule {args.schedule}: pp={p}, microbatches={m}, virtual stages={v}; "
@@ -97,8 +110,10 @@ def _trace_run(args: argparse.Namespace, render_timeline) -> None:
 
     try:
         timeline = Timeline.load(args.run)
-    except ValueError as exc:
-        raise RenderError(str(exc)) from None
+    except OSError as exc:
+        raise RenderError(f"--run {args.run}: {exc.strerror or exc}") from None
+    except (ValueError, TypeError, KeyError) as exc:  # a file that is not a timeline
+        raise RenderError(f"--run {args.run}: not a timeline paratrain wrote ({exc})") from None
     drawn = step_index(timeline, args.step) + 1  # checks --step before any drawing
     render_timeline(timeline, args.out, drawn)
     steps = step_index(timeline, None) + 1  # the count --step is checked against

@@ -57,7 +57,29 @@ def parse_size(text: str) -> int:
 
 
 def _sizes(text: str) -> list[int]:
-    return sorted({parse_size(part) for part in text.split(",") if part.strip()})
+    sizes = sorted({parse_size(part) for part in text.split(",") if part.strip()})
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"give at least one size, e.g. 1M,64M; got {text!r}")
+    return sizes
+
+
+MAX_NPROC = 64
+"""Processes one machine's benchmark starts at most (each imports torch: ~300 MB)."""
+BUFFERS = 3
+"""Tensors of the largest size each rank holds at once (input, output, a ring's scratch)."""
+
+
+def _check_scale(nproc: int, sizes: list[int]) -> None:
+    """Before spawning: a world this machine can start, and buffers its memory holds."""
+    if nproc > MAX_NPROC:
+        raise ValueError(f"--nproc {nproc}: more than {MAX_NPROC} processes on one machine; "
+                         f"lower --nproc")
+    need = nproc * BUFFERS * max(sizes)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > total:
+        raise ValueError(f"--sizes: {nproc} ranks x {BUFFERS} buffers of {max(sizes):,} bytes "
+                         f"need {need / 2**30:.1f} GiB, and this machine has "
+                         f"{total / 2**30:.1f} GiB; lower the largest size or --nproc")
 
 
 def _ops(text: str) -> list[str]:
@@ -103,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         backend = pick_backend(args.backend)
         if args.nproc < 2:
             raise ValueError("a collective needs at least 2 processes; use --nproc 2 or more")
+        _check_scale(args.nproc, args.sizes)
         results = spawn(_measure_all, args.nproc, list(args.ops), list(args.sizes),
                         args.iters, args.warmup, backend=backend, timeout_s=900)
     except (ValueError, RankFailed) as exc:
