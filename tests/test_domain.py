@@ -264,3 +264,10 @@ def test_heat2d_refuses_language_model_settings_it_would_ignore(tmp_path, settin
     preflight.check_data(heat_config(str(tmp_path)))  # reads no corpus
     with pytest.raises(ConfigError, match="records a pipeline's schedule"):
         load(None, {"timeline": True}).validate()
+
+
+def test_heat2d_refuses_zero3_before_launch(tmp_path):
+    """ZeRO-3's prefetch follows the units' registration order, which the U-Net breaks:
+    its second forward ran a convolution on freed storage (a crash, or SIGSEGV at 4 ranks)."""
+    with pytest.raises(ConfigError, match="--zero 3 is not supported.*use --zero 1 or --zero 2"):
+        heat_config(str(tmp_path), zero=3, nproc=1)
