@@ -10,8 +10,11 @@ norm. That is why ``assert_same_run`` compares those too.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
 
 from paratrain.comm import collectives as C
 from paratrain.mesh import Mesh
@@ -98,8 +101,24 @@ def train_one(cfg: Config) -> dict:
 
 
 def train_runs(configs: dict[str, Config]) -> dict[str, dict]:
-    """Train each named config in turn inside one world (worlds are slow to start)."""
-    return {name: train_one(cfg) for name, cfg in configs.items()}
+    """Train each named config in turn inside one world (worlds are slow to start). Each
+    result also says how many bytes of tensors the finished run left alive."""
+    results: dict[str, dict] = {}
+    for name, cfg in configs.items():
+        results[name] = train_one(cfg)
+        results[name]["leaked_bytes"] = leaked_bytes(list(results.values()))
+    return results
+
+
+def leaked_bytes(kept: list[dict]) -> int:
+    """Bytes of the tensors alive after a run that the results ``kept`` do not hold: a
+    finished run frees everything it allocated (tests/test_leaks.py)."""
+    gc.collect()
+    held = {t.untyped_storage().data_ptr() for result in kept
+            for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)}
+    alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+             for t in gc.get_objects() if isinstance(t, torch.Tensor) and not t.is_meta}
+    return sum(n for ptr, n in alive.items() if ptr not in held)
 
 
 # ---- in the test process ----------------------------------------------------------------------
@@ -127,6 +146,8 @@ def assert_same_run(got: dict, want: dict, rtol: float = RTOL, what: str = "") -
     assert_close_list(got["grad_norms"], want["grad_norms"], rtol, f"{what} grad norms")
     assert_tensors_close(got["grads"], want["grads"], rtol, f"{what} first-step gradients")
     assert_tensors_close(got["params"], want["params"], rtol, f"{what} parameters")
+    # Up to a few 8-byte results of gloo's last all-gather may be held a moment longer.
+    assert got.get("leaked_bytes", 0) < 1024, f"{what}: {got['leaked_bytes']} bytes outlived the run"
 
 
 def tail(run: dict, since: int = 0) -> dict:

@@ -22,6 +22,7 @@ from torch.distributed import ProcessGroup
 
 from ..comm import collectives as C
 from ..comm.compress import CompressorSet, CompressSpec, parse
+from .hooks import weakly
 
 
 @dataclass
@@ -94,7 +95,8 @@ class DataParallel(nn.Module):
         for bucket, compressor in zip(self.buckets, self.compressors.items):
             bucket.compressor = compressor
         self._sync = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(weakly(self, DataParallel._on_grad_ready))
+                       for p in params]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

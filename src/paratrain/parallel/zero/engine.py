@@ -42,6 +42,7 @@ from ...comm import collectives as C
 from ...comm.compress import CompressorSet, CompressSpec, all_reduce_bytes, check
 from ...comm.ring import ring_all_gather
 from ..engine import MOMENTS, merge_stages, plain_name
+from ..hooks import weakly
 from ..step import ScheduledStep, StepPlan
 from ..tensor import TensorParallel
 from .flat import build_unit, group_units
@@ -101,7 +102,8 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         self.peak_bytes = 0
         for index, unit in enumerate(self.units):
             for p in unit.flat.params:
-                p.register_post_accumulate_grad_hook(lambda p, u=unit: self._on_grad_ready(u, p))
+                p.register_post_accumulate_grad_hook(weakly(
+                    self, lambda zero, p, i=index: zero._on_grad_ready(zero.units[i], p)))
             if stage == 3:
                 # First of the unit's pre-hooks: others (a TP region's entry computes the
                 # column GEMMs) need the gathered weights.
