@@ -1,11 +1,15 @@
 """Shape-aware compute rates, ZeRO-3 / HSDP communication, the local curve fit (pure
 arithmetic, no processes)."""
 
+import json
+import statistics
+from pathlib import Path
+
 import pytest
 
 from paratrain.plan.calibrate import fit_curve
 from paratrain.plan.candidate import Candidate, Training
-from paratrain.plan.compute import (elementwise_bytes, gemm_efficiency, matmul_time,
+from paratrain.plan.compute import (attention_time, elementwise_bytes, gemm_efficiency, matmul_time,
                                     unfused_attention_time)
 from paratrain.plan.cost import step_time, zero3_links
 from paratrain.plan.overlap import prefetched
@@ -183,3 +187,23 @@ def test_out_picks_a_plan_that_fits_paratrains_own_runtime():
     assert chosen is not plans[0]
     assert rank_memory(model, training, chosen.cand, paratrain=True).total <= cluster.memory_limit
     assert trainable(plans, model, training) is plans[0]  # the local cluster counts paratrain's
+
+
+def test_h100_preset_fits_the_gemms_and_attention_measured_on_an_h100():
+    """tests/data/h100_compute.json: benchmarks/gpu_compute.py on one H100 SXM (torch
+    2.11, cuBLAS; SDPA chose cuDNN attention), the source of the H100 ``half_dim`` and
+    ``attention_efficiency``. The planner's time of every measured GEMM and of attention
+    forward + backward at the sequence lengths training uses stays within these bounds."""
+    data = json.loads((Path(__file__).parent / "data" / "h100_compute.json").read_text())
+    gpu = gpu_preset("h100-80g")
+    rate = gpu.peak_flops * gpu.efficiency
+    gemm = [abs(matmul_time(r["m"], r["k"], r["n"], rate, gpu.half_dim, gpu, 2) - r["s"]) / r["s"]
+            for r in data["gemms"]]
+    assert len(gemm) > 400 and statistics.median(gemm) < 0.12
+    for r in data["attention"]:
+        if r["s"] >= 2048:
+            flops = 4 * r["b"] * r["heads"] * r["s"] ** 2 * r["head_dim"]
+            predicted = 3 * attention_time(flops, r["s"], gpu.peak_flops * gpu.attention_efficiency,
+                                           gpu.half_dim)
+            measured = r["fwd_s"] + r["bwd_s"]
+            assert abs(predicted - measured) < 0.15 * measured, (r["s"], predicted, measured)

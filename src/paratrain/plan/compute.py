@@ -15,10 +15,12 @@ capped at peak · efficiency, and never faster than its bytes over HBM (the roof
   794.5 (80.3%). ``ref`` is that best shape: the curve passes through the measurement.
 * ``sat(d) = d / (d + half_dim)``: a tile's fixed cost (filling its software pipeline
   along K, writing its output tile) amortised over the smallest dimension; half of the
-  asymptotic rate at d = ``half_dim``. 128 on GPUs (``GpuSpec.half_dim``): a CUTLASS /
-  cuBLAS mainloop runs 3-4 stages of 32-64 elements of K ahead of its math, so about
-  128 elements of K of latency per tile (an assumption from the kernels' structure,
-  not a fit); measured by ``--calibrate`` on the local cluster.
+  asymptotic rate at d = ``half_dim``. On the H100 it is measured: 224 fits best the 433
+  bf16 GEMMs of tp-split Llama 3 8B/70B block shapes that ``benchmarks/gpu_compute.py``
+  timed on one H100 (cuBLAS, torch 2.11; tests/data/h100_compute.json; median |error|
+  10%). The A100 keeps 128, an assumption from a CUTLASS / cuBLAS mainloop running 3-4
+  stages of 32-64 elements of K ahead of its math. On the local cluster ``--calibrate``
+  measures it.
 * ``waves``: wave quantization (NVIDIA, "Matrix Multiplication Background User's
   Guide", "Wave Quantization"): an M x N output is cut into 128 x 128 tiles; with T
   tiles on S streaming multiprocessors the last of ceil(T/S) waves is partly idle, so
@@ -27,9 +29,11 @@ capped at peak · efficiency, and never faster than its bytes over HBM (the roof
   T counting partial tiles as whole. CPUs have no waves (``sms`` = 0).
 
 Attention's core (QK^T and softmax·V) runs in a FlashAttention-style kernel at
-``GpuSpec.attention_efficiency`` of peak on long sequences (FlashAttention-2, Dao 2023:
-forward + backward reaches about 60% of peak on A100 and about 35% on H100 with head
-dimension 128), scaled by ``sat`` of the per-rank query length (short sequences leave
+``GpuSpec.attention_efficiency`` of peak on long sequences (A100: FlashAttention-2, Dao
+2023, forward + backward at about 60% of peak with head dimension 128; H100: 47%, what
+torch 2.11's SDPA (cuDNN attention) reached forward + backward at head dimension 128 and
+sequences of 2K-16K on one H100, tests/data/h100_compute.json; FlashAttention-2's paper
+gives 35% there), scaled by ``sat`` of the per-rank query length (short sequences leave
 the kernel's tiles and SMs idle) and causal: the kernel skips the blocks above the
 diagonal, half of the FLOPs Megatron's count (``flops.step_flops``) includes.
 

@@ -88,12 +88,13 @@ class GpuSpec:
 
 
 # efficiency: measured maximum achievable matmul FLOPS over peak, with the shape it was
-# measured at (stas00/ml-engineering); attention: FlashAttention-2's forward + backward
-# fraction of peak; SMs from the datasheets (plan/compute.py has the sources).
+# measured at (stas00/ml-engineering); A100 attention: FlashAttention-2's forward + backward
+# fraction of peak; H100 half_dim and attention: measured on an H100 (tests/data/
+# h100_compute.json); SMs from the datasheets (plan/compute.py has the sources).
 _A100 = dict(efficiency=267.9 / 312, half_dim=128, sms=108, mamf_shape=(6912, 2048, 16384),
              attention_efficiency=0.6)
-_H100 = dict(efficiency=794.5 / 989, half_dim=128, sms=132, mamf_shape=(6144, 2816, 17920),
-             attention_efficiency=0.35)
+_H100 = dict(efficiency=794.5 / 989, half_dim=224, sms=132, mamf_shape=(6144, 2816, 17920),
+             attention_efficiency=0.47)
 GPUS: dict[str, GpuSpec] = {
     "a100-40g": GpuSpec("a100-40g", 312e12, 19.5e12, 40 * GiB, 1.555e12,
                         230 * GB, 22.5 * GB, **_A100),
