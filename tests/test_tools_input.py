@@ -168,7 +168,8 @@ def run_benchmark(script: str, args: list[str], monkeypatch) -> int:
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")
                                           if p.name != "common.py"))
 def test_benchmark_counts_are_checked_before_any_process(script, monkeypatch, capsys):
-    flag = "--rounds" if script == "init_and_checkpoint.py" else "--steps"
+    flag = {"init_and_checkpoint.py": "--rounds", "gpu_compute.py": "--reps",
+            "gpu_memory.py": "--micro-batch"}.get(script, "--steps")
     assert run_benchmark(script, [flag, "0"], monkeypatch) == 2
     assert f"argument {flag}: must be at least" in capsys.readouterr().err
 
