@@ -97,3 +97,17 @@ def test_clipping_across_shards_equals_torch_clip_grad_norm(tmp_path):
         got = {**results[0][name], "val": []}  # the reference does not evaluate
         assert_same_run(got, want, what=name)
         assert_replicas_equal(results, name)
+
+
+def test_a_resumed_adam_count_lives_where_the_kernel_wants_it():
+    """torch's fused AdamW (paratrain's on CUDA) refuses a step count on the CPU, so a
+    resumed state puts it on the parameter's device there, and on the CPU otherwise
+    (scripts/gpu_smoke.sh resumes a fused run on a GPU bit-exactly)."""
+    from paratrain.optim import adam_step_count
+
+    p = torch.nn.Parameter(torch.ones(2))
+    elsewhere = torch.device("meta")  # stands in for the GPU: any device but the CPU
+    fused = torch.optim.AdamW([p], fused=True)
+    assert adam_step_count(fused, 3, elsewhere).device == elsewhere
+    count = adam_step_count(torch.optim.AdamW([p]), 3, elsewhere)
+    assert count.device.type == "cpu" and count.item() == 3.0

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..optim import build_adamw, clip_grad_norm_, set_lr
+from ..optim import adam_step_count, build_adamw, clip_grad_norm_, set_lr
 from .data import DataParallel
 from .step import Batch, ScheduledStep, StepLoss, StepPlan
 from .tensor import TensorParallel
@@ -135,7 +135,7 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         """Install this rank's share of full moments (from any layout) after ``step`` steps."""
         self.dp.compressors.load_state(moments.get("compress", {}), dist.group.WORLD)
         for name, p in self.module.named_parameters():
-            state = {"step": torch.tensor(float(step))}
+            state = {"step": adam_step_count(self.optimizer, step, p.device)}
             for key in MOMENTS:
                 full = moments[key][plain_name(name)].to(p.device)
                 state[key] = self.tp.local_shard(p, full) if self.tp is not None else full.clone()

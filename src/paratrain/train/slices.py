@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import collectives as C
+from ..optim import adam_step_count
 from ..parallel.engine import MOMENTS, plain_name
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, extents)
@@ -218,7 +219,7 @@ def prepare_optimizer_state(engine, step: int) -> None:
         targets = [p for p in engine.module.parameters() if p.requires_grad]
     for t in targets:  # moments that exist are reused (loading overwrites every element)
         old = optimizer.state.get(t, {})
-        optimizer.state[t] = {"step": torch.tensor(float(step)),
+        optimizer.state[t] = {"step": adam_step_count(optimizer, step, t.device),
                               **{k: old[k] if k in old else torch.zeros_like(t, dtype=torch.float32)
                                  for k in MOMENTS}}
 
