@@ -7,8 +7,8 @@ interleaving the runners spreads the noise over both). A step is timed from a ba
 the end of the optimizer step on the slowest rank; the CPU time all ranks spent on it is
 reported too, a measure of work that other jobs on the machine do not inflate.
 paratrain's executor also records its
-timeline, giving the measured bubble (1 - compute / step time; median over steps, mean
-over ranks) next to the theory (p-1)/(m+p-1), split into the shares of the step spent
+timeline, giving the measured bubble (1 - compute / the step's makespan over the ranks;
+median over steps, mean over ranks) next to the theory (p-1)/(m+p-1), split into the shares of the step spent
 waiting for transfers and in the calls that post them (the rest: Python between actions,
 or the rank not being scheduled on a busy machine).
 
@@ -35,6 +35,7 @@ from paratrain.parallel.pipeline import (Recorder, gather_timeline, run_schedule
                                          split_model, theoretical_bubble)
 from paratrain.parallel.pipeline.posting import GLOO_RECEIVES_AHEAD
 from paratrain.parallel.pipeline.simulator import simulate
+from paratrain.parallel.pipeline.timeline import StepRecord, step_bubbles
 
 from common import at_least
 
@@ -142,12 +143,17 @@ def timed(step, i: int) -> tuple[float, float, float]:
 
 
 def _shares(recorder: Recorder, pp: int, kind: str, costs: tuple[float, float]) -> dict[str, float]:
-    """Bubble, and the shares of the step spent waiting for transfers and posting them:
-    median over this rank's steps (on a shared machine a rank that is not scheduled looks
-    idle, and a median resists those steps), averaged over ranks."""
+    """Bubble (against each step's makespan over the ranks, ``step_bubbles``), and the
+    shares of the step spent waiting for transfers and posting them: median over this
+    rank's steps (on a shared machine a rank that is not scheduled looks idle, and a median
+    resists those steps), averaged over ranks."""
     steps = recorder.steps[1:] if len(recorder.steps) > 1 else recorder.steps
     parts = [s.breakdown() for s in steps]
-    mine = torch.tensor([statistics.median(s.bubble for s in steps)]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [s.to_dict() for s in steps])
+    bubbles = [step_bubbles([StepRecord.from_dict(r[i]) for r in everyone])[dist.get_rank()]
+               for i in range(len(steps))]
+    mine = torch.tensor([statistics.median(bubbles)]
                         + [statistics.median(p[k] for p in parts) for k in ("wait", "post")])
     dist.all_reduce(mine)
     stages, floor = _stage_bubble(steps, kind, pp, costs)

@@ -3,6 +3,7 @@ in-flight microbatches against the papers' formulas; the trace command. No proce
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -278,3 +279,18 @@ def test_sent_tensors_are_held_until_a_receive_waits_for_them():
         assert held_buffers(last, ahead)[1] == 3  # the gradients sent before the last backward
         # 1F1B: stage 0's warm-up forwards, then one send at a time.
         assert [held_buffers(t, ahead)[1] for t in schedule("1f1b", 4, 8)] == [3, 1, 1, 1]
+
+
+def test_measured_bubble_counts_a_rank_idle_until_the_pipeline_ends():
+    """Each rank's compute against the pipeline's makespan (wall-clock origins), not its
+    own span: the last stage leaves early and sat idle until the first stage finished.
+    One forward and backward of unit cost each on two stages, one microbatch: each rank
+    computes 2 of the makespan's 4 units, (p-1)/(m+p-1) = 50%."""
+    first = StepRecord(4.0, [Interval("F", 0, 0, 0, 1), Interval("WAIT", -1, -1, 1, 3),
+                             Interval("B", 0, 0, 3, 4)], origin=100.0)
+    last = StepRecord(2.0, [Interval("F", 0, 1, 0, 1), Interval("B", 0, 1, 1, 2)], origin=101.0)
+    timeline = Timeline("gpipe", 2, 1, 1, [[first], [last]])
+    assert timeline.bubbles() == [0.5, 0.5] == [timeline.theory] * 2
+    assert last.bubble == 0.0  # its own span shows none
+    unaligned = Timeline("gpipe", 2, 1, 1, [[first], [replace(last, origin=0.0)]])
+    assert unaligned.bubbles() == [0.5, 0.0]  # old files without origins: own spans

@@ -5,8 +5,10 @@ one microbatch on one virtual stage, a ``WAIT`` for transfers to complete, or a 
 of a batch of transfers (the cost of starting them; recorded runs only). The
 simulator (``simulator.py``) produces them from a table; the executor records them from
 a real run through a ``Recorder``. Both are drawn by ``paratrain trace`` and both give the
-bubble the same way, as in the papers: the fraction of a rank's step time that it does not
-spend computing.
+bubble the same way, as in the papers: the fraction of the pipeline's step time that a rank
+does not spend computing. The step time is the makespan, from the first rank's start to
+the last rank's end (each recorded step carries its wall-clock origin for this): a rank's
+own span would leave out the time it sits idle after its part, before the others finish.
 
 This module does not import torch: the planner and the renderer use it without one.
 """
@@ -71,13 +73,34 @@ class StepRecord:
     """Duration of the step on this rank (from entering the executor to leaving it)."""
     intervals: list[Interval]
     """Computations, waits and posts, relative to the step's start."""
+    origin: float = 0.0
+    """Wall-clock time (``time.time()``) the step began on this rank; 0: not recorded."""
 
     @property
     def bubble(self) -> float:
+        """Idle share of this rank's own span (the pipeline's is ``step_bubbles``)."""
         return bubble_fraction(self.intervals, self.span)
+
+    def to_dict(self) -> dict:
+        return {"span": self.span, "origin": self.origin,
+                "intervals": [list(i) for i in self.intervals]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepRecord":
+        return cls(d["span"], [Interval(*i) for i in d["intervals"]], d.get("origin", 0.0))
 
     def breakdown(self) -> dict[str, float]:
         return breakdown(self.intervals, self.span)
+
+
+def step_bubbles(records: list[StepRecord]) -> list[float]:
+    """Each rank's idle share of one pipeline step: 1 - its compute / the makespan, from the
+    earliest rank's start to the latest rank's end (wall clocks; on several hosts their
+    clocks' agreement bounds the accuracy). Without recorded origins, each rank's own span."""
+    if not all(r.origin for r in records):
+        return [r.bubble for r in records]
+    makespan = (max(r.origin + r.span for r in records) - min(r.origin for r in records))
+    return [bubble_fraction(r.intervals, makespan) for r in records]
 
 
 @dataclass
@@ -96,6 +119,7 @@ class Recorder:
     """Finished steps."""
     _origin: float = field(default=0.0, init=False, repr=False)
     _current: list[Interval] = field(default_factory=list, init=False, repr=False)
+    _wall: float = field(default=0.0, init=False, repr=False)
 
     def now(self) -> float:
         """Seconds since the current step began."""
@@ -107,12 +131,13 @@ class Recorder:
         self._current = []
         self._origin = 0.0
         self._origin = self.now()
+        self._wall = time.time()
 
     def add(self, kind: str, microbatch: int, stage: int, start: float, end: float) -> None:
         self._current.append(Interval(kind, microbatch, stage, start, end))
 
     def end_step(self) -> None:
-        self.steps.append(StepRecord(self.now(), self._current))
+        self.steps.append(StepRecord(self.now(), self._current, self._wall))
         self._current = []
 
     def bubbles(self, skip: int = 1) -> list[float]:
@@ -127,9 +152,7 @@ class Recorder:
         return sum(values) / len(values) if values else 0.0
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank,
-                "steps": [{"span": s.span, "intervals": [list(i) for i in s.intervals]}
-                          for s in self.steps]}
+        return {"rank": self.rank, "steps": [s.to_dict() for s in self.steps]}
 
 
 @dataclass
@@ -152,8 +175,7 @@ class Timeline:
                        recorders: list[dict]) -> "Timeline":
         """Build from every rank's ``Recorder.to_dict()`` (gathered in any order)."""
         by_rank = sorted(recorders, key=lambda d: d["rank"])
-        ranks = [[StepRecord(s["span"], [Interval(*i) for i in s["intervals"]]) for s in d["steps"]]
-                 for d in by_rank]
+        ranks = [[StepRecord.from_dict(s) for s in d["steps"]] for d in by_rank]
         return cls(schedule, stages, microbatches, chunks, ranks)
 
     def step(self, index: int = -1) -> list[StepRecord]:
@@ -161,12 +183,12 @@ class Timeline:
         return [steps[index] for steps in self.ranks]
 
     def bubbles(self, skip: int = 1) -> list[float]:
-        """Measured bubble of each rank, averaged over the steps after the first ``skip``."""
-        out = []
-        for steps in self.ranks:
-            kept = steps[skip:] if len(steps) > skip else steps
-            out.append(sum(s.bubble for s in kept) / len(kept))
-        return out
+        """Measured bubble of each rank (``step_bubbles``: against the pipeline's makespan),
+        averaged over the steps after the first ``skip``."""
+        count = min(len(steps) for steps in self.ranks)
+        kept = range(skip, count) if count > skip else range(count)
+        per_step = [step_bubbles(self.step(i)) for i in kept]
+        return [sum(b[r] for b in per_step) / len(per_step) for r in range(len(self.ranks))]
 
     def bubble(self, skip: int = 1) -> float:
         """Mean measured bubble over ranks."""
@@ -187,16 +209,14 @@ class Timeline:
     def save(self, path: str | Path) -> None:
         data = {"schedule": self.schedule, "stages": self.stages,
                 "microbatches": self.microbatches, "chunks": self.chunks,
-                "ranks": [[{"span": s.span, "intervals": [list(i) for i in s.intervals]}
-                           for s in steps] for steps in self.ranks]}
+                "ranks": [[s.to_dict() for s in steps] for steps in self.ranks]}
         Path(path).write_text(json.dumps(data))
 
     @classmethod
     def load(cls, path: str | Path) -> "Timeline":
         try:
             data = json.loads(Path(path).read_text())
-            ranks = [[StepRecord(s["span"], [Interval(*i) for i in s["intervals"]]) for s in steps]
-                     for steps in data["ranks"]]
+            ranks = [[StepRecord.from_dict(s) for s in steps] for steps in data["ranks"]]
             return cls(data["schedule"], data["stages"], data["microbatches"], data["chunks"],
                        ranks)
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
