@@ -136,7 +136,9 @@ def two_ranks(tmp_path_factory):
     """Domain 2 (periodic), saving a checkpoint at step 2."""
     tmp = str(tmp_path_factory.mktemp("two"))
     cfg = heat_config(tmp, domain="2", save_every=2)
-    return run_world(train_runs, 2, {"dom2": cfg})[0]["dom2"], tmp
+    zero3 = heat_config(tmp + "/z3", nproc=2, dp=2, zero=3, unet_levels=2, boundary="zeros")
+    runs = run_world(train_runs, 2, {"dom2": cfg, "dp2 zero3 levels2": zero3})[0]
+    return runs["dom2"], tmp, runs
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +147,8 @@ def one_rank(tmp_path_factory, two_ranks):
     tmp = str(tmp_path_factory.mktemp("one"))
     resume = f"{two_ranks[1]}/checkpoints/step-2"
     configs = {"circular": heat_config(tmp, nproc=1), "zeros": heat_config(tmp, nproc=1, boundary="zeros"),
-               "resumed": heat_config(tmp, nproc=1, resume=resume)}
+               "resumed": heat_config(tmp, nproc=1, resume=resume),
+               "levels2": heat_config(tmp + "/l2", nproc=1, unet_levels=2, boundary="zeros")}
     return run_world(train_runs, 1, configs)[0]
 
 
@@ -266,8 +269,9 @@ def test_heat2d_refuses_language_model_settings_it_would_ignore(tmp_path, settin
         load(None, {"timeline": True}).validate()
 
 
-def test_heat2d_refuses_zero3_before_launch(tmp_path):
-    """ZeRO-3's prefetch follows the units' registration order, which the U-Net breaks:
-    its second forward ran a convolution on freed storage (a crash, or SIGSEGV at 4 ranks)."""
-    with pytest.raises(ConfigError, match="--zero 3 is not supported.*use --zero 1 or --zero 2"):
-        heat_config(str(tmp_path), zero=3, nproc=1)
+def test_zero3_prefetches_in_the_order_the_unet_runs(two_ranks, one_rank):
+    """A two-level U-Net registers down0, down1, enc0, enc1, up0, up1, dec0, dec1 and runs
+    down0, enc0, down1, enc1, up1, dec1, up0, dec0: ZeRO-3 prefetches by the order the
+    first forward ran. By registration order it gathered units already done and freed
+    them under the pending gather, and the second forward read freed storage."""
+    assert_same_run(two_ranks[2]["dp2 zero3 levels2"], one_rank["levels2"])

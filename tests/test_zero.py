@@ -13,6 +13,7 @@ from distributed import run_world
 from paratrain.comm import collectives as C
 from paratrain.layout import Layout
 from paratrain.models.gpt import GPT, PRESETS
+from paratrain.models.unet import UNet, UNetConfig
 from paratrain.parallel.zero import ZeroDataParallel
 from paratrain.parallel.zero.units import default_units
 from paratrain.train.config import OptimConfig
@@ -100,6 +101,45 @@ def test_zero3_peak_is_shards_plus_two_gathered_units():
         # prefetched one, and the previous unit's gradient still being reduce-scattered.
         assert peak <= sharded + 2 * (unit_params + unit_grads), (peak, sharded, unit_params)
         assert peak > sharded + unit_params  # something was gathered: the bound is not vacuous
+
+
+def zero3_unet_gathers() -> tuple[list[str], int, int, float]:
+    """ZeRO-3 over a two-level U-Net, whose units run out of registration order: the
+    order its engine learned, the all-gathers of one steady step, its unit count, and the
+    loss of a step after a prefetch was left pending across ``finish_grad_sync``."""
+    torch.manual_seed(0)
+    engine = ZeroDataParallel(UNet(UNetConfig(width=8, levels=2)), dist.group.WORLD, 3, OptimConfig())
+    x = torch.randn(2, 1, 16, 16)
+
+    def step() -> float:
+        engine.zero_grad()
+        loss = engine(x).square().mean()
+        loss.backward()
+        engine.finish_grad_sync()
+        engine.step(1e-3)
+        return loss.item()
+
+    step()  # learns the order
+    calls, gather = [], C.all_gather
+    C.all_gather = lambda *a, **k: calls.append(1) or gather(*a, **k)
+    try:
+        step()
+    finally:
+        C.all_gather = gather
+    engine._gather(1, wait=False)  # a prefetch still filling unit 1 when everything is freed
+    engine.finish_grad_sync()
+    names = [engine.units[i].flat.name for i in engine._order]
+    return names, len(calls), len(engine.units), step()
+
+
+def test_zero3_prefetches_in_the_order_units_run_and_frees_after_pending_gathers():
+    for names, gathers, units, loss in run_world(zero3_unet_gathers, 2):
+        assert names == ["inp", "down.0", "enc.0", "down.1", "enc.1", "up.1", "dec.1",
+                         "up.0", "dec.0", "head"]
+        # Each unit gathered once in forward and once in backward, but the last, kept
+        # between them: a prefetch by registration order gathers units already done.
+        assert gathers == 2 * units - 1
+        assert loss == loss and abs(loss) < 1e6  # ran on gathered, not freed, storage
 
 
 def torch_peer(base: GPT, stage: int, cfg: OptimConfig):

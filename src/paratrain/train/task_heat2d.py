@@ -58,11 +58,6 @@ def validate(cfg: Config) -> None:
     if t.task != "heat2d":
         raise ConfigError(f"--domain {p.domain} splits images over ranks; it needs --task heat2d "
                           f"(a language model has no spatial axes)")
-    if p.zero == 3:  # its prefetch follows registration order; the U-Net's skips do not
-        raise ConfigError("--task heat2d with --zero 3 is not supported: ZeRO-3 gathers each "
-                          "unit ahead in the order the units were registered, and the U-Net "
-                          "runs its encoder and decoder units out of that order; use --zero 1 "
-                          "or --zero 2")
     if p.tp > 1 or p.pp > 1 or p.cp > 1:
         raise ConfigError("--task heat2d composes domain parallelism with dp and ZeRO only; "
                           "set --tp 1 --pp 1 --cp 1")

@@ -98,6 +98,10 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         self._gloo = dist.get_backend(group) == "gloo"
         self._sync = True
         self._in_flight: list[Unit] = []
+        # Units in the order the first forward ran them (registration order need not be
+        # it: a U-Net registers its encoder and decoder lists apart, and runs them
+        # interleaved): prefetch follows it once it is complete.
+        self._order: list[int] = []
         self.track_peak = track_peak  # measuring live bytes at every hook costs time
         self.peak_bytes = 0
         for index, unit in enumerate(self.units):
@@ -127,23 +131,43 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             unit.gather_work.wait()
             unit.gather_work = None
 
+    def _release(self, unit: Unit) -> None:
+        """Free a unit's gathered parameters, after any prefetch still filling them: a
+        prefetched unit that runs later than guessed must not keep a gather into freed
+        memory (it would be waited on, and read, after the free)."""
+        if unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work = None
+        unit.flat.free()
+
+    def _neighbour(self, index: int, step: int) -> int:
+        """The unit that runs ``step`` (+1: next in forward, -1: next in backward) after
+        ``index``: by the first forward's order once it is complete, before that by
+        registration order."""
+        if len(self._order) < len(self.units):
+            return index + step
+        at = self._order.index(index) + step
+        return self._order[at] if 0 <= at < len(self._order) else -1
+
     def _pre_forward(self, index: int) -> None:
+        if len(self._order) < len(self.units) and index not in self._order:
+            self._order.append(index)
         self._gather(index, wait=True)
-        self._gather(index + 1, wait=False)  # prefetch: overlaps this unit's compute
+        self._gather(self._neighbour(index, +1), wait=False)  # prefetch: overlaps this compute
 
     def _post_forward(self, index: int, output) -> None:
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad, i=index: self._pre_backward(i))
-        last = index == len(self.units) - 1  # its backward comes next
+        last = self._neighbour(index, +1) in (-1, len(self.units))  # its backward comes next
         keep = torch.is_grad_enabled() and (last or not self.reshard_after_forward)
         if not keep:
-            self.units[index].flat.free()
+            self._release(self.units[index])
 
     def _pre_backward(self, index: int) -> None:
         self._gather(index, wait=True)
-        self._gather(index - 1, wait=False)  # prefetch the unit backward reaches next
+        self._gather(self._neighbour(index, -1), wait=False)  # the unit backward reaches next
 
     # ---- gradients -------------------------------------------------------------------------
     def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
@@ -161,7 +185,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             return
         unit.ready.clear()  # this microbatch's gradient is in; the step's last one reduces
         if self.stage == 3 and self.reshard_after_forward:
-            unit.flat.free()
+            self._release(unit)
 
     def _start_reduce(self, unit: Unit) -> None:
         """Reduce-scatter (average) a unit's gradient; stage 3 also frees its parameters."""
@@ -177,7 +201,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             compressor.dense_bytes += nbytes
         self._in_flight.append(unit)
         if self.stage == 3 and (self._sync or self.reshard_after_forward):
-            unit.flat.free()  # kept otherwise: the next microbatch of the step needs it
+            self._release(unit)  # kept otherwise: the next microbatch of the step needs it
 
     def pop_comm_bytes(self) -> tuple[int, int]:
         """Gradient bytes this rank sent since the last call, and what uncompressed
@@ -201,7 +225,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         self._drain()
         if self.stage == 3:
             for unit in self.units:
-                unit.flat.free()
+                self._release(unit)
         self._record_peak()
 
     def _drain(self) -> None:
