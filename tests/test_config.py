@@ -141,3 +141,10 @@ def test_plan_out_keeps_the_preset_name(tmp_path):
     path = tmp_path / "plan.toml"
     path.write_text(to_toml(config_tables(plan, model, training)))
     assert load(str(path)).validate().model_preset == "tiny"
+
+
+def test_a_resized_preset_is_not_named_as_the_preset():
+    """The header said "model small (836.83M params)" for a model the flags resized."""
+    resized = load(None, {"d_model": 2048, "n_heads": 16, "vocab_size": 32000}).validate()
+    assert resized.describe_model() == "small with vocab_size=32000, d_model=2048, n_heads=16"
+    assert load(None, {}).validate().describe_model() == "small"

@@ -53,6 +53,16 @@ class Config:
         domh, domw = parse_domain(p.domain)
         return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, order=p.order, domh=domh, domw=domw)
 
+    def describe_model(self) -> str:
+        """The preset's name and what the run changed of it, e.g. ``small with d_model=2048,
+        n_layers=16``: a preset's name alone would misname a model the flags resized."""
+        base = PRESETS.get(self.model_preset)
+        if base is None:
+            return self.model_preset
+        changed = [f"{f.name}={getattr(self.model, f.name)}" for f in dataclasses.fields(base)
+                   if getattr(self.model, f.name) != getattr(base, f.name)]
+        return f"{self.model_preset} with {', '.join(changed)}" if changed else self.model_preset
+
     def describe_layout(self) -> str:
         """The layout and the ZeRO stage, e.g. ``dp2xtp2 (world 4), zero1``."""
         zero = f", zero{self.parallel.zero}" if self.parallel.zero else ""

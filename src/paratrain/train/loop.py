@@ -259,7 +259,7 @@ def describe(run: Run) -> str:
     cfg, s = run.cfg, run.sampler
     remainder = ("pad: the last batch of each epoch is padded and masked" if cfg.data.remainder == "pad"
                  else f"drop: {s.dropped_per_epoch} samples per epoch that do not fill a global batch are skipped")
-    return (f"paratrain: {cfg.describe_layout()}, model {cfg.model_preset} "
+    return (f"paratrain: {cfg.describe_layout()}, model {cfg.describe_model()} "
             f"({cfg.model.num_params() / 1e6:.2f}M params), {cfg.train.global_batch} x "
             f"{cfg.data.seq_len} tokens per step, micro-batch {cfg.micro_batch} x "
             f"{cfg.accumulation} {'pipeline microbatches' if cfg.parallel.pp > 1 else 'accumulation'}, "
