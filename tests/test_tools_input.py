@@ -125,6 +125,59 @@ def test_prepare_workers_negative_exits_2(tmp_path, capsys):
     assert "--workers -1" in capsys.readouterr().err
 
 
+def damaged_parquet(path: Path) -> None:
+    """A parquet file whose footer (the schema) reads but whose data pages are zeros."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [f"document {i}" for i in range(1000)]}), path)
+    data = path.read_bytes()
+    path.write_bytes(data[:4] + bytes(len(data) // 2) + data[4 + len(data) // 2:])
+
+
+PREPARE_CASES = [  # (id, files written, flags after the input, words the message must hold)
+    ("tokenizer-damaged", {"tok.json": '{"model": '}, ["--tokenizer", "{tmp}/tok.json"],
+     "--tokenizer"),
+    ("parquet-not-parquet", {"a.parquet": "not parquet"}, [], "not a readable parquet file"),
+    ("out-is-a-file", {"ds": "x"}, [], "--out {tmp}/ds: a file, not a directory"),
+    ("eos-with-bytes", {}, ["--eos", "</s>"], "--eos '</s>': byte-level data"),
+    ("input-empty", {"a.txt": ""}, [], "empty (0 bytes)"),
+]
+
+
+@pytest.mark.parametrize("case", PREPARE_CASES, ids=[c[0] for c in PREPARE_CASES])
+def test_prepare_bad_input_exits_2_before_the_pool(case, tmp_path, no_pool, capsys):
+    """Each ended in a traceback (a damaged tokenizer.json or parquet file, --out naming a
+    file), or exited 0: --eos was ignored for bytes, an empty file made an empty dataset."""
+    _, files, flags, words = case
+    (tmp_path / "a.txt").write_text("hello")
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    source = "a.parquet" if "a.parquet" in files else "a.txt"
+    if source == "a.parquet":
+        pytest.importorskip("pyarrow")
+    argv = ["data", "prepare", str(tmp_path / source), "--tokenizer", "bytes",
+            "--out", str(tmp_path / "ds"), *[f.format(tmp=tmp_path) for f in flags]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words.format(tmp=tmp_path) in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "ds.partial").exists()
+
+
+def test_prepare_names_damaged_parquet_data_and_inputs_without_text(tmp_path):
+    """Parquet pages damaged past a sound footer were a pyarrow traceback mid-run; .jsonl
+    files of blank lines or empty texts made a dataset of EOS tokens alone, exit 0."""
+    from paratrain.data.prepare import read_documents
+
+    damaged_parquet(tmp_path / "d.parquet")
+    with pytest.raises(DataError, match=r"d\.parquet: not a readable parquet file"):
+        list(read_documents(tmp_path / "d.parquet", "text"))
+    (tmp_path / "a.jsonl").write_text('{"text": ""}\n\n{"text": null}\n')
+    with pytest.raises(DataError, match=r"no text \(1 document\(s\), all empty\).*--field"):
+        prepare([str(tmp_path / "a.jsonl")], "bytes", str(tmp_path / "ds"), workers=1, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "d.parquet"]
+
+
 # ---- export ---------------------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="share of the tokens (the end) held out for validation (default: 0.05)")
     prep.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: all cores)")
     prep.add_argument("--eos", default=None, help="the end-of-document token (default: the "
-                      "tokenizer's own, e.g. <|endoftext|> or </s>)")
+                      "tokenizer's own, e.g. <|endoftext|> or </s>; not with bytes, where NUL ends a document)")
     prep.set_defaults(func=_prepare)
     check = commands.add_parser("verify", help="recompute every shard's checksum")
     check.add_argument("dataset", help="a directory made by `paratrain data prepare`")

@@ -50,7 +50,12 @@ class TokenizerSpec:
             return None, 256, BYTES_EOS
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(self.source)
+        try:
+            tok = Tokenizer.from_file(self.source)
+        except Exception as exc:  # tokenizers raises a bare Exception on a damaged file
+            raise DataError(f"--tokenizer {self.source}: not a tokenizer.json the tokenizers "
+                            f"library can read ({_one_line(exc)}); give a Hugging Face "
+                            f"tokenizer.json, a model directory holding one, or 'bytes'") from None
         eos = self.eos or next((t for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
         if eos is None or tok.token_to_id(eos) is None:
             raise DataError(f"{self.source}: no end-of-document token found (tried "
@@ -62,6 +67,10 @@ def resolve_tokenizer(name: str, eos: str | None = None) -> TokenizerSpec:
     """``bytes``, a ``tokenizer.json`` file, or a directory holding one (a local Hugging
     Face model directory); anything else is refused, nothing is downloaded."""
     if name == "bytes":
+        if eos is not None:  # NUL always ends a byte-level document: --eos would be ignored
+            raise DataError(f"--eos {eos!r}: byte-level data (--tokenizer bytes) ends every "
+                            f"document with NUL (id {BYTES_EOS}); leave --eos out, or give a "
+                            f"tokenizer.json that has the token")
         return TokenizerSpec("bytes", eos)
     path = Path(name)
     if path.is_dir():
@@ -80,7 +89,7 @@ def read_documents(path: Path, field: str) -> Iterator[str]:
     elif suffix == ".jsonl":
         yield from _json_lines(path, field)
     elif suffix == ".parquet":
-        table = _parquet(path, field).read_table(path, columns=[field])
+        table = _read_parquet(path, field)
         yield from (doc for doc in table.column(field).to_pylist() if doc is not None)
     else:
         raise DataError(_unsupported(path))
@@ -110,6 +119,11 @@ def _json_lines(path: Path, field: str) -> Iterator[str]:
                         f"must be UTF-8 text") from None
 
 
+def _one_line(exc: Exception) -> str:
+    """A library's message on one line (pyarrow's and tokenizers' may span several)."""
+    return " ".join(str(exc).split())
+
+
 def _unsupported(path: Path) -> str:
     return (f"{path}: unsupported input {path.suffix or 'without extension'}; "
             f"give .txt, .jsonl or .parquet files")
@@ -125,6 +139,9 @@ def check_inputs(files: list[Path], field: str) -> None:
     bad = [p for p in files if p.suffix.lower() not in SUFFIXES]
     if bad:
         raise DataError("; ".join(_unsupported(p) for p in bad))
+    if all(p.stat().st_size == 0 for p in files):  # the dataset would hold no text
+        raise DataError(f"{', '.join(map(str, files))}: empty (0 bytes), nothing to tokenize; "
+                        f"give files that hold text")
     for path in files:
         if path.suffix.lower() == ".jsonl":
             _check_first_line(path, field)
@@ -143,7 +160,10 @@ def _parquet(path: Path, field: str):
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-    schema = pq.read_schema(path)
+    try:
+        schema = pq.read_schema(path)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"{path}: not a readable parquet file ({_one_line(exc)})") from None
     if field not in schema.names:
         raise DataError(f"{path}: no column {field!r} (--field names the text column)")
     kind = schema.field(field).type
@@ -151,6 +171,16 @@ def _parquet(path: Path, field: str):
         raise DataError(f"{path}: column {field!r} holds {kind}, not text (--field names the "
                         f"text column)")
     return pq
+
+
+def _read_parquet(path: Path, field: str):
+    """The ``field`` column of a parquet file; a damaged file (past its footer, which
+    ``check_inputs`` read) is named, not a pyarrow traceback."""
+    pq = _parquet(path, field)
+    try:
+        return pq.read_table(path, columns=[field])
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"{path}: not a readable parquet file ({_one_line(exc)})") from None
 
 
 def _encode(args: tuple[TokenizerSpec, list[str]]) -> tuple[np.ndarray, int]:
@@ -252,6 +282,8 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text",
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction}: give a share in [0, 1)")
     target = Path(out)
+    if target.exists() and not target.is_dir():
+        raise DataError(f"--out {out}: a file, not a directory; name a new directory")
     if target.exists() and any(target.iterdir()):
         raise DataError(f"--out {out}: the directory exists and is not empty; choose a new one")
     spec = resolve_tokenizer(tokenizer, eos)
@@ -261,7 +293,10 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text",
     if tmp.exists():  # not ours to delete: it may be another prepare's, still running
         raise DataError(f"{tmp} exists (left by an interrupted prepare, or another one is "
                         f"writing --out {out}); remove it and run again")
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as exc:  # a parent that is a file, or not writable
+        raise DataError(f"--out {out}: cannot create {tmp} ({exc.strerror})") from None
     writer = _ShardWriter(tmp, dtype, shard_tokens)
     try:
         documents = _tokenize_into(writer, spec, files, field, workers or os.cpu_count() or 1, progress)
@@ -285,14 +320,23 @@ def _tokenize_into(writer: _ShardWriter, spec: TokenizerSpec, files: list[Path],
     from tqdm import tqdm
 
     bar = tqdm(unit="doc", desc="tokenizing", disable=not progress)
-    documents = 0
+    documents, chars = 0, [0]
+
+    def batches() -> Iterator[tuple[TokenizerSpec, list[str]]]:
+        for b in _batches(files, field, 256):
+            chars[0] += sum(map(len, b))  # counted here: EOS tokens alone are no text
+            yield spec, b
+
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        batches = ((spec, b) for b in _batches(files, field, 256))
-        for ids, n in _ordered_map(pool, _encode, batches, ahead=2 * workers):
+        for ids, n in _ordered_map(pool, _encode, batches(), ahead=2 * workers):
             writer.write(ids)
             documents += n
             bar.update(n)
             bar.set_postfix(tokens=f"{writer.total:,}")
     bar.close()
+    if not chars[0]:  # no dataset of end-of-document tokens alone
+        fields = any(p.suffix.lower() != ".txt" for p in files)
+        raise DataError(f"the inputs hold no text ({documents} document(s), all empty); give "
+                        f"files that hold text{f', and --field naming its field' if fields else ''}")
     return documents
 
