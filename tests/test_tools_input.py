@@ -178,6 +178,57 @@ def test_prepare_names_damaged_parquet_data_and_inputs_without_text(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "d.parquet"]
 
 
+# ---- data verify -----------------------------------------------------------------------------
+
+
+def hand_dataset(root: Path, **changes) -> Path:
+    """A one-shard dataset of ten tokens, its meta.json edited by ``changes``."""
+    import hashlib
+
+    root.mkdir()
+    data = bytes(range(20))  # ten uint16 tokens
+    (root / "tokens-00000.bin").write_bytes(data)
+    shard = {"file": "tokens-00000.bin", "tokens": 10, "sha256": hashlib.sha256(data).hexdigest()}
+    meta = {"format": 1, "tokenizer": "bytes", "vocab_size": 256, "eos_id": 0, "dtype": "uint16",
+            "documents": 1, "tokens": 10, "train_tokens": 9, "shards": [shard], **changes}
+    (root / "meta.json").write_text(json.dumps(meta))
+    return root
+
+
+META_CASES = [  # (id, meta.json changes, words the message must hold)
+    ("tokens-text", {"tokens": "10"}, "tokens is '10', expected a whole number"),
+    ("vocab-bool", {"vocab_size": True}, "vocab_size is True"),
+    ("dtype-float", {"dtype": "float32"}, "dtype is 'float32'"),
+    ("shards-object", {"shards": {"file": "x"}}, "shards is {"),
+    ("shard-no-sha", {"shards": [{"file": "tokens-00000.bin", "tokens": 10}]},
+     "shards[0].sha256 is missing"),
+    ("train-past-end", {"train_tokens": 11}, "do not fit the shards' 10 tokens"),
+]
+
+
+@pytest.mark.parametrize("case", META_CASES, ids=[c[0] for c in META_CASES])
+def test_verify_names_a_mistyped_meta_field(case, tmp_path, capsys):
+    """A string where a count belongs was a ValueError traceback in the printout, a
+    shard without its checksum a KeyError: each is one line naming the field."""
+    _, changes, words = case
+    assert main(["data", "verify", str(hand_dataset(tmp_path / "ds"))]) == 0
+    assert "10 tokens, checksums match" in capsys.readouterr().out
+    assert main(["data", "verify", str(hand_dataset(tmp_path / "bad", **changes))]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "meta.json" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_verify_names_the_dataset_argument_not_train_flag(tmp_path, capsys):
+    """verify's messages said --data, train's flag, where the user gave a positional."""
+    from paratrain.data.dataset import read_meta
+
+    assert main(["data", "verify", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert f"dataset {tmp_path / 'none'}: no meta.json there" in err and "--data" not in err
+    with pytest.raises(DataError, match="^--data "):  # train's own check still names its flag
+        read_meta(tmp_path / "none")
+
+
 # ---- export ---------------------------------------------------------------------------------
 
 

@@ -46,7 +46,7 @@ def _prepare(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from .dataset import read_meta, verify
 
-    verify(args.dataset)
-    meta = read_meta(args.dataset)
+    verify(args.dataset, what="dataset")  # as the usage line names it; train's messages say --data
+    meta = read_meta(args.dataset, what="dataset")
     print(f"dataset       {args.dataset}: {len(meta.raw['shards'])} shard(s), {meta.tokens:,} tokens, checksums match")
     return 0

@@ -27,35 +27,74 @@ class DatasetMeta:
     raw: dict
 
 
-def read_meta(path: str | Path) -> DatasetMeta:
-    """The dataset's metadata, after checking that every shard is there at its size;
-    DataError names what is wrong."""
+def read_meta(path: str | Path, what: str = "--data") -> DatasetMeta:
+    """The dataset's metadata, after checking its fields' types and that every shard is
+    there at its size; DataError names what is wrong, and ``path`` as ``what`` (the flag or
+    argument the user gave it by)."""
     root = Path(path)
     file = root / META
     if not file.is_file():
-        raise DataError(f"--data {path}: no {META} there; make a dataset with "
+        raise DataError(f"{what} {path}: no {META} there; make a dataset with "
                         f"`paratrain data prepare INPUT... --tokenizer T --out {path}`")
     try:
         meta = json.loads(file.read_text())
-        if meta.get("format") != FORMAT:
-            raise DataError(f"{file}: format {meta.get('format')!r}, this paratrain reads {FORMAT}")
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        for shard in meta["shards"]:
-            size = (root / shard["file"]).stat().st_size if (root / shard["file"]).is_file() else -1
-            if size != shard["tokens"] * itemsize:
-                raise DataError(f"{root / shard['file']}: expected {shard['tokens'] * itemsize} bytes, "
-                                f"found {'none' if size < 0 else size}; prepare the dataset again")
-        return DatasetMeta(root, meta["vocab_size"], meta["eos_id"], meta["tokens"],
-                           meta["train_tokens"], meta["tokenizer"], meta)
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, DataError):
-            raise
+    except (OSError, ValueError) as exc:  # not JSON, or not UTF-8
         raise DataError(f"{file}: unreadable metadata ({exc}); prepare the dataset again") from None
+    _check_fields(meta, file)
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for shard in meta["shards"]:
+        size = (root / shard["file"]).stat().st_size if (root / shard["file"]).is_file() else -1
+        if size != shard["tokens"] * itemsize:
+            raise DataError(f"{root / shard['file']}: expected {shard['tokens'] * itemsize} bytes, "
+                            f"found {'none' if size < 0 else size}; prepare the dataset again")
+    return DatasetMeta(root, meta["vocab_size"], meta["eos_id"], meta["tokens"],
+                       meta["train_tokens"], meta["tokenizer"], meta)
 
 
-def verify(path: str | Path) -> None:
+COUNTS = ("vocab_size", "eos_id", "tokens", "train_tokens")
+"""Fields of meta.json that hold a whole number >= 0."""
+
+
+def _check_fields(meta: object, file: Path) -> None:
+    """Every field read later has the type ``prepare`` writes: a hand-edited or damaged
+    meta.json is refused naming the field, not with a traceback where it is used."""
+    def wrong(label: str, record: dict, key: str, want: str) -> DataError:
+        found = repr(record[key]) if key in record else "missing"
+        return DataError(f"{file}: {label} is {found}, expected {want}; prepare the dataset again")
+
+    if not isinstance(meta, dict):
+        raise DataError(f"{file}: holds {type(meta).__name__}, not a JSON object; prepare the "
+                        f"dataset again")
+    if meta.get("format") != FORMAT:
+        raise DataError(f"{file}: format {meta.get('format')!r}, this paratrain reads {FORMAT}")
+    for field in COUNTS:
+        if not _is_count(meta.get(field)):
+            raise wrong(field, meta, field, "a whole number >= 0")
+    if not isinstance(meta.get("tokenizer"), str):
+        raise wrong("tokenizer", meta, "tokenizer", "a path or 'bytes'")
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        raise wrong("dtype", meta, "dtype", "'uint16' or 'uint32'")
+    if not isinstance(meta.get("shards"), list) or not all(isinstance(x, dict) for x in meta["shards"]):
+        raise wrong("shards", meta, "shards", "a list of objects")
+    for i, shard in enumerate(meta["shards"]):
+        for field, ok, want in (("file", isinstance(shard.get("file"), str), "a file name"),
+                                ("tokens", _is_count(shard.get("tokens")), "a whole number >= 0"),
+                                ("sha256", isinstance(shard.get("sha256"), str), "a hex digest")):
+            if not ok:
+                raise wrong(f"shards[{i}].{field}", shard, field, want)
+    total = sum(x["tokens"] for x in meta["shards"])
+    if total != meta["tokens"] or meta["train_tokens"] > total:
+        raise DataError(f"{file}: tokens {meta['tokens']} and train_tokens {meta['train_tokens']} "
+                        f"do not fit the shards' {total} tokens; prepare the dataset again")
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def verify(path: str | Path, what: str = "--data") -> None:
     """Recompute every shard's SHA-256 and compare with the metadata (reads everything)."""
-    meta = read_meta(path)
+    meta = read_meta(path, what)
     for shard in meta.raw["shards"]:
         digest = hashlib.sha256()
         with open(meta.path / shard["file"], "rb") as f:
