@@ -5,6 +5,7 @@ point of the test."""
 
 from __future__ import annotations
 
+import io
 import json
 import runpy
 import sys
@@ -227,6 +228,23 @@ def test_verify_names_the_dataset_argument_not_train_flag(tmp_path, capsys):
     assert f"dataset {tmp_path / 'none'}: no meta.json there" in err and "--data" not in err
     with pytest.raises(DataError, match="^--data "):  # train's own check still names its flag
         read_meta(tmp_path / "none")
+
+
+# ---- a closed stdout --------------------------------------------------------------------------
+
+
+class ClosedPipe(io.StringIO):
+    """stdout whose reader went away (``| head`` after its bytes): every write fails."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_stdout_ends_quietly_like_sigpipe(monkeypatch, capsys):
+    """`paratrain plan --json | head -c 100` ended in a BrokenPipeError traceback."""
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["plan", "--model", "llama3-8b", "--json"]) == 141  # 128 + SIGPIPE, as a shell says
+    assert capsys.readouterr().err == ""
 
 
 # ---- export ---------------------------------------------------------------------------------

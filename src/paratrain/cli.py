@@ -230,7 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader gone away (`| head`) shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
     except (ConfigError, LayoutError, FileNotFoundError, DataError, HFModelError, RunError) as exc:
         print(f"paratrain {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -239,3 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"paratrain {args.command}: {'terminated (SIGTERM)' if terminated else 'interrupted (Ctrl-C)'}; "
               f"stopped", file=sys.stderr)
         return 143 if terminated else 130
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``paratrain plan --json | head``): stop quietly,
+    with the status of a command killed by SIGPIPE, as a shell reports it. Python flushes
+    stdout again at exit; pointing it at /dev/null keeps that flush from printing an error."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout has no file descriptor (captured, or closed)
+        pass
+    return 141  # 128 + SIGPIPE (13)
