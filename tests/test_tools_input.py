@@ -51,6 +51,18 @@ def test_trace_run_step_out_of_range_exits_2_naming_the_range(tmp_path, capsys):
     assert "--run" in capsys.readouterr().err
 
 
+def test_trace_run_refuses_the_flags_of_a_simulated_schedule(tmp_path, capsys):
+    """`trace --run RUN --pp 2` drew the recorded run, ignoring --pp without a word."""
+    path = tmp_path / "timeline.json"
+    three_steps().save(path)
+    for flags in (["--pp", "2"], ["--schedule", "gpipe", "--b-cost", "2"]):
+        argv = ["trace", "--run", str(path), *flags, "--out", str(tmp_path / "x.svg")]
+        assert main(argv) == 2, flags
+        err = capsys.readouterr().err
+        assert f"{', '.join(flags[::2])} describe" in err and "leave" in err, err
+    assert not (tmp_path / "x.svg").exists()
+
+
 # ---- trace cost flags -----------------------------------------------------------------------
 
 

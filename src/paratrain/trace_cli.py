@@ -8,8 +8,9 @@ The first form simulates the schedule's tables (unit costs unless ``--f-cost`` a
 ``--b-cost`` say otherwise; both must be positive) and prints the simulated bubble next to
 the theory, (p-1)/(v*m+p-1). The second draws one step of a timeline the pipeline executor
 recorded (``paratrain train --timeline`` writes RUN_DIR/timeline.json) and prints the
-measured bubble of every rank. Recorded steps are numbered from 1, as the printout numbers
-them; ``--step`` picks one (default: the last).
+measured bubble of every rank; the flags of the first form are refused with it (the file
+holds the run's schedule, stages and microbatches). Recorded steps are numbered from 1, as
+the printout numbers them; ``--step`` picks one (default: the last).
 """
 
 from __future__ import annotations
@@ -40,15 +41,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser(
         "trace", help="draw a pipeline schedule or a recorded run (PNG or SVG)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--schedule", choices=KINDS, default="1f1b",
-                   help="pipeline schedule (default: 1f1b)")
-    p.add_argument("--pp", type=int, default=4, help="pipeline stages (default: 4)")
-    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default: 8)")
-    p.add_argument("--virtual-stages", type=int, default=1,
+    # Defaults None, filled in by run(): a recorded run must see which of these were given.
+    p.add_argument("--schedule", choices=KINDS, help="pipeline schedule (default: 1f1b)")
+    p.add_argument("--pp", type=int, help="pipeline stages (default: 4)")
+    p.add_argument("--microbatches", type=int, help="microbatches per step (default: 8)")
+    p.add_argument("--virtual-stages", type=int,
                    help="chunks per rank, for --schedule interleaved (default: 1)")
-    p.add_argument("--f-cost", type=_cost, default=1.0,
-                   help="time of a forward, > 0 (default: 1)")
-    p.add_argument("--b-cost", type=_cost, default=1.0,
+    p.add_argument("--f-cost", type=_cost, help="time of a forward, > 0 (default: 1)")
+    p.add_argument("--b-cost", type=_cost,
                    help="time of a backward, > 0 (default: 1; 2 is closer to real models)")
     p.add_argument("--run", metavar="TIMELINE.json",
                    help="draw this recorded run instead of simulating a schedule")
@@ -60,6 +60,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.set_defaults(func=run)
     return p
 
+
+SCHEDULE_DEFAULTS = {"schedule": "1f1b", "pp": 4, "microbatches": 8, "virtual_stages": 1,
+                     "f_cost": 1.0, "b_cost": 1.0}
+"""The flags that describe a simulated schedule, and their values when not given."""
 
 MAX_TASKS = 100_000
 """Forward and backward boxes of a simulated schedule worth drawing (pp x m x v)."""
@@ -76,14 +80,32 @@ def run(args: argparse.Namespace) -> int:
             raise RenderError(f"--step {args.step} picks a step of a recorded run: give --run "
                               f"TIMELINE.json too (a simulated schedule has one step)")
         if args.run:
+            _refuse_schedule_flags(args)
             _trace_run(args, render_timeline)
         else:
+            for name, value in SCHEDULE_DEFAULTS.items():
+                if getattr(args, name) is None:
+                    setattr(args, name, value)
             _trace_schedule(args, render_schedule)
     except RenderError as exc:
         print(f"paratrain trace: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")
     return 0
+
+
+def _refuse_schedule_flags(args: argparse.Namespace) -> None:
+    """A recorded run has its own schedule, stages and microbatches: a flag describing a
+    simulated one would be ignored, and the picture not be what the user asked for."""
+    from .trace import RenderError
+
+    given = ["--" + name.replace("_", "-") for name in SCHEDULE_DEFAULTS
+             if getattr(args, name) is not None]
+    if given:
+        verb = "describes" if len(given) == 1 else "describe"
+        raise RenderError(f"{', '.join(given)} {verb} a simulated schedule; --run {args.run} draws "
+                          f"the recorded one, whose schedule, stages and microbatches the file holds: "
+                          f"leave {', '.join(given)} out, or leave --run out to simulate")
 
 
 def _trace_schedule(args: argparse.Namespace, render_schedule) -> None:
