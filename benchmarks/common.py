@@ -8,7 +8,7 @@ import argparse
 import inspect
 from typing import TYPE_CHECKING
 
-from paratrain.bench.flags import at_least  # noqa: F401  (the benchmarks import it from here)
+from paratrain.bench.flags import at_least, int_list  # noqa: F401  (the benchmarks import them from here)
 
 if TYPE_CHECKING:  # torch is imported where a peer is built: two_nodes' driver never needs it
     from torch import nn

@@ -148,6 +148,27 @@ def worker(args) -> dict:
     return {**out, "torch_cp": status}
 
 
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error naming the flag, before any rank starts, where every rank
+    would fail (an unknown preset, a sequence or heads that do not split over the ranks)."""
+    n = args.nproc
+    try:
+        cfg = preset(args.model, max_seq_len=args.seq)
+    except ValueError as exc:
+        parser.error(f"--model: {exc}")
+    if args.batch % n:
+        parser.error(f"--batch {args.batch} must be a multiple of --nproc {n} (the no-CP peer "
+                     f"splits it over dp)")
+    if args.seq % (2 * n):
+        parser.error(f"--seq {args.seq} must be a multiple of 2 x --nproc = {2 * n}: ring "
+                     f"attention cuts each sequence into two chunks per rank")
+    if cfg.n_heads % n or cfg.kv_heads % n:
+        fits = [c for c in range(1, cfg.kv_heads + 1) if cfg.kv_heads % c == 0]
+        parser.error(f"--nproc {n} must divide model {args.model}'s {cfg.n_heads} query heads and "
+                     f"{cfg.kv_heads} KV heads (Ulysses splits the heads over the ranks); use "
+                     f"--nproc from {fits}, or another --model")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=at_least(1), default=2, help="world size (cp, or dp for 'none')")
@@ -157,8 +178,7 @@ def main() -> None:
     parser.add_argument("--steps", type=at_least(1), default=3, help="timed steps per mode and round")
     parser.add_argument("--rounds", type=at_least(1), default=2)
     args = parser.parse_args()
-    if args.batch % args.nproc:
-        parser.error("--batch must divide by --nproc (the no-CP peer splits it over dp)")
+    check_flags(parser, args)
     results = spawn(worker, args.nproc, args, backend="gloo", timeout_s=1800)
     cfg = preset(args.model)
     print(f"context parallelism, model {args.model} (d_model {cfg.d_model}, {cfg.n_layers} layers, "

@@ -209,9 +209,24 @@ def report(nproc: int, results: list[dict], args) -> dict:
     return row
 
 
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error naming the flag before any rank starts: for every --nproc,
+    not only once the smaller worlds have run."""
+    try:
+        UNetConfig(width=args.width, levels=2, padding="zeros")
+    except ValueError as exc:
+        parser.error(f"--width {args.width}: {exc}")
+    for n in args.nproc:
+        if args.size % (4 * n):
+            parser.error(f"--size {args.size} must be a multiple of 4 x --nproc {n} = {4 * n} "
+                         f"(each rank's rows halve twice in the U-Net)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=at_least(1), nargs="+", default=[2, 4])
+    parser.add_argument("--nproc", type=at_least(2, " (the halo exchange needs a neighbour; the "
+                        "single-process mode is measured at every --nproc)"), nargs="+",
+                        default=[2, 4])
     parser.add_argument("--size", type=at_least(1), default=256, help="height and width of each field")
     parser.add_argument("--batch", type=at_least(1), default=2)
     parser.add_argument("--width", type=at_least(1), default=16, help="U-Net channels at full resolution")
@@ -220,13 +235,12 @@ def main() -> None:
     parser.add_argument("--timeline", metavar="FILE.json",
                         help="save every rank's overlapped forward at the largest nproc (for docs/img/make_domain.py)")
     args = parser.parse_args()
+    check_flags(parser, args)
     print(f"domain parallelism: U-Net width {args.width}, 2 levels, batch {args.batch} x "
           f"{args.size}x{args.size}, median of {args.rounds * args.steps} steps; gloo on CPU; the "
           f"peer uses native all-gather / reduce-scatter (its best settings here)")
     rows = {}
     for n in args.nproc:
-        if args.size % (4 * n):
-            parser.error(f"--size must be a multiple of 4 x nproc ({4 * n})")
         results = spawn(worker, n, args, n, backend="gloo", timeout_s=1800)
         rows[n] = report(n, results, args)
         if args.timeline and n == max(args.nproc):

@@ -36,8 +36,9 @@ from paratrain.parallel.pipeline import (Recorder, gather_timeline, run_schedule
 from paratrain.parallel.pipeline.posting import GLOO_RECEIVES_AHEAD
 from paratrain.parallel.pipeline.simulator import simulate
 from paratrain.parallel.pipeline.timeline import StepRecord, step_bubbles
+from paratrain.stages import PipelineSplitError, check_pipeline_split
 
-from common import at_least
+from common import at_least, int_list
 
 MODEL = GPTConfig(vocab_size=256, d_model=128, n_layers=8, n_heads=4, ffn_hidden=352,
                   max_seq_len=128)
@@ -234,7 +235,8 @@ def world(args, pp: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pp", default="2,4", help="pipeline sizes (default: 2,4)")
+    parser.add_argument("--pp", type=int_list(2, " (torch's pipeline and the transfer timing "
+                        "need two stages)"), default="2,4", help="pipeline sizes (default: 2,4)")
     parser.add_argument("--microbatches", type=at_least(1), default=8)
     parser.add_argument("--batch", type=at_least(1), default=8, help="sequences per step")
     parser.add_argument("--seq", type=at_least(1), default=128)
@@ -249,8 +251,9 @@ def main() -> None:
     parser.add_argument("--timeline", default="", metavar="PREFIX",
                         help="save paratrain's timelines as PREFIX-<schedule>-pp<N>.json")
     args = parser.parse_args()
+    check_flags(parser, args)
     pairs = {}
-    for pp in (int(x) for x in args.pp.split(",")):
+    for pp in args.pp:
         result = spawn(world, pp, args, pp, backend="gloo")[0]
         for kind in SCHEDULES:
             pairs[(pp, kind)] = _pair(result, kind, theoretical_bubble(pp, args.microbatches))
@@ -264,6 +267,22 @@ def main() -> None:
                       "peer_name": "torch.distributed.pipelining", "ratio": head["ratio"],
                       "cpu_ratio": head["cpu_ratio"], "microbatches": args.microbatches,
                       "pairs": {f"{kind} pp={pp}": v for (pp, kind), v in pairs.items()}}))
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error naming the flag, before any rank starts, where the ranks
+    would fail deep in the model or in torch's schedule."""
+    for pp in args.pp:
+        try:
+            check_pipeline_split(MODEL.n_layers, pp)
+        except PipelineSplitError as exc:
+            parser.error(f"--pp {pp}: {exc}")
+    if args.seq > MODEL.max_seq_len:
+        parser.error(f"--seq {args.seq} is longer than the model's max_seq_len {MODEL.max_seq_len}; "
+                     f"pass --seq {MODEL.max_seq_len} or less")
+    if args.batch % args.microbatches:
+        parser.error(f"--batch {args.batch} must be a multiple of --microbatches {args.microbatches}: "
+                     f"both runners cut the batch into equal microbatches")
 
 
 def _pair(result: dict, kind: str, theory: float) -> dict:

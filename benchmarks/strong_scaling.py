@@ -20,11 +20,15 @@ import statistics
 import tempfile
 
 from paratrain.launch import spawn
+from paratrain.layout import LayoutError
 from paratrain.mesh import Mesh
-from paratrain.train.config import load
+from paratrain.train.config import ConfigError, load
 from paratrain.train.loop import train
 
-from common import at_least
+from common import at_least, check_model_flags, int_list
+
+TIMED_FROM = 2
+"""Steps before this index warm up and are not timed."""
 
 
 def layouts(n: int) -> dict[str, dict]:
@@ -41,17 +45,38 @@ def run(configs) -> list[float]:
     for cfg in configs:
         train(cfg, Mesh.build(cfg.layout))
         lines = cfg.metrics_path.read_text().splitlines() if cfg.metrics_path.exists() else []
-        rates.append(statistics.median(json.loads(x)["tokens_per_s"] for x in lines[2:]) if lines else 0.0)
+        rates.append(statistics.median(json.loads(x)["tokens_per_s"] for x in lines[TIMED_FROM:])
+                     if lines else 0.0)
     return rates
 
 
-def measure(args, n: int, tmp: str) -> dict[str, float]:
-    names = list(layouts(n))
+def configs(args, n: int, tmp: str) -> list:
+    """The validated config of each layout at ``n`` processes (ConfigError, LayoutError)."""
     base = dict(preset=args.model, steps=args.steps, global_batch=args.global_batch, seq_len=args.seq,
                 eval_every=0, eval_batches=1, progress=False, nproc=n, warmup_steps=1)
-    configs = [load(None, {**base, **layouts(n)[name], "run_dir": os.path.join(tmp, f"{n}-{i}")}).validate()
-               for i, name in enumerate(names)]
-    return dict(zip(names, spawn(run, n, configs, backend="gloo", timeout_s=1800)[0]))
+    return [load(None, {**base, **layout, "run_dir": os.path.join(tmp, f"{n}-{i}")}).validate()
+            for i, layout in enumerate(layouts(n).values())]
+
+
+def measure(args, n: int, tmp: str) -> dict[str, float]:
+    rates = spawn(run, n, configs(args, n, tmp), backend="gloo", timeout_s=1800)[0]
+    return dict(zip(layouts(n), rates))
+
+
+def check_flags(parser: argparse.ArgumentParser, args) -> None:
+    """Exit with a usage error naming the flag before any world starts: every layout at
+    every --nproc is validated first, not when its turn comes after minutes of others."""
+    check_model_flags(parser, args.model, args.seq)
+    odd = [n for n in args.nproc if n > 1 and n % 2]
+    if odd:
+        parser.error(f"--nproc {','.join(map(str, odd))}: give 1 or even sizes (tp2 and pp2 "
+                     f"split each world in two), e.g. --nproc 1,2,4")
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.nproc:
+            try:
+                configs(args, n, tmp)
+            except (ConfigError, LayoutError) as exc:
+                parser.error(f"--nproc {n} with --global-batch {args.global_batch}: {exc}")
 
 
 def plot(results: dict[int, dict[str, float]], path: str) -> None:
@@ -82,13 +107,16 @@ def best(rates: dict[str, float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
-    parser.add_argument("--nproc", default="1,2,4")
-    parser.add_argument("--steps", type=at_least(1), default=8)
+    parser.add_argument("--nproc", type=int_list(1), default="1,2,4",
+                        help="world sizes (default: 1,2,4)")
+    parser.add_argument("--steps", type=at_least(TIMED_FROM + 1, f" (the first {TIMED_FROM} steps "
+                        f"warm up, the rest are timed)"), default=8)
     parser.add_argument("--global-batch", type=at_least(1), default=16)
     parser.add_argument("--seq", type=at_least(1), default=128)
     parser.add_argument("--plot", default="", help="write the picture here (PNG)")
     args = parser.parse_args()
-    sizes = [int(x) for x in args.nproc.split(",")]
+    check_flags(parser, args)
+    sizes = args.nproc
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in sizes:

@@ -313,6 +313,40 @@ def test_benchmark_sequence_must_fit_the_model(monkeypatch, capsys):
     assert "--seq 128 is longer than model tiny's max_seq_len 64" in capsys.readouterr().err
 
 
+BAD_FLAGS = [  # (script, flags, words): each failed in every rank, deep in the model or torch
+    ("pp_vs_torch.py", ["--pp", "1"], "argument --pp: must be at least 2"),
+    ("pp_vs_torch.py", ["--pp", "2,x"], "argument --pp: expected an integer, got 'x'"),
+    ("pp_vs_torch.py", ["--pp", "16"], "--pp 16: 8 layers cannot be split"),
+    ("pp_vs_torch.py", ["--seq", "256"], "--seq 256 is longer than the model's max_seq_len 128"),
+    ("pp_vs_torch.py", ["--microbatches", "3"], "--batch 8 must be a multiple of --microbatches 3"),
+    ("cp_methods.py", ["--seq", "63"], "--seq 63 must be a multiple of 2 x --nproc = 4"),
+    ("cp_methods.py", ["--nproc", "3", "--batch", "3", "--seq", "96"], "--nproc 3 must divide"),
+    ("cp_methods.py", ["--model", "nope"], "--model: unknown model preset 'nope'"),
+    ("domain_parallel.py", ["--nproc", "1"], "argument --nproc: must be at least 2"),
+    ("domain_parallel.py", ["--nproc", "2", "3", "--size", "16"], "--size 16 must be a multiple of 4 x --nproc 3"),
+    ("domain_parallel.py", ["--width", "2"], "--width 2: width=2: the group norms"),
+    ("strong_scaling.py", ["--steps", "2"], "argument --steps: must be at least 3"),
+    ("strong_scaling.py", ["--nproc", "3"], "--nproc 3: give 1 or even sizes"),
+    ("strong_scaling.py", ["--nproc", "1,2", "--global-batch", "2"], "--nproc 2 with --global-batch 2"),
+]
+
+
+@pytest.mark.parametrize("script,flags,words", BAD_FLAGS,
+                         ids=[f"{s[:-3]}{''.join(f)}" for s, f, _ in BAD_FLAGS])
+def test_benchmark_flags_the_ranks_would_fail_on_are_refused_first(script, flags, words, monkeypatch, capsys):
+    """strong_scaling --steps 2 ended in a StatisticsError after the whole run, --nproc 3 in
+    a ConfigError traceback; the others failed in every rank once spawned."""
+    from paratrain import launch
+
+    def spawn(*args, **kwargs):
+        raise AssertionError("a world was spawned before the flags were checked")
+
+    monkeypatch.setattr(launch, "spawn", spawn)  # the scripts import it when run below
+    assert run_benchmark(script, flags, monkeypatch) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after argparse's usage lines
+    assert last.startswith(f"{script}: error: ") and words in last, last
+
+
 # ---- report -----------------------------------------------------------------------------------
 
 def test_report_reads_a_torn_metrics_file_and_checks_out_first(tmp_path, capsys):

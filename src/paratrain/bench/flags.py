@@ -20,3 +20,17 @@ def at_least(minimum: int, why: str = "") -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def int_list(minimum: int, why: str = "") -> Callable[[str], list[int]]:
+    """An argparse ``type``: comma-separated integers (``1,2,4``: world or pipeline sizes),
+    each of at least ``minimum``; a bad item is named instead of a ValueError traceback."""
+    one = at_least(minimum, why)
+
+    def parse(text: str) -> list[int]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"give comma-separated integers, e.g. 2,4; got {text!r}")
+        return [one(x) for x in items]
+
+    return parse
