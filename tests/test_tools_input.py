@@ -1,7 +1,7 @@
-"""Bad input to the auxiliary commands (trace, bench comm, data prepare, export) ends with
-exit code 2 and a message naming the flag, before any process starts or any work is done,
-and leaves nothing half-written behind. No processes, except where a worker pool is the
-point of the test."""
+"""Bad input to the auxiliary commands (trace, bench comm, data prepare and verify, export,
+the benchmarks) ends with exit code 2 and a message naming the flag, before any process
+starts or any work is done, and leaves nothing half-written behind. No processes, except
+where a worker pool is the point of the test."""
 
 from __future__ import annotations
 
