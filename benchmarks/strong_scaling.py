@@ -7,8 +7,12 @@ the rest data parallel), each trained through `paratrain train`'s loop on the sa
 global batch and data; reported: median tokens/s of the steps after the first two. The
 ideal line is the single process's rate times the world size. On a machine with fewer
 cores than processes the ideal cannot hold: the ranks share the cores (see the docs page).
-Last line: JSON with paratrain = best tokens/s at the largest world, peer = the ideal
-there, ratio = their quotient (the scaling efficiency; higher is better here).
+The peer, in the same world: torch's DistributedDataParallel (gradient_as_bucket_view,
+no buffer sync before each forward, the speed settings its documentation recommends) over
+the same GPT, global batch and sequence length, with torch's AdamW; its rate is what data
+parallelism reaches without paratrain. Last line: JSON with paratrain = the step seconds
+of the fastest paratrain layout at the largest world, peer = torch DDP's there, ratio =
+their quotient (lower is better); the scaling efficiency against the ideal is a field.
 """
 
 from __future__ import annotations
@@ -18,17 +22,23 @@ import json
 import os
 import statistics
 import tempfile
+import time
+
+import torch
+import torch.distributed as dist
 
 from paratrain.launch import spawn
 from paratrain.layout import LayoutError
 from paratrain.mesh import Mesh
+from paratrain.models.gpt import GPT
 from paratrain.train.config import ConfigError, load
 from paratrain.train.loop import train
 
-from common import at_least, check_model_flags, int_list
+from common import DDP_SETTINGS, at_least, check_model_flags, fast_ddp, int_list
 
 TIMED_FROM = 2
 """Steps before this index warm up and are not timed."""
+PEER = "torch DDP"
 
 
 def layouts(n: int) -> dict[str, dict]:
@@ -40,14 +50,34 @@ def layouts(n: int) -> dict[str, dict]:
 
 
 def run(configs) -> list[float]:
-    """Median tokens/s of each config, trained in turn in this world."""
+    """Median tokens/s of each config, trained in turn in this world, then of torch DDP
+    over the first config's model, batch and steps (the last value)."""
     rates = []
     for cfg in configs:
         train(cfg, Mesh.build(cfg.layout))
         lines = cfg.metrics_path.read_text().splitlines() if cfg.metrics_path.exists() else []
         rates.append(statistics.median(json.loads(x)["tokens_per_s"] for x in lines[TIMED_FROM:])
                      if lines else 0.0)
-    return rates
+    return rates + [torch_ddp_rate(configs[0])]
+
+
+def torch_ddp_rate(cfg) -> float:
+    """Median tokens/s of torch DDP training ``cfg``'s model on random tokens, each rank
+    its share of the global batch in one microbatch, as paratrain's DDP layout runs it."""
+    torch.manual_seed(cfg.train.seed)
+    model = fast_ddp(GPT(cfg.model))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+    share, seq = cfg.train.global_batch // dist.get_world_size(), cfg.data.seq_len
+    times = []
+    for _ in range(cfg.train.steps):
+        tokens = torch.randint(0, cfg.model.vocab_size, (share, seq + 1))
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        (model(tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].numel()).backward()
+        optimizer.step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return cfg.train.global_batch * seq / statistics.median(times[TIMED_FROM:])
 
 
 def configs(args, n: int, tmp: str) -> list:
@@ -60,7 +90,7 @@ def configs(args, n: int, tmp: str) -> list:
 
 def measure(args, n: int, tmp: str) -> dict[str, float]:
     rates = spawn(run, n, configs(args, n, tmp), backend="gloo", timeout_s=1800)[0]
-    return dict(zip(layouts(n), rates))
+    return dict(zip([*layouts(n), PEER], rates))
 
 
 def check_flags(parser: argparse.ArgumentParser, args) -> None:
@@ -91,6 +121,7 @@ def plot(results: dict[int, dict[str, float]], path: str) -> None:
     for name in ("DDP", "ZeRO-3", "best"):
         ax.plot(sizes, [best(results[n]) if name == "best" else results[n][name] for n in sizes],
                 "o-", label=name if name != "best" else "best layout")
+    ax.plot(sizes, [results[n][PEER] for n in sizes], "s:", label=PEER)
     ax.set_xlabel("processes (2 CPU cores)")
     ax.set_ylabel("tokens / s")
     ax.set_xticks(sizes)
@@ -101,7 +132,8 @@ def plot(results: dict[int, dict[str, float]], path: str) -> None:
 
 
 def best(rates: dict[str, float]) -> float:
-    return max(rates.values())
+    """The fastest paratrain layout's tokens/s."""
+    return max(v for k, v in rates.items() if k != PEER)
 
 
 def main() -> None:
@@ -124,19 +156,24 @@ def main() -> None:
             print(f"{n} process(es): " + ", ".join(f"{k} {v:,.0f}" for k, v in results[n].items())
                   + " tokens/s", flush=True)
     one = results[sizes[0]]["DDP"] / sizes[0]
-    print(f"{'processes':>9} {'DDP':>9} {'ZeRO-3':>9} {'best':>9} {'best layout':>12} {'ideal':>9} {'efficiency':>10}")
+    print(f"peer: torch DDP ({DDP_SETTINGS}), torch AdamW, the same model, batch and steps")
+    print(f"{'processes':>9} {'DDP':>9} {'ZeRO-3':>9} {'best':>9} {'best layout':>12} "
+          f"{'torch DDP':>9} {'ideal':>9} {'efficiency':>10}")
     for n in sizes:
         r = results[n]
-        name = max(r, key=r.get)
+        name = max((k for k in r if k != PEER), key=r.get)
         print(f"{n:>9} {r['DDP']:>9,.0f} {r['ZeRO-3']:>9,.0f} {best(r):>9,.0f} {name:>12} "
-              f"{one * n:>9,.0f} {best(r) / (one * n):>10.0%}")
+              f"{r[PEER]:>9,.0f} {one * n:>9,.0f} {best(r) / (one * n):>10.0%}")
     if args.plot:
         plot(results, args.plot)
         print(f"picture: {args.plot}")
     top = sizes[-1]
-    print(json.dumps({"benchmark": "strong_scaling", "metric": "tokens_per_s", "nproc": top,
-                      "paratrain": round(best(results[top]), 1), "peer": round(one * top, 1),
-                      "peer_name": "ideal linear scaling", "ratio": round(best(results[top]) / (one * top), 3),
+    tokens = args.global_batch * args.seq
+    mine, peer = tokens / best(results[top]), tokens / results[top][PEER]
+    print(json.dumps({"benchmark": "strong_scaling", "metric": "step seconds, fastest layout",
+                      "nproc": top, "paratrain": round(mine, 5), "peer": round(peer, 5),
+                      "peer_name": f"torch DDP ({DDP_SETTINGS})", "ratio": round(mine / peer, 3),
+                      "scaling_efficiency": round(best(results[top]) / (one * top), 3),
                       "results": {str(n): r for n, r in results.items()}}))
 
 
