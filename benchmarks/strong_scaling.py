@@ -9,8 +9,9 @@ ideal line is the single process's rate times the world size. On a machine with 
 cores than processes the ideal cannot hold: the ranks share the cores (see the docs page).
 The peer, in the same world: torch's DistributedDataParallel (gradient_as_bucket_view,
 no buffer sync before each forward, the speed settings its documentation recommends) over
-the same GPT, global batch and sequence length, with torch's AdamW; its rate is what data
-parallelism reaches without paratrain. Last line: JSON with paratrain = the step seconds
+the same GPT, global batch and sequence length, with torch's AdamW, clipping the gradient
+norm and averaging the loss for its log each step as paratrain's loop does; its rate is
+what data parallelism reaches without paratrain. Last line: JSON with paratrain = the step seconds
 of the fastest paratrain layout at the largest world, peer = torch DDP's there, ratio =
 their quotient (lower is better); the scaling efficiency against the ideal is a field.
 """
@@ -63,7 +64,9 @@ def run(configs) -> list[float]:
 
 def torch_ddp_rate(cfg) -> float:
     """Median tokens/s of torch DDP training ``cfg``'s model on random tokens, each rank
-    its share of the global batch in one microbatch, as paratrain's DDP layout runs it."""
+    its share of the global batch in one microbatch, as paratrain's DDP layout runs it,
+    and doing what paratrain's loop does each step: clip the gradient norm, and average
+    the loss over the ranks to log it."""
     torch.manual_seed(cfg.train.seed)
     model = fast_ddp(GPT(cfg.model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
@@ -73,9 +76,14 @@ def torch_ddp_rate(cfg) -> float:
         tokens = torch.randint(0, cfg.model.vocab_size, (share, seq + 1))
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        (model(tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].numel()).backward()
+        loss = model(tokens[:, :-1], tokens[:, 1:]) / tokens[:, 1:].numel()
+        loss.backward()
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
-        dist.barrier()
+        logged = loss.detach().clone()
+        dist.all_reduce(logged)
+        logged.item()
         times.append(time.perf_counter() - start)
     return cfg.train.global_batch * seq / statistics.median(times[TIMED_FROM:])
 
@@ -156,7 +164,8 @@ def main() -> None:
             print(f"{n} process(es): " + ", ".join(f"{k} {v:,.0f}" for k, v in results[n].items())
                   + " tokens/s", flush=True)
     one = results[sizes[0]]["DDP"] / sizes[0]
-    print(f"peer: torch DDP ({DDP_SETTINGS}), torch AdamW, the same model, batch and steps")
+    print(f"peer: torch DDP ({DDP_SETTINGS}), torch AdamW, gradient clipping and a logged "
+          f"loss each step, the same model, batch and steps")
     print(f"{'processes':>9} {'DDP':>9} {'ZeRO-3':>9} {'best':>9} {'best layout':>12} "
           f"{'torch DDP':>9} {'ideal':>9} {'efficiency':>10}")
     for n in sizes:
