@@ -18,7 +18,8 @@ from typing import Any, Sequence
 
 from .parallel.pipeline.schedules import schedule
 from .parallel.pipeline.simulator import Simulation, simulate
-from .parallel.pipeline.timeline import Interval, Timeline, step_bubbles, theoretical_bubble
+from .parallel.pipeline.timeline import (Interval, Timeline, on_one_clock, step_bubbles,
+                                         theoretical_bubble)
 
 FORMATS = (".png", ".svg")
 
@@ -117,12 +118,9 @@ def render_timeline(timeline: Timeline, path: str | Path, step: int | None = Non
     in seconds from the step's start."""
     index = step_index(timeline, step)
     records = timeline.step(index)
-    # On one clock (the ranks' wall-clock origins): a rank that finished its part early
-    # shows idle until the pipeline's last rank ends, as the bubble counts it.
-    start = min(r.origin for r in records) if all(r.origin for r in records) else None
-    lanes = [[i._replace(start=i.start + r.origin - start, end=i.end + r.origin - start)
-              for i in r.intervals] if start is not None else r.intervals for r in records]
-    span = max(r.span + (r.origin - start if start is not None else 0.0) for r in records)
+    # On one clock: a rank that finished its part early shows idle until the pipeline's
+    # last rank ends, as the bubble counts it.
+    lanes, span = on_one_clock(records)
     bubbles = " ".join(f"{b:.1%}" for b in step_bubbles(records))
     v = f", v={timeline.chunks}" if timeline.chunks > 1 else ""
     title = (f"recorded {timeline.schedule} pp={timeline.stages} m={timeline.microbatches}{v}, "

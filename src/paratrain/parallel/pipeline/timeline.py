@@ -93,13 +93,25 @@ class StepRecord:
         return breakdown(self.intervals, self.span)
 
 
+def on_one_clock(records: list[StepRecord]) -> tuple[list[list[Interval]], float]:
+    """One pipeline step's intervals of every rank on a common clock, from the earliest
+    rank's start, and the makespan to the latest rank's end (wall-clock origins; on
+    several hosts their clocks' agreement bounds the accuracy). Without recorded origins,
+    each rank on its own clock and the longest span."""
+    if not all(r.origin for r in records):
+        return [r.intervals for r in records], max(r.span for r in records)
+    start = min(r.origin for r in records)
+    lanes = [[i._replace(start=i.start + r.origin - start, end=i.end + r.origin - start)
+              for i in r.intervals] for r in records]
+    return lanes, max(r.origin + r.span for r in records) - start
+
+
 def step_bubbles(records: list[StepRecord]) -> list[float]:
-    """Each rank's idle share of one pipeline step: 1 - its compute / the makespan, from the
-    earliest rank's start to the latest rank's end (wall clocks; on several hosts their
-    clocks' agreement bounds the accuracy). Without recorded origins, each rank's own span."""
+    """Each rank's idle share of one pipeline step: 1 - its compute / the makespan
+    (``on_one_clock``). Without recorded origins, each rank's own span."""
     if not all(r.origin for r in records):
         return [r.bubble for r in records]
-    makespan = (max(r.origin + r.span for r in records) - min(r.origin for r in records))
+    _, makespan = on_one_clock(records)
     return [bubble_fraction(r.intervals, makespan) for r in records]
 
 

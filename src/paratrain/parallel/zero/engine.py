@@ -70,19 +70,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             for tensor in [*module.parameters(), *module.buffers()]:
                 if not tensor.is_meta:
                     C.broadcast(tensor, src=0, group=group)
-        world, rank = C.size(group), C.rank(group)
-        unit_modules = default_units(module)
-        named = group_units(module, [(name, [m]) for name, m in unit_modules])
-        self.units = [Unit(build_unit(name, params, world, rank, param_dtype, self.plan.device,
-                                      sharded=stage == 3), m)
-                      for (name, params), (_, m) in zip(named, unit_modules)]
-        for unit in self.units:
-            unit.setup_grads(stage)
-            if stage == 3:
-                flat = unit.flat
-                unit.shard = (flat.own_slice(flat.flat).clone() if not flat.flat.is_meta else
-                              torch.zeros(flat.shard_size, dtype=flat.flat.dtype, device=flat.device))
-                flat.free()
+        self.units = _build_units(module, group, stage, param_dtype, self.plan.device)
         if tp is not None:  # replicated TP gradients are summed as backward makes them
             tp.register_grad_sync_hooks()  # (after build_unit: adopting a meta parameter drops hooks)
         self.optimizer = ShardedAdamW(self.units, optim_cfg, offload=offload)
@@ -102,13 +90,17 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         # it: a U-Net registers its encoder and decoder lists apart, and runs them
         # interleaved): prefetch follows it once it is complete.
         self._order: list[int] = []
+        self._position: dict[int, int] = {}  # unit index -> its place in _order
         self.track_peak = track_peak  # measuring live bytes at every hook costs time
         self.peak_bytes = 0
+        self._register_hooks()
+
+    def _register_hooks(self) -> None:
         for index, unit in enumerate(self.units):
             for p in unit.flat.params:
                 p.register_post_accumulate_grad_hook(weakly(
                     self, lambda zero, p, i=index: zero._on_grad_ready(zero.units[i], p)))
-            if stage == 3:
+            if self.stage == 3:
                 # First of the unit's pre-hooks: others (a TP region's entry computes the
                 # column GEMMs) need the gathered weights.
                 unit.module.register_forward_pre_hook(lambda m, a, i=index: self._pre_forward(i),
@@ -146,11 +138,12 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         registration order."""
         if len(self._order) < len(self.units):
             return index + step
-        at = self._order.index(index) + step
+        at = self._position[index] + step
         return self._order[at] if 0 <= at < len(self._order) else -1
 
     def _pre_forward(self, index: int) -> None:
-        if len(self._order) < len(self.units) and index not in self._order:
+        if len(self._order) < len(self.units) and index not in self._position:
+            self._position[index] = len(self._order)
             self._order.append(index)
         self._gather(index, wait=True)
         self._gather(self._neighbour(index, +1), wait=False)  # prefetch: overlaps this compute
@@ -327,6 +320,26 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             for i, view in enumerate(views):
                 state[view] = {"step": torch.tensor(float(step)),
                                **{k: slices[k][i].to(view.device).clone() for k in MOMENTS}}
+
+
+def _build_units(module: nn.Module, group: ProcessGroup, stage: int,
+                 param_dtype: torch.dtype | None, device: torch.device) -> list[Unit]:
+    """``module``'s units as flat buffers over ``group``; at stage 3 each keeps only its
+    shard (the flat buffer freed until gathered)."""
+    world, rank = C.size(group), C.rank(group)
+    unit_modules = default_units(module)
+    named = group_units(module, [(name, [m]) for name, m in unit_modules])
+    units = [Unit(build_unit(name, params, world, rank, param_dtype, device,
+                             sharded=stage == 3), m)
+             for (name, params), (_, m) in zip(named, unit_modules)]
+    for unit in units:
+        unit.setup_grads(stage)
+        if stage == 3:
+            flat = unit.flat
+            unit.shard = (flat.own_slice(flat.flat).clone() if not flat.flat.is_meta else
+                          torch.zeros(flat.shard_size, dtype=flat.flat.dtype, device=flat.device))
+            flat.free()
+    return units
 
 
 def _tensors(output) -> list[torch.Tensor]:
