@@ -10,7 +10,9 @@ from paratrain.plan.cost import ORDER, bubble_fraction, max_stage_params, step_t
 from paratrain.plan.flops import megatron_flops, step_flops
 from paratrain.plan.hardware import (GB, Calibration, CalibrationError, Cluster, gpu_preset,
                                      load_calibration, local_cluster)
+from paratrain.plan.memory import rank_states, stage_memory
 from paratrain.plan.models import PRESETS, ModelSpec
+from paratrain.plan.overlap import link_collective_time
 
 BLOOM = PRESETS["bloom-176b"]
 
@@ -135,6 +137,36 @@ def test_dp_overlap_hides_gradient_reduction_behind_backward():
     # nothing hides it (16 GB of bf16 weights over 64 ranks, ~40 ms on this cluster).
     zero1 = step_time(model, training, fast, cand.but(zero=1))
     assert zero1.dp > 4 * hidden.dp
+
+
+def test_dp_reduction_after_the_backward_is_wholly_exposed():
+    """2021's Megatron all-reduced after the whole backward (``dp_overlap=False``): the
+    step pays the full ring time, where overlapped it hides behind the last backward."""
+    model, cluster = PRESETS["llama3-8b"], Cluster(gpu_preset("h100-80g"), 64)
+    cand = Candidate(64, 1, 1, 1, 0, 1, 4)
+    beside = step_time(model, Training(256, 4096), cluster, cand)
+    after = step_time(model, Training(256, 4096, dp_overlap=False), cluster, cand)
+    link = cluster.link(cand.sizes(), ORDER, ("cp", "dp"))
+    ring = link_collective_time(cluster, link, "all-reduce", model.stage_params(1, 1, 0) * 2, 64)
+    assert after.dp == pytest.approx(ring, rel=1e-3) and beside.dp < 0.5 * after.dp
+    assert after.compute == beside.compute
+
+
+@pytest.mark.parametrize("zero,shard", [(0, 1), (1, 64)])
+def test_fp32_gradient_copy_costs_four_bytes_per_parameter(zero, shard):
+    """Megatron 2021's fp16 optimizer kept ``main_param.grad = grad.float()`` alive: 20
+    bytes of model state per parameter without ZeRO, the extra 4 sharded with ZeRO-1."""
+    model = PRESETS["llama3-8b"]
+    cand = Candidate(64, 1, 1, 1, zero, 1, 4)
+    plain = stage_memory(model, Training(256, 4096), cand, 0)
+    copy = stage_memory(model, Training(256, 4096, fp32_grad_copy=True), cand, 0)
+    psi = model.stage_params(1, 1, 0, 1)
+    assert copy.optimizer - plain.optimizer == pytest.approx(4 * psi / shard)
+    assert (copy.params, copy.grads, copy.activations) == (plain.params, plain.grads,
+                                                           plain.activations)
+    assert copy.states - plain.states == pytest.approx(
+        rank_states(model, Training(256, 4096, fp32_grad_copy=True), cand)
+        - rank_states(model, Training(256, 4096), cand))
 
 
 def test_cluster_validation_and_presets():

@@ -39,9 +39,13 @@ def published_rank(case: dict) -> tuple[int | None, float, str, str]:
     zero = tuple(framework.pop("zero", (0, 1, 2, 3)))
     flash = framework.pop("flash_attention", True)
     overlap = framework.pop("tp_backward_overlap", True)
+    dp_overlap = framework.pop("dp_overlap", True)
+    grad_copy = framework.pop("fp32_grad_copy", False)
     result = search(case_model(case), Training(case["global_batch"], case["seq_len"],
                                                flash_attention=flash,
-                                               tp_backward_overlap=overlap),
+                                               tp_backward_overlap=overlap,
+                                               dp_overlap=dp_overlap,
+                                               fp32_grad_copy=grad_copy),
                     Cluster(gpu_preset(case["gpu"]), case["gpus"]), zero=zero, **framework)
     assert result.plans, f"{case['name']}: nothing fits"
     shape = case["layout"]

@@ -38,6 +38,17 @@ class Training:
     input compute their weight gradients: paratrain's ``sequence.EnterColumnParallel``,
     and Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` (Megatron-LM and
     apex since 2022). False: software that runs them in turn (Megatron-LM in 2021)."""
+    dp_overlap: bool = True
+    """The data-parallel gradient reduction runs beside the last microbatch's backward,
+    bucket by bucket (paratrain, torch DDP, DeepSpeed, Megatron-core's
+    ``overlap_grad_reduce``). False: it starts after the whole backward (Megatron-LM in
+    2021, whose default ``local`` DDP called ``allreduce_gradients`` after
+    ``forward_backward_func`` returned)."""
+    fp32_grad_copy: bool = False
+    """The optimizer keeps an fp32 copy of each 16-bit gradient beside its master weight
+    through the next step's forward and backward: 4 more bytes per parameter, sharded
+    with the optimizer state. Megatron-LM in 2021 did (``Float16OptimizerWithFloat16Params``
+    set ``main_param.grad = grad.float()`` and its ``zero_grad`` left those alone)."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:

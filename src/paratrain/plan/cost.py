@@ -313,15 +313,16 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     # Under a pipeline paratrain accumulates a stage's gradient through the step and
     # reduces it once (zero.md), whatever the microbatches.
     m = 1 if cand.pp > 1 else cand.microbatches
+    window = micro.bwd if training.dp_overlap else 0.0
     if cand.zero == 0:
-        return coll("all-reduce", psi * grad, micro.bwd)
+        return coll("all-reduce", psi * grad, window)
     # The optimizer step waits for the updated parameters' all-gather (zero/engine.py, as
     # DeepSpeed's does): nothing computes beside it.
     gather = coll("all-gather", psi * weight, 0.0)
     if cand.zero == 1:
-        return coll(reduce_op(cluster), psi * grad, micro.bwd) + gather
+        return coll(reduce_op(cluster), psi * grad, window) + gather
     if cand.zero == 2:
-        return m * coll(reduce_op(cluster), psi * grad, micro.bwd) + gather
+        return m * coll(reduce_op(cluster), psi * grad, window) + gather
     return _zero3_time(model, cluster, cand, micro, psi * weight, psi * grad, m)
 
 

@@ -78,6 +78,13 @@ def bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
     return 4, 4, 8 if optimizer == "adam" else 4
 
 
+def training_bytes_per_param(training: Training) -> tuple[int, int, int]:
+    """``bytes_per_param`` with the framework's extra fp32 gradient copy, if it keeps one
+    (``Training.fp32_grad_copy``), counted as optimizer state."""
+    weight, grad, k = bytes_per_param(training.precision, training.optimizer)
+    return weight, grad, k + (4 if training.fp32_grad_copy else 0)
+
+
 def model_state_bytes(psi: float, n: int, zero: int, weight: int = 2, grad: int = 2,
                       k: int = 12) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per rank for ``psi`` parameters, ZeRO ``zero``
@@ -177,7 +184,7 @@ def rank_states(model: ModelSpec, training: Training, cand: Candidate,
     ``states`` of ``rank_memory`` without counting activations (the search's first test)."""
     if paratrain:
         return rank_memory(model, training, cand, paratrain).states
-    weight, grad, k = bytes_per_param(training.precision, training.optimizer)
+    weight, grad, k = training_bytes_per_param(training)
     zero = cand.zero if cand.shard > 1 else 0
     psi = max(model.stage_params(cand.tp, cand.pp, s, cand.virtual_stages)
               for s in {0, min(1, cand.pp - 1), cand.pp - 1})
@@ -186,7 +193,7 @@ def rank_states(model: ModelSpec, training: Training, cand: Candidate,
 
 def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: int) -> Memory:
     """Peak bytes of one rank of pipeline ``stage``."""
-    weight, grad, k = bytes_per_param(training.precision, training.optimizer)
+    weight, grad, k = training_bytes_per_param(training)
     psi = model.stage_params(cand.tp, cand.pp, stage, cand.virtual_stages)
     zero = cand.zero if cand.shard > 1 else 0
     params, grads, opt = model_state_bytes(psi, cand.zero_shard, zero, weight, grad, k)
