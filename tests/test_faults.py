@@ -414,7 +414,7 @@ def test_corrupt_partial_and_mismatched_checkpoints_are_refused_before_launch(tm
         ckpt = write_checkpoint(tmp_path / case, edit)
         with pytest.raises(checkpoint.CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
             checkpoint.verify(ckpt, PRESETS["tiny"])
-    with pytest.raises(checkpoint.CheckpointError, match=f"tensor 'exp_avg/.*' holds NaN"):
+    with pytest.raises(checkpoint.CheckpointError, match="tensor 'exp_avg/.*' holds NaN"):
         write_checkpoint(tmp_path / "nan", lambda t: t[f"exp_avg/{name[6:]}"].fill_(float("nan")))
     assert not (tmp_path / "nan").exists() and not list(tmp_path.glob(".nan*"))
 

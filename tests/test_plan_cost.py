@@ -213,7 +213,6 @@ def test_ulysses_is_timed_as_its_all_to_alls_and_searched_where_heads_split():
     from paratrain.comm.cost import collective_time
     from paratrain.plan.evaluate import evaluate, parse_layout
     from paratrain.plan.export import config_tables
-    from paratrain.plan.search import Plan
     from paratrain.plan.search import search
 
     model, training = PRESETS["llama3-8b"], Training(16, 8192, "bf16")  # 32 heads, 8 KV heads

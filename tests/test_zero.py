@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from distributed import run_world
 from paratrain.comm import collectives as C
-from paratrain.layout import Layout
 from paratrain.models.gpt import GPT, PRESETS
 from paratrain.models.unet import UNet, UNetConfig
 from paratrain.parallel.zero import ZeroDataParallel

@@ -337,6 +337,6 @@ def _tokenize_into(writer: _ShardWriter, spec: TokenizerSpec, files: list[Path],
     if not chars[0]:  # no dataset of end-of-document tokens alone
         fields = any(p.suffix.lower() != ".txt" for p in files)
         raise DataError(f"the inputs hold no text ({documents} document(s), all empty); give "
-                        f"files that hold text{f', and --field naming its field' if fields else ''}")
+                        f"files that hold text{', and --field naming its field' if fields else ''}")
     return documents
 

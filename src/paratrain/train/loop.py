@@ -101,15 +101,22 @@ def build_engine(cfg: Config, mesh: Mesh) -> tuple[Engine, int]:
 
 def train_step(run: Run, step: int) -> dict[str, float]:
     """One optimizer step over a global batch; returns its loss, grad norm and lr."""
+    tokens = D.valid_tokens(run.sampler.global_indices(step), run.cfg.data.seq_len)
+    return optimizer_step(run, step, _microbatches(run, run.train_data,
+                                                   run.sampler.local_indices(step)), tokens)
+
+
+def optimizer_step(run, step: int, microbatches: list, count: int) -> dict[str, float]:
+    """Forward and backward over this rank's ``microbatches``, their summed losses divided
+    by ``count`` (the global batch's tokens or points: the same on every rank), then clip
+    and step. Every task's step (language model, heat2d) is this one."""
     cfg, engine = run.cfg, run.engine
-    tokens = D.valid_tokens(run.sampler.global_indices(step), cfg.data.seq_len)
     engine.zero_grad()
-    loss = engine.forward_backward(_microbatches(run, run.train_data, run.sampler.local_indices(step)),
-                                   loss_scale=1 / tokens)
+    loss = engine.forward_backward(microbatches, loss_scale=1 / count)
     grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
     loss_sum, norm = torch.stack([loss.total, grad_norm.float()]).tolist()  # the one host sync
     lr = lr_at(step, cfg.train.steps, cfg.optim)
-    record = {"loss": loss_sum / tokens, "grad_norm": norm, "lr": lr, "tokens": tokens}
+    record = {"loss": loss_sum / count, "grad_norm": norm, "lr": lr, "tokens": count}
     if not (math.isfinite(loss_sum) and math.isfinite(norm)):
         engine.forget_nonfinite()  # so a skipped step's NaN does not poison the next ones
         return {**record, "nonfinite_ranks": culprits(loss.local)}  # no update: the loop decides

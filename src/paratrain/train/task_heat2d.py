@@ -16,7 +16,6 @@ computes, whatever the grid (even blocks of unequal size).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,6 @@ from ..comm import collectives as C
 from ..layout import DOMAIN_AXES, DP, DP_DOM, LayoutError
 from ..mesh import Mesh
 from ..models.unet import UNet, UNetConfig
-from ..optim import lr_at
 from ..parallel.data import DataParallel
 from ..parallel.domain import Grid, apply_domain_parallel
 from ..parallel.engine import Engine, ReplicatedEngine
@@ -38,9 +36,9 @@ from . import checkpoint, logs
 from . import data as D
 from .config import Config, ConfigError
 from .heat2d import Fields, make_fields
-from .loop import RunResult, finish
+from .loop import RunResult, finish, optimizer_step
 from .metrics import MetricsWriter, state_bytes
-from .nonfinite import NonFiniteGuard, culprits
+from .nonfinite import NonFiniteGuard
 from .rundir import claim_records, continued_run_id, run_record
 
 NORM_GROUPS = 4
@@ -194,20 +192,9 @@ def _microbatches(run: Heat2DRun, fields: Fields, indices: list[int]) -> list:
 
 def train_step(run: Heat2DRun, step: int) -> dict[str, float]:
     """One optimizer step over a global batch; returns its loss, grad norm and lr."""
-    cfg, engine = run.cfg, run.engine
-    points = cfg.train.global_batch * cfg.heat2d.grid_size**2
-    engine.zero_grad()
-    loss = engine.forward_backward(_microbatches(run, run.train_data, run.sampler.local_indices(step)),
-                                   loss_scale=1 / points)
-    grad_norm = engine.clip_grad_norm_(cfg.optim.grad_clip)
-    loss_sum, norm = torch.stack([loss.total, grad_norm.float()]).tolist()  # the one host sync
-    lr = lr_at(step, cfg.train.steps, cfg.optim)
-    record = {"loss": loss_sum / points, "grad_norm": norm, "lr": lr, "tokens": points}
-    if not (math.isfinite(loss_sum) and math.isfinite(norm)):  # as the language model's step
-        engine.forget_nonfinite()
-        return {**record, "nonfinite_ranks": culprits(loss.local)}
-    engine.step(lr)
-    return record
+    points = run.cfg.train.global_batch * run.cfg.heat2d.grid_size**2
+    return optimizer_step(run, step, _microbatches(run, run.train_data,
+                                                   run.sampler.local_indices(step)), points)
 
 
 @torch.no_grad()

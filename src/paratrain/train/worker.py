@@ -98,7 +98,7 @@ def started_by_torchrun(env: Mapping[str, str]) -> bool:
     try:
         rank, local, world, local_world = (int(env[k]) for k in _RANK_VARS[:4])
     except ValueError:
-        raise ConfigError(f"torchrun variables must be integers: "
+        raise ConfigError("torchrun variables must be integers: "
                           + ", ".join(f"{k}={env[k]!r}" for k in _RANK_VARS[:4])) from None
     if not (0 <= rank < world and 0 <= local < local_world <= world):
         raise ConfigError(f"inconsistent torchrun variables RANK={rank}, LOCAL_RANK={local}, "
