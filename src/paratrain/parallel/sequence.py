@@ -116,7 +116,7 @@ class Regions:
         """``enter``, with the outputs of ``layers`` (the column-parallel layers reading the
         result) computed by the same Function, which overlaps their weight gradients with
         the backward collective. Each layer is handed its output for this call
-        (``ColumnParallelLinear.take``) and returns it when called on the entered input."""
+        (``ColumnParallelLinear.hand_over``) and returns it when called on the entered input."""
         if not self.overlap:
             return self.enter(x)
         entered, *outputs = EnterColumnParallel.apply(

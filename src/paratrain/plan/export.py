@@ -17,6 +17,7 @@ The config has three tables (the mapping from a plan):
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from .. import rules
@@ -175,8 +176,10 @@ def plot(path: str | Path, plans: list[Plan], limit: float, title: str = "") -> 
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
-    labels = [f"#{i}\n" + layout_label(p).replace(" ", "\n", 4)
-              + f"\nmb{p.cand.micro_batch} {p.cand.recompute}" for i, p in enumerate(plans, 1)]
+    # Wrapped at spaces, so neighbouring labels do not run into each other.
+    labels = [f"#{i}\n" + textwrap.fill(f"{layout_label(p)} mb{p.cand.micro_batch} "
+                                        f"{p.cand.recompute}", 14, break_long_words=False)
+              for i, p in enumerate(plans, 1)]
     fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(max(8, 2.4 * len(plans)), 5))
     for ax, parts, value, unit in (
             (mem_ax, MEMORY_PARTS, lambda p, k: getattr(p.memory, k) / GiB, "GiB per rank"),
