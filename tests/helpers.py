@@ -11,7 +11,9 @@ norm. That is why ``assert_same_run`` compares those too.
 from __future__ import annotations
 
 import gc
+import json
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -200,3 +202,15 @@ def plan(*argv: str) -> int:
     cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["plan", *argv])
     return args.func(args)
+
+
+TINY = ["--model", "tiny", "--seq-len", "32", "--eval-every", "0", "--no-progress", "--nproc", "2"]
+"""CLI flags of a tiny, quick two-process run."""
+
+
+def strict_json(path: Path) -> list[dict]:
+    """The JSON lines of ``path``, refusing NaN and Infinity (which strict JSON rejects)."""
+    def refuse(token):
+        raise AssertionError(f"{path} holds {token}, which strict JSON rejects")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
