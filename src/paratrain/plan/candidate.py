@@ -48,7 +48,8 @@ class Training:
     """The optimizer keeps an fp32 copy of each 16-bit gradient beside its master weight
     through the next step's forward and backward: 4 more bytes per parameter, sharded
     with the optimizer state. Megatron-LM in 2021 did (``Float16OptimizerWithFloat16Params``
-    set ``main_param.grad = grad.float()`` and its ``zero_grad`` left those alone)."""
+    set ``main_param.grad = grad.float()`` and its ``zero_grad`` left those alone until
+    July 2021)."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:
