@@ -111,3 +111,18 @@ def test_a_resumed_adam_count_lives_where_the_kernel_wants_it():
     assert adam_step_count(fused, 3, elsewhere).device == elsewhere
     count = adam_step_count(torch.optim.AdamW([p]), 3, elsewhere)
     assert count.device.type == "cpu" and count.item() == 3.0
+
+
+def test_adamw_is_fused_on_cuda_only():
+    """The decision ``build_adamw`` makes, checkable without a GPU: fused on CUDA (measured
+    faster on an H100, docs/gpu.md), torch's foreach default elsewhere (what the CPU parity
+    tests' peers run)."""
+    from types import SimpleNamespace
+
+    from paratrain.optim import build_adamw, fused_on
+
+    assert fused_on(torch.device("cuda")) and fused_on(torch.device("cuda", 1))
+    assert not fused_on(torch.device("cpu")) and not fused_on(torch.device("meta"))
+    cfg = SimpleNamespace(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    optimizer = build_adamw([torch.nn.Parameter(torch.ones(2, 2))], cfg)
+    assert not optimizer.defaults["fused"] and optimizer.defaults["foreach"] is None
