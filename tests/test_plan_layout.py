@@ -162,6 +162,14 @@ def test_the_completion_honours_every_choice_the_layout_and_flags_make(capsys):
     first = next(i for i, p in enumerate(result.plans, 1)
                  if (p.cand.tp, p.cand.pp, p.cand.cp, p.cand.zero) == (4, 16, 8, 1))
     assert best.rank == first and best.cand.virtual_stages == result.plans[first - 1].cand.virtual_stages == 8
+    # A layout that fits nowhere is completed by enumeration, not from the search's plans:
+    # the same v choices, and the flags honoured there too.
+    rejected = evaluate(parse_layout("tp4 pp16 cp8 zero0 interleaved"), model, training, cluster,
+                        result)
+    assert not rejected.fits and rejected.cand.virtual_stages == 8
+    for policy in ("selective", "none"):
+        got = one("--model", "llama3-70b", "--gpus", "8", "--recompute", policy, "--layout", "dp8 zero0")
+        assert not got["fits"] and got["layout"]["recompute"] == policy
 
 
 def test_a_layout_costed_at_another_batch_is_not_ranked(capsys):
