@@ -279,3 +279,20 @@ def test_errors_for_a_hugging_face_model_suggest_fixes_its_weights_allow(models,
     cfg = load(None, dict(preset=llama, data=str(tmp_path / "data"), seq_len=16)).validate()
     with pytest.raises(ConfigError, match=r"fix its vocabulary: train on text tokenized with its own tokenizer"):
         preflight.check_data(cfg)
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"hidden_size": "64"}, r"hidden_size must be a positive integer, got \"64\""),
+    ({"vocab_size": 256.0}, r"vocab_size must be a positive integer, got 256.0"),
+    ({"rope_theta": "abc"}, r"rope_theta must be a positive number, got \"abc\""),
+    ({"rope_scaling": "llama3"}, r"rope_scaling must be a JSON object"),
+])
+def test_a_config_value_of_the_wrong_kind_is_named(tmp_path, edit, words):
+    """Such values surfaced as Python's TypeError ("unsupported operand type(s) for //"),
+    naming neither the field nor the file; a config.json that is a list, as AttributeError."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **COMMON, **edit}))
+    with pytest.raises(hf.HFModelError, match=words):
+        preset(str(tmp_path))
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(hf.HFModelError, match="expected a JSON object"):
+        preset(str(tmp_path))

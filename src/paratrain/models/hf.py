@@ -52,6 +52,9 @@ def read_config(directory: str | Path) -> GPTConfig:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise HFModelError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(raw, dict):
+        raise HFModelError(f"{path}: expected a JSON object of model settings, got "
+                           f"{type(raw).__name__}")
     arch = architecture(raw)
     if arch not in SUPPORTED:
         raise HFModelError(f"{directory}: architecture {arch} is not supported; paratrain trains "
@@ -61,6 +64,7 @@ def read_config(directory: str | Path) -> GPTConfig:
     if missing:
         raise HFModelError(f"{path}: {', '.join(missing)} missing; a {arch} config.json gives "
                            f"{', '.join(REQUIRED)}")
+    _check_types(raw, path)
     for flag in ("mlp_bias",):
         if raw.get(flag):
             raise HFModelError(f"{directory}: {flag}=true is not supported (no MLP biases)")
@@ -82,6 +86,30 @@ def read_config(directory: str | Path) -> GPTConfig:
         norm_eps=raw.get("rms_norm_eps", 1e-6), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM", rope_scaling=_rope_scaling(rope, directory),
         sliding_window=_sliding_window(raw, arch, directory))
+
+
+INTS = (*REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings")
+FLOATS = ("rope_theta", "rms_norm_eps")
+
+
+def _check_types(raw: dict, path: Path) -> None:
+    """A value of the wrong kind (``"hidden_size": "64"``) is named with its field; it used
+    to surface as Python's own TypeError, naming neither the field nor the file."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise HFModelError(f"{path}: {key} must be a JSON object (or null), got "
+                               f"{json.dumps(raw[key])}; correct it in config.json")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    fields = [(k, raw.get(k), int) for k in INTS] + [(k, raw.get(k), float) for k in FLOATS]
+    fields += [(f"rope_parameters.{k}", rope.get(k), float) for k in ("rope_theta", *LLAMA3_ROPE)]
+    for key, value, kind in fields:
+        if value is None:
+            continue  # absent (or null): transformers' default applies
+        ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+        if isinstance(value, bool) or not ok or value <= 0:
+            want = "a positive integer" if kind is int else "a positive number"
+            raise HFModelError(f"{path}: {key} must be {want}, got {json.dumps(value)}; "
+                               f"correct it in config.json")
 
 
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
