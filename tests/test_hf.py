@@ -296,3 +296,25 @@ def test_a_config_value_of_the_wrong_kind_is_named(tmp_path, edit, words):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(hf.HFModelError, match="expected a JSON object"):
         preset(str(tmp_path))
+
+
+def _rewrite(src: str, dst: Path, edit) -> str:
+    """A copy of model directory ``src`` whose tensors ``edit`` changed in place."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_tensors_the_config_does_not_describe_are_refused(models, tmp_path):
+    """A third layer under num_hidden_layers=2 was dropped without a word: the model
+    trained was cut to fit the config (transformers reports such keys as unexpected)."""
+    def third_layer(t):
+        t.update({k.replace("layers.1.", "layers.2."): v.clone() for k, v in list(t.items()) if "layers.1." in k})
+
+    path = _rewrite(models["qwen2"][1], tmp_path / "deeper", third_layer)
+    with pytest.raises(hf.HFModelError, match=r"tensor\(s\) that config.json .*model\.layers\.2\."):
+        hf.load_weights(path, preset(path))

@@ -223,6 +223,7 @@ def check_complete(directory, cfg: GPTConfig, files: dict[str, str]) -> None:
     missing = sorted(ours for ours, theirs in theirs_of.items() if theirs not in files)
     if missing:
         raise HFModelError(f"{directory}: tensors missing from the safetensors files: {missing[:5]}")
+    _check_no_extra(directory, cfg, files, set(theirs_of.values()))
     shapes = param_shapes(cfg)
     by_file: dict[str, list[tuple[str, str]]] = {}
     for ours, theirs in theirs_of.items():
@@ -237,6 +238,24 @@ def check_complete(directory, cfg: GPTConfig, files: dict[str, str]) -> None:
                     f"{directory}: {theirs} is {list(got[ours])} in {file}, but config.json "
                     f"({fields}) implies {list(shapes[ours])}: the config does not describe "
                     f"these weights")
+
+
+IGNORED = ("rotary_emb.inv_freq",)
+"""Tensors some checkpoints carry that transformers recomputes (not weights)."""
+
+
+def _check_no_extra(directory, cfg: GPTConfig, files: dict[str, str], expected: set[str]) -> None:
+    """Refuse tensors the config does not account for (a third layer under
+    num_hidden_layers=2, q/k/v biases of a Llama): paratrain would drop them and train a
+    model cut to fit, where transformers at least reports them as unexpected."""
+    extra = sorted(k for k in files if k not in expected and not k.endswith(IGNORED)
+                   and not (cfg.tie_embeddings and k == _TOP["output.weight"]))
+    if extra:
+        raise HFModelError(
+            f"{directory}: the safetensors files hold {len(extra)} tensor(s) that config.json "
+            f"(num_hidden_layers, attention_bias, tie_word_embeddings) does not describe, "
+            f"e.g. {extra[:3]}; they would be dropped: correct config.json to describe "
+            f"every tensor, or remove them from the files")
 
 
 def load_weights(directory: str | Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
