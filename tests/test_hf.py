@@ -318,3 +318,16 @@ def test_tensors_the_config_does_not_describe_are_refused(models, tmp_path):
     path = _rewrite(models["qwen2"][1], tmp_path / "deeper", third_layer)
     with pytest.raises(hf.HFModelError, match=r"tensor\(s\) that config.json .*model\.layers\.2\."):
         hf.load_weights(path, preset(path))
+
+
+def test_a_tied_config_beside_a_different_lm_head_is_refused(models, tmp_path):
+    """transformers does not tie an lm_head.weight that differs from the embedding; paratrain
+    tied it anyway and trained another model than the one transformers loads from the same
+    directory. An identical copy of the embedding is no contradiction."""
+    llama = models["llama"][1]  # tie_word_embeddings=true, no lm_head.weight stored
+    emb = "model.embed_tokens.weight"
+    same = _rewrite(llama, tmp_path / "same", lambda t: t.update({"lm_head.weight": t[emb].clone()}))
+    hf.load_weights(same, preset(same))
+    other = _rewrite(llama, tmp_path / "other", lambda t: t.update({"lm_head.weight": t[emb] + 1}))
+    with pytest.raises(hf.HFModelError, match="tie_word_embeddings=true.*set tie_word_embeddings to false"):
+        hf.load_weights(other, preset(other))

@@ -224,6 +224,7 @@ def check_complete(directory, cfg: GPTConfig, files: dict[str, str]) -> None:
     if missing:
         raise HFModelError(f"{directory}: tensors missing from the safetensors files: {missing[:5]}")
     _check_no_extra(directory, cfg, files, set(theirs_of.values()))
+    _check_tied(directory, cfg, files)
     shapes = param_shapes(cfg)
     by_file: dict[str, list[tuple[str, str]]] = {}
     for ours, theirs in theirs_of.items():
@@ -256,6 +257,28 @@ def _check_no_extra(directory, cfg: GPTConfig, files: dict[str, str], expected: 
             f"(num_hidden_layers, attention_bias, tie_word_embeddings) does not describe, "
             f"e.g. {extra[:3]}; they would be dropped: correct config.json to describe "
             f"every tensor, or remove them from the files")
+
+
+def _check_tied(directory, cfg: GPTConfig, files: dict[str, str], rows: int = 4096) -> None:
+    """tie_word_embeddings=true beside an lm_head.weight that differs from the embedding:
+    transformers then keeps the two apart (it does not tie), so tying would train another
+    model than the one it loads. Compared a block of rows at a time (bounded memory)."""
+    from safetensors import safe_open
+
+    emb, head = _TOP["tok_embeddings.weight"], _TOP["output.weight"]
+    if not cfg.tie_embeddings or head not in files:
+        return
+    with safe_open(str(Path(directory) / files[emb]), framework="pt") as fe, \
+            safe_open(str(Path(directory) / files[head]), framework="pt") as fh:
+        a, b = fe.get_slice(emb), fh.get_slice(head)
+        n = a.get_shape()[0]
+        if tuple(b.get_shape()) == tuple(a.get_shape()) and all(
+                torch.equal(a[i:i + rows], b[i:i + rows]) for i in range(0, n, rows)):
+            return
+    raise HFModelError(f"{directory}: config.json sets tie_word_embeddings=true, but the files "
+                       f"hold an {head} that differs from {emb}; transformers then does not "
+                       f"tie them, so paratrain would train another model: set "
+                       f"tie_word_embeddings to false in config.json")
 
 
 def load_weights(directory: str | Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
