@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distributed import run_world
-from paratrain.models import hf
+from paratrain.models import hf, hf_check
 from paratrain.models.gpt import GPT, preset
 
 transformers = pytest.importorskip("transformers")
@@ -92,7 +92,7 @@ def test_configs_that_do_not_describe_their_weights_are_refused(models, tmp_path
     raw = json.loads((tmp_path / "edited" / "config.json").read_text())
     (tmp_path / "edited" / "config.json").write_text(json.dumps({**raw, "intermediate_size": 64}))
     with pytest.raises(hf.HFModelError, match=r"gate_proj.weight is \[128, 64\].*intermediate_size.*\[64, 64\]"):
-        hf.check_complete(tmp_path / "edited", preset(str(tmp_path / "edited")),
+        hf_check.check_complete(tmp_path / "edited", preset(str(tmp_path / "edited")),
                           hf.weight_files(tmp_path / "edited"))
     raw = json.loads(Path(models["qwen2-window"][1], "config.json").read_text())
     raw.pop("layer_types", None)

@@ -133,13 +133,13 @@ def check_weights(cfg: Config) -> None:
     files are there, readable and hold every tensor, before any rank reads slices of them."""
     from safetensors import SafetensorError, safe_open
 
-    from ..models import hf
+    from ..models import hf, hf_check
 
     if cfg.train.resume not in ("", "auto", "none") or not hf.is_model_dir(cfg.model_preset):
         return  # resuming a checkpoint ("auto" may still start from the weights)
     try:
         files = hf.weight_files(cfg.model_preset)
-        hf.check_complete(cfg.model_preset, cfg.model, files)
+        hf_check.check_complete(cfg.model_preset, cfg.model, files)
         for name in sorted(set(files.values())):
             with safe_open(str(Path(cfg.model_preset) / name), framework="pt"):
                 pass  # the header parses and the file is as long as it says
