@@ -68,3 +68,26 @@ def test_sink_and_profile_values_are_checked():
 def test_flops_per_token_follows_the_palm_count():
     # 6 per matmul weight plus 12 * layers * d_model * seq for attention.
     assert flops_per_token(n_layers=2, d_model=64, seq_len=32, matmul_params=1000) == 6 * 1000 + 12 * 2 * 64 * 32
+
+
+def test_report_draws_a_run_resumed_at_another_world_size(tmp_path, capsys, monkeypatch):
+    """A run resumed with fewer ranks appends records with shorter peak_mem_bytes lists:
+    report ended in IndexError; with more ranks, the added ranks were left out."""
+    import matplotlib
+
+    from paratrain.cli import main
+    from paratrain.report import draw
+
+    record = {"loss": 2.0, "tokens_per_s": 1.0, "lr": 1e-3}
+    mems = ([10, 20], [10, 20], [30], [30, 40, 50])
+    lines = [json.dumps({"step": s + 1, **record, "peak_mem_bytes": [m * 2**20 for m in mem]})
+             for s, mem in enumerate(mems)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["report", str(tmp_path)]) == 0
+    assert "(4 steps)" in capsys.readouterr().out
+    seen = {}
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: seen.update(fig=fig))
+    draw([json.loads(x) for x in lines], tmp_path / "r.png", "run")
+    memory = seen["fig"].axes[2]
+    assert [(line.get_label(), list(line.get_xdata())) for line in memory.lines] == [
+        ("rank 0", [1, 2, 3, 4]), ("rank 1", [1, 2, 4]), ("rank 2", [4])]

@@ -69,8 +69,12 @@ def draw(records: list[dict[str, Any]], out: Path, title: str) -> Path:
     ax.set(title="tokens / s", xlabel="step")
     ax = axes[1][0]
     mem = [r for r in records if r.get("peak_mem_bytes")]
-    for rank in range(len(mem[0]["peak_mem_bytes"]) if mem else 0):
-        ax.plot([r["step"] for r in mem], [r["peak_mem_bytes"][rank] / 2**20 for r in mem],
+    # A run resumed at another world size appends records with more or fewer ranks: each
+    # rank's line covers the records that have it (the first record's count used to index
+    # past the end of a shorter list, or leave the added ranks out).
+    for rank in range(max((len(r["peak_mem_bytes"]) for r in mem), default=0)):
+        have = [r for r in mem if len(r["peak_mem_bytes"]) > rank]
+        ax.plot([r["step"] for r in have], [r["peak_mem_bytes"][rank] / 2**20 for r in have],
                 label=f"rank {rank}")
     if mem:
         ax.legend(fontsize="small")
