@@ -35,6 +35,15 @@ def test_a_fresh_run_never_overwrites_another_runs_checkpoints(tmp_path):
     assert not (tmp_path / ".lock").exists()  # refused: no lock left behind
 
 
+def test_a_checkpoints_path_that_is_a_file_is_refused_before_launch(tmp_path, capsys):
+    """RUN_DIR/checkpoints as a file: the run trained up to its first save, then failed
+    with 'Not a directory ... Free space or choose a writable --run-dir'."""
+    (tmp_path / "checkpoints").write_text("not a directory")
+    assert main(["train", *TINY, "--steps", "3", "--save-every", "2", "--run-dir", str(tmp_path)]) == 2
+    assert "checkpoints' is a file, not a directory" in capsys.readouterr().err
+    assert not (tmp_path / ".lock").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_a_read_only_run_directory_is_refused_before_launch(tmp_path, monkeypatch, capsys):
     read_only = tmp_path / "ro"
     read_only.mkdir()

@@ -121,6 +121,9 @@ def check_checkpoints(cfg) -> None:
     from .checkpoint import CheckpointError, read_meta
 
     folder = Path(cfg.train.run_dir) / "checkpoints"
+    if folder.exists() and not folder.is_dir():  # else the first save fails, after the steps before it
+        raise RunDirError(f"{str(folder)!r} is a file, not a directory, and --save-every writes "
+                          f"checkpoints into it; move the file aside, or choose another --run-dir")
     existing = sorted(folder.glob("step-*"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
     try:
         resumed = read_meta(cfg.train.resume) if cfg.train.resume else {}
