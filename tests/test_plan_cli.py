@@ -148,6 +148,10 @@ def test_nothing_fits_suggests_the_nearest_global_batches(capsys):
     assert "nearest that do: 4, 8, 16 (--global-batch N)" in capsys.readouterr().err
     assert plan("--model", "llama3-405b", "--gpus", "8", "--global-batch", "6") == 1
     assert "no global batch near 6 fits either" in capsys.readouterr().err
+    # A million GPUs for 512 sequences: no memory problem, only shapes that cannot split.
+    assert plan("--model", "llama3-8b", "--gpus", "1000000") == 1
+    err = capsys.readouterr().err
+    assert "none is memory): use fewer --gpus" in err and "larger devices" not in err
 
 
 def test_24_gpus_with_the_default_batch_plan(capsys):

@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     _print_search(args, result, model, training, cluster)
     if not result.plans:
         print("paratrain plan: no layout fits; see the rejections above", file=sys.stderr)
-        _suggest_batches(model, training, cluster, micro, recompute)
+        _suggest_batches(model, training, cluster, micro, recompute, result)
         return 1
     if args.out and _write_out(args.out, result, model, training, cluster, log):
         return 2
@@ -353,8 +353,9 @@ def _write_layout(path: str, ev, model: ModelSpec, training: Training, cluster: 
 
 
 def _suggest_batches(model: ModelSpec, training: Training, cluster: Cluster,
-                     micro: int | None, recompute: str | None) -> None:
-    """When nothing fits: the nearest global batches for which a layout does."""
+                     micro: int | None, recompute: str | None, result) -> None:
+    """When nothing fits: the nearest global batches for which a layout does, else why
+    none can (memory, or only shapes that do not split over this many ranks)."""
     from .evaluate import nearest_batches
 
     batches = nearest_batches(model, training, cluster, micro, recompute)
@@ -362,6 +363,10 @@ def _suggest_batches(model: ModelSpec, training: Training, cluster: Cluster,
         print(f"paratrain plan: global batch {training.global_batch} has no fitting layout "
               f"on {cluster.n_gpus} ranks; nearest that do: "
               f"{', '.join(map(str, batches))} (--global-batch N)", file=sys.stderr)
+    elif not any(r.overflow < float("inf") for r in result.rejected.values()):
+        print(f"paratrain plan: no layout of {cluster.n_gpus:,} ranks splits this model and a "
+              f"batch near {training.global_batch} (every rejection above is a shape, none is "
+              f"memory): use fewer --gpus, or a larger --global-batch", file=sys.stderr)
     else:
         print(f"paratrain plan: no global batch near {training.global_batch} fits either: "
               f"the model needs more or larger devices, or a shorter --seq-len (now "
