@@ -318,6 +318,13 @@ def test_tensors_the_config_does_not_describe_are_refused(models, tmp_path):
     path = _rewrite(models["qwen2"][1], tmp_path / "deeper", third_layer)
     with pytest.raises(hf.HFModelError, match=r"tensor\(s\) that config.json .*model\.layers\.2\."):
         hf.load_weights(path, preset(path))
+    # Before launch, the advice is config.json's, not "give a complete model.safetensors".
+    from paratrain.train.config import ConfigError, load
+    from paratrain.train.preflight import check_weights
+
+    with pytest.raises(ConfigError, match="correct config.json") as refused:
+        check_weights(load(None, dict(preset=path, seq_len=16, nproc=1)).validate())
+    assert "cannot be read" not in str(refused.value)
 
 
 def test_a_tied_config_beside_a_different_lm_head_is_refused(models, tmp_path):

@@ -19,6 +19,11 @@ _FIELDS = {"tok_embeddings": "vocab_size, hidden_size", "output": "vocab_size, h
 """config.json fields that set the shape of each kind of tensor (for the error message)."""
 
 
+class ConfigMismatch(HFModelError):
+    """config.json does not describe the weights beside it (a shape, a tensor it does not
+    name, a tie transformers would not make); the message says what to correct there."""
+
+
 def check_complete(directory, cfg: GPTConfig, files: dict[str, str]) -> None:
     """Every tensor config.json implies is in the safetensors files, with the shape it
     implies: a config that does not describe the weights is refused, not cut to fit."""
@@ -40,7 +45,7 @@ def check_complete(directory, cfg: GPTConfig, files: dict[str, str]) -> None:
         for ours, theirs in pairs:
             if got[ours] != shapes[ours]:
                 fields = next(v for k, v in _FIELDS.items() if k in ours)
-                raise HFModelError(
+                raise ConfigMismatch(
                     f"{directory}: {theirs} is {list(got[ours])} in {file}, but config.json "
                     f"({fields}) implies {list(shapes[ours])}: the config does not describe "
                     f"these weights")
@@ -57,7 +62,7 @@ def _check_no_extra(directory, cfg: GPTConfig, files: dict[str, str], expected: 
     extra = sorted(k for k in files if k not in expected and not k.endswith(IGNORED)
                    and not (cfg.tie_embeddings and k == _TOP["output.weight"]))
     if extra:
-        raise HFModelError(
+        raise ConfigMismatch(
             f"{directory}: the safetensors files hold {len(extra)} tensor(s) that config.json "
             f"(num_hidden_layers, attention_bias, tie_word_embeddings) does not describe, "
             f"e.g. {extra[:3]}; they would be dropped: correct config.json to describe "
@@ -80,7 +85,7 @@ def _check_tied(directory, cfg: GPTConfig, files: dict[str, str], rows: int = 40
         if tuple(b.get_shape()) == tuple(a.get_shape()) and all(
                 torch.equal(a[i:i + rows], b[i:i + rows]) for i in range(0, n, rows)):
             return
-    raise HFModelError(f"{directory}: config.json sets tie_word_embeddings=true, but the files "
+    raise ConfigMismatch(f"{directory}: config.json sets tie_word_embeddings=true, but the files "
                        f"hold an {head} that differs from {emb}; transformers then does not "
                        f"tie them, so paratrain would train another model: set "
                        f"tie_word_embeddings to false in config.json")

@@ -143,6 +143,8 @@ def check_weights(cfg: Config) -> None:
         for name in sorted(set(files.values())):
             with safe_open(str(Path(cfg.model_preset) / name), framework="pt"):
                 pass  # the header parses and the file is as long as it says
+    except hf_check.ConfigMismatch as exc:  # the files are fine; config.json says what to fix
+        raise ConfigError(f"model.preset: {exc}") from None
     except (hf.HFModelError, SafetensorError, OSError, ValueError, KeyError) as exc:  # a bad index too
         raise ConfigError(f"model.preset: the weights of {cfg.model_preset!r} cannot be read: {exc}; "
                           f"give a directory with a complete model.safetensors (or its index "
