@@ -136,6 +136,11 @@ def test_moe_and_encoder_decoder_configs_are_refused_by_name(tmp_path, cfg, word
     assert plan("--model", str(directory)) == 2
     err = capsys.readouterr().err
     assert directory.name in err and cfg["model_type"] in err and words in err
+    renamed = tmp_path / "configs" / f"{directory.name}.json"  # not config.json: named as given
+    renamed.parent.mkdir()
+    renamed.write_text(json.dumps(cfg))
+    assert plan("--model", str(renamed)) == 2
+    assert f"{renamed} (model_type" in capsys.readouterr().err
     dense = {**MIXTRAL, "num_local_experts": 1, "model_type": "mistral"}
     (directory / "config.json").write_text(json.dumps(dense))
     assert load_model(str(directory)).n_layers == 32  # one expert is a dense model

@@ -114,7 +114,9 @@ def refuse_unmodelled(cfg: dict, path: Path) -> None:
     the experts and expert parallelism) and encoder-decoders (two stacks, cross
     attention)."""
     kind = str(cfg.get("model_type", "?"))
-    name = f"{path.parent.name or path.name} (model_type {kind!r})"
+    # a config.json is named by its model's directory; any other file by its own path
+    shown = path.parent.name if path.name == "config.json" and path.parent.name else str(path)
+    name = f"{shown} (model_type {kind!r})"
     experts = {k: cfg[k] for k in _EXPERT_KEYS[:-1]
                if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool) and cfg[k] > 1}
     if experts:
