@@ -285,6 +285,16 @@ def test_export_refuses_a_non_empty_out_directory(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["architectures"]
 
 
+
+def test_export_of_a_run_directory_names_its_newest_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    for step in (2, 10):  # newest by number, not by name
+        (run / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        (run / "checkpoints" / f"step-{step}" / "meta.json").write_text("{}")
+    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 2
+    assert f"export one of its checkpoints, e.g. {run}/checkpoints/step-10" in capsys.readouterr().err
+
+
 # ---- benchmarks -------------------------------------------------------------------------------
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

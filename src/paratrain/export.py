@@ -57,7 +57,7 @@ def _run(args: argparse.Namespace) -> int:
         params, what = hf.load_weights(source, cfg), "Hugging Face model"
     else:
         raise FileNotFoundError(f"{source}: neither a checkpoint (meta.json) nor a Hugging Face "
-                                f"model directory (config.json)")
+                                f"model directory (config.json){_checkpoints_hint(source)}")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     extra = companions(source, meta if (source / "meta.json").is_file() else None)
     out = hf.export(params, cfg, args.out, dtype, overwrite=args.overwrite, extra=extra.ids)
@@ -134,3 +134,10 @@ def _dataset_companions(dataset: str) -> Companions:
         return Companions()
     return Companions(f"the dataset {dataset}", {"eos_token_id": data.eos_id}, [Path(data.tokenizer)],
                       {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos})
+
+
+def _checkpoints_hint(source: Path) -> str:
+    """A run directory was given: name its newest checkpoint, which is what exports."""
+    steps = sorted((p for p in (source / "checkpoints").glob("step-*") if (p / "meta.json").is_file()),
+                   key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else -1)
+    return f"; it is a run directory: export one of its checkpoints, e.g. {steps[-1]}" if steps else ""
