@@ -138,6 +138,8 @@ def _dataset_companions(dataset: str) -> Companions:
 
 def _checkpoints_hint(source: Path) -> str:
     """A run directory was given: name its newest checkpoint, which is what exports."""
-    steps = sorted((p for p in (source / "checkpoints").glob("step-*") if (p / "meta.json").is_file()),
-                   key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else -1)
-    return f"; it is a run directory: export one of its checkpoints, e.g. {steps[-1]}" if steps else ""
+    from .train.runs import checkpoints, step_of
+
+    steps = [p for p in checkpoints(source) if (p / "meta.json").is_file()]
+    newest = max(steps, key=step_of, default=None)
+    return f"; it is a run directory: export one of its checkpoints, e.g. {newest}" if newest else ""

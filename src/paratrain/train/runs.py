@@ -131,7 +131,7 @@ def _refuse_overwrite(cfg: Config, run_dir: Path | None) -> None:
     if run_dir is None or not run_dir.is_dir() or in_use(run_dir):  # the lock says which run
         return
     held = [name for name in RECORDS if (run_dir / name).exists()]
-    held += sorted((p.name for p in checkpoints(run_dir)), key=lambda n: _step_of(Path(n)))
+    held += sorted((p.name for p in checkpoints(run_dir)), key=lambda n: step_of(Path(n)))
     if held:
         raise ConfigError(f"the run directory {str(run_dir)!r} holds another run's "
                           f"{', '.join(held)}, which a fresh run there would overwrite or mix with; "
@@ -243,7 +243,7 @@ def newest_complete(run_dir: Path, model_cfg, notes: list[str],
     if (Path(run_dir) / "checkpoints").is_dir() and not in_use(run_dir):  # not a live run's save
         folder = Path(run_dir) / "checkpoints"
         notes += publish.recover_replaced(folder) + publish.remove_unpublished(folder)
-    for path in sorted(checkpoints(run_dir), key=_step_of, reverse=True):
+    for path in sorted(checkpoints(run_dir), key=step_of, reverse=True):
         try:
             meta, _ = checkpoint.verify(path, model_cfg)
         except checkpoint.CheckpointError as exc:
@@ -257,10 +257,10 @@ def newest_complete(run_dir: Path, model_cfg, notes: list[str],
 
 def checkpoints(run_dir: Path) -> list[Path]:
     folder = Path(run_dir) / "checkpoints"
-    return [p for p in folder.glob("step-*") if _step_of(p) >= 0] if folder.is_dir() else []
+    return [p for p in folder.glob("step-*") if step_of(p) >= 0] if folder.is_dir() else []
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
     match = re.fullmatch(r"step-(\d+)", path.name)
     return int(match.group(1)) if match else -1
 
