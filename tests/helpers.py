@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 from torch.utils._pytree import tree_flatten
 
 from paratrain.comm import collectives as C
@@ -40,6 +41,25 @@ def tiny_config(tmp_dir: str, **overrides) -> Config:
                 grad_clip=0.0, eval_every=2, eval_batches=1, progress=False,
                 run_dir=tmp_dir, bucket_mb=0.05)
     return load(None, {**base, **overrides}).validate()
+
+
+def torch_schedule(lr: float, min_lr: float, warmup: int, total: int) -> list[float]:
+    """Linear warm-up from lr/warmup to lr over ``warmup`` steps, then cosine annealing to
+    min_lr over the remaining steps: the learning rate in force at each step."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    cosine = CosineAnnealingLR(opt, T_max=max(1, total - warmup), eta_min=min_lr)
+    if warmup:  # (one warm-up step is the full rate already: a constant factor 1)
+        warm = LinearLR(opt, start_factor=1 / warmup, end_factor=1.0, total_iters=max(1, warmup - 1))
+        sched = SequentialLR(opt, [warm, cosine], milestones=[warmup])
+    else:
+        sched = cosine
+    out = []
+    for _ in range(total):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
 
 
 # ---- inside a rank ---------------------------------------------------------------------------
@@ -66,38 +86,52 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
 
 
 def _recording(box: dict):
-    """A stand-in for ``parallelize`` that records, at every clip call, the global gradient
-    norm, and at the first one the unsharded gradients (before clipping)."""
-    from paratrain.train import loop
+    """Stand-ins for ``parallelize`` (the language model) and heat2d's ``build`` that make
+    the engine record, at every clip call, the global gradient norm, and at the first one
+    the unsharded gradients (before clipping)."""
+    from paratrain.train import loop, task_heat2d
 
-    original = loop.parallelize
+    originals = loop.parallelize, task_heat2d.build
 
     def parallelize(model, mesh, cfg):
-        engine = original(model, mesh, cfg)
-        clip = engine.clip_grad_norm_
+        return _record_clips(originals[0](model, mesh, cfg), box)
 
-        def clip_and_record(max_norm: float) -> float:
-            if "grads" not in box:
-                box["grads"] = full_grads(engine)
-            norm = clip(max_norm)
-            box["grad_norms"].append(float(norm))
-            return norm
+    def build(cfg, mesh):
+        run = originals[1](cfg, mesh)
+        _record_clips(run.engine, box)
+        return run
 
-        engine.clip_grad_norm_ = clip_and_record
-        return engine
+    def install(on: bool) -> None:
+        loop.parallelize, task_heat2d.build = (parallelize, build) if on else originals
 
-    return loop, original, parallelize
+    return install
+
+
+def _record_clips(engine, box: dict):
+    clip = engine.clip_grad_norm_
+
+    def clip_and_record(max_norm: float) -> float:
+        if "grads" not in box:
+            box["grads"] = full_grads(engine)
+        norm = clip(max_norm)
+        box["grad_norms"].append(float(norm))
+        return norm
+
+    engine.clip_grad_norm_ = clip_and_record
+    return engine
 
 
 def train_one(cfg: Config) -> dict:
     """Train ``cfg`` on this rank's mesh; what the parity checks compare, from this rank."""
     box: dict = {"grad_norms": []}
-    loop, original, recording = _recording(box)
-    loop.parallelize = recording
+    from paratrain.train import loop
+
+    install = _recording(box)
+    install(True)
     try:
         result = loop.train(cfg, Mesh.build(cfg.layout), keep_params=True)
     finally:
-        loop.parallelize = original
+        install(False)
     return {"losses": result.losses, "val": result.val_losses, "grad_norms": box["grad_norms"],
             "grads": box.get("grads", {}), "params": result.params,
             "state_bytes": result.state_bytes, "rank": dist.get_rank()}

@@ -4,25 +4,31 @@ U-Net trains under dp x domain exactly as on one process; what cannot work is re
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import run_world
+from helpers import assert_same_run, torch_schedule, train_runs
 from torch import nn
 
-from distributed import run_world
 from paratrain.cli import main
 from paratrain.layout import Layout, parse_domain
 from paratrain.mesh import Mesh
+from paratrain.models.unet import UNet
 from paratrain.parallel.domain import DomainError, Grid, apply_domain_parallel
 from paratrain.parallel.domain.halo import Halo, check_thickness
 from paratrain.parallel.domain.layers import conv_halo
 from paratrain.parallel.domain.measure import saved_activation_bytes
-from paratrain.train.config import ConfigError, load
 from paratrain.train.checkpoint import read_meta
+from paratrain.train.config import ConfigError, load
+from paratrain.train.data import DistributedSampler
+from paratrain.train.heat2d import make_fields
 from paratrain.train.rundir import RunDirLock, records_owner
-from helpers import assert_same_run, train_runs
+from paratrain.train.task_heat2d import unet_config
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -162,6 +168,45 @@ def test_dp2_x_domain2_trains_like_one_process(four_ranks, one_rank):
 
 def test_domain_2x2_with_zero1_trains_like_one_process(four_ranks, one_rank):
     assert_same_run(four_ranks[0][2]["dom2x2 zero1"], one_rank["circular"])
+
+
+def plain_heat2d_run(cfg) -> dict:
+    """What one process makes of the heat2d config with torch's pieces only: the U-Net,
+    the mean squared error over the batch, AdamW (decay on kernels), the torch schedule.
+    paratrain's one-process run is the reference of every domain parity test above, so
+    this is what makes a wrong loss normaliser or gradient scale show."""
+    torch.manual_seed(cfg.train.seed)
+    model = UNet(unet_config(cfg))
+    o, params = cfg.optim, list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    lrs = torch_schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)
+    train, val = make_fields(cfg.heat2d, cfg.train.seed)
+    sampler = DistributedSampler(len(train), cfg.train.global_batch, dp_rank=0, dp_size=1,
+                                 seed=cfg.train.seed)
+    out = {"losses": [], "grad_norms": [], "val": []}
+    for step in range(cfg.train.steps):
+        indices = sampler.global_indices(step)
+        opt.zero_grad()
+        loss = F.mse_loss(model(train.inputs[indices]), train.targets[indices])
+        loss.backward()
+        if step == 0:
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out["grad_norms"].append(torch.nn.utils.clip_grad_norm_(params, math.inf).item())
+        for group in opt.param_groups:
+            group["lr"] = lrs[step]
+        opt.step()
+        out["losses"].append(loss.item())
+        if (step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps:
+            with torch.no_grad():
+                out["val"].append((step + 1, F.mse_loss(model(val.inputs), val.targets).item()))
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def test_one_process_heat2d_trains_as_plain_torch_does(one_rank, tmp_path):
+    assert_same_run(one_rank["circular"], plain_heat2d_run(heat_config(str(tmp_path), nproc=1)))
 
 
 def test_domain_checkpoints_name_their_run_so_it_resumes_into_its_directory(two_ranks):

@@ -9,33 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 from distributed import run_world
-from helpers import assert_replicas_equal, assert_same_run, tiny_config, train_runs
+from helpers import assert_replicas_equal, assert_same_run, tiny_config, torch_schedule, train_runs
 from paratrain.models.gpt import GPT
 from paratrain.optim import lr_at
 from paratrain.train import data as D
 
 CLIP = 0.5  # the tiny model's gradient norms are 1.5-3: clipping acts at every step
-
-
-def torch_schedule(lr: float, min_lr: float, warmup: int, total: int) -> list[float]:
-    """Linear warm-up from lr/warmup to lr over ``warmup`` steps, then cosine annealing to
-    min_lr over the remaining steps: the learning rate in force at each step."""
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    cosine = CosineAnnealingLR(opt, T_max=max(1, total - warmup), eta_min=min_lr)
-    if warmup:  # (one warm-up step is the full rate already: a constant factor 1)
-        warm = LinearLR(opt, start_factor=1 / warmup, end_factor=1.0, total_iters=max(1, warmup - 1))
-        sched = SequentialLR(opt, [warm, cosine], milestones=[warmup])
-    else:
-        sched = cosine
-    out = []
-    for _ in range(total):
-        out.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return out
 
 
 @pytest.mark.parametrize("warmup,total", [(0, 20), (1, 10), (2, 10), (5, 50), (20, 200)])
