@@ -46,6 +46,20 @@ def _grads(step: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(NUMEL) * scale
 
 
+def _restore_into_other_tensors(group) -> tuple:
+    """State saved for a bucket is restored into a bucket of the same tensors only: one of
+    other layers with as many entries (another pipeline split, e.g. virtual stages 1 -> 2,
+    or another ZeRO stage) starts fresh. Returns (why same, why other, residual kept)."""
+    spec = Z.CompressSpec("topk", fraction=0.5, place="here")
+    names = [["layers.1.w", "layers.1.b", "layers.1.c", "layers.1.d"]]
+    donor = Z.CompressorSet(spec, [(VIEWS, NUMEL)], names=names)
+    _average(donor[0], _grads(0))
+    same = Z.CompressorSet(spec, [(VIEWS, NUMEL)], names=names)
+    other = Z.CompressorSet(spec, [(VIEWS, NUMEL)], names=[[n.replace("1", "2") for n in names[0]]])
+    why_same, why_other = (c.load_state(donor.local_state(), group) for c in (same, other))
+    return why_same, why_other is not None, other[0].residual.abs().max().item()
+
+
 def compressor_checks() -> dict[str, float]:
     """Every check on compressors themselves, in one world; returns the measured errors."""
     p, group, out = dist.get_world_size(), dist.group.WORLD, {}
@@ -129,6 +143,7 @@ def compressor_checks() -> dict[str, float]:
     _average(donor[0], _grads(0))
     why = fresh.load_state({} if dist.get_rank() == 3 else donor.local_state(), group)
     out["partial_restore"] = (why is not None, fresh[0].reductions, fresh[0].residual.abs().max().item())
+    out["other_tensors_restore"] = _restore_into_other_tensors(group)
     # compress_start: the first reductions are the plain average; then compression starts.
     late = Z.make_compressor(Z.CompressSpec("topk", fraction=0.1, start=2), VIEWS, NUMEL)
     out["start_errors"] = [rel_error(_average(late, _grads(s)), _gather(_grads(s)).mean(0)) for s in range(3)]
@@ -180,6 +195,7 @@ def test_compressors_exact_lossless_and_error_feedback():
         assert r[f"{text}_undo_counts"] == (4, 4), text
         assert all(x[f"{text}_cleared"] for x in results), text
     assert all(x["partial_restore"] == (True, 0, 0.0) for x in results), [x["partial_restore"] for x in results]
+    assert all(x["other_tensors_restore"] == (None, True, 0.0) for x in results), r["other_tensors_restore"]
     assert r["none_ratio"] == 1.0 and r["fp16_ratio"] == 2.0
     assert 3.5 < r["int8_ratio"] <= 4.0 and r["topk:0.1_ratio"] > 1.5 and r["powersgd:2_ratio"] > 1.5
 

@@ -36,6 +36,7 @@ an all-gather (p-1) n, an all-to-all (p-1)/p n.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -346,10 +347,14 @@ class CompressorSet:
     """The compressors of one engine's buckets, with byte counters and checkpoint state."""
 
     def __init__(self, spec: CompressSpec, buckets: list[tuple[list[tuple[int, torch.Size]], int]],
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, names: list[list[str]] | None = None):
         self.spec = spec
         self.items = [make_compressor(spec, views, numel, seed=i, device=device)
                       for i, (views, numel) in enumerate(buckets)]
+        # State fits only a bucket of the same tensors (names, offsets, shapes), not one of
+        # another pipeline split or ZeRO stage that merely has as many entries.
+        self.keys = [f"b{i}-{numel}" + (f"-{_digest(names[i], views)}" if names else "")
+                     for i, (views, numel) in enumerate(buckets)]
 
     def __getitem__(self, index: int) -> Compressor:
         return self.items[index]
@@ -372,9 +377,10 @@ class CompressorSet:
         return f"{self.spec.text}/{place}/"
 
     def local_state(self) -> dict[str, torch.Tensor]:
-        """This rank's compression state under 'METHOD/PLACE/bI-N.NAME' (bucket I of N
-        entries; no copy, no communication: sharded checkpoints write each rank's own)."""
-        return {f"{self._prefix()}b{i}-{c.numel}.{k}": v for i, c in enumerate(self.items)
+        """This rank's compression state under 'METHOD/PLACE/bI-N-TENSORS.NAME' (bucket I of
+        N entries holding the named TENSORS, a digest; no copy, no communication: sharded
+        checkpoints write each rank's own)."""
+        return {f"{self._prefix()}{key}.{k}": v for key, c in zip(self.keys, self.items)
                 for k, v in c.state_dict().items()}
 
     def load_state(self, saved: dict[str, torch.Tensor], group: ProcessGroup) -> str | None:
@@ -394,7 +400,13 @@ class CompressorSet:
             first = f" (first missing here: {missing[0]})" if missing else " on another rank"
             return (f"the checkpoint holds no {self.spec.text} state for this rank's place in "
                     f"the layout and these buckets{first}")
-        for i, c in enumerate(self.items):
-            prefix = f"{self._prefix()}b{i}-{c.numel}."
+        for key, c in zip(self.keys, self.items):
+            prefix = f"{self._prefix()}{key}."
             c.load_state_dict({k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)})
         return None
+
+
+def _digest(names: list[str], views: list[tuple[int, torch.Size]]) -> str:
+    """A short fingerprint of a bucket's tensors: their names, offsets and shapes."""
+    text = ";".join(f"{n}@{o}:{tuple(s)}" for n, (o, s) in zip(names, views))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]

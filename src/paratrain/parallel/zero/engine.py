@@ -78,7 +78,8 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         # (comm/compress.py) instead of a reduce-scatter; stages 2/3 are refused by check().
         self.compressors = CompressorSet(check(compress, stage), [
             (list(zip(u.flat.offsets, [p.shape for p in u.flat.params])), u.flat.padded)
-            for u in self.units], device=self.units[0].flat.device if self.units else None)
+            for u in self.units], device=self.units[0].flat.device if self.units else None,
+            names=[u.flat.names for u in self.units])
         for unit, compressor in zip(self.units, self.compressors.items):
             unit.compressor = compressor if self.compressors.spec.method != "none" else None
         # gloo's native reduce-scatter and all-gather are slower than its all-reduce and
