@@ -21,7 +21,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..comm import collectives as C
-from ..comm.compress import CompressorSet, CompressSpec, parse
+from ..comm.compress import CompressSpec, parse
+from ..comm.compressor_set import CompressorSet
 from .hooks import weakly
 
 

@@ -39,7 +39,8 @@ from torch.distributed import ProcessGroup
 
 from ...accounting import storage_bytes
 from ...comm import collectives as C
-from ...comm.compress import CompressorSet, CompressSpec, all_reduce_bytes, check
+from ...comm.compress import CompressSpec, all_reduce_bytes, check
+from ...comm.compressor_set import CompressorSet
 from ...comm.ring import ring_all_gather
 from ..engine import MOMENTS, merge_stages, plain_name
 from ..hooks import weakly
