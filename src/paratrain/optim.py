@@ -13,6 +13,9 @@ from torch.distributed import ProcessGroup
 
 from .comm import collectives as C
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""Adam's per-parameter state, as checkpoints store it."""
+
 
 def build_adamw(params: list[nn.Parameter], cfg) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm weights are not decayed). On CUDA

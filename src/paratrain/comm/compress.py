@@ -46,7 +46,9 @@ from . import collectives as C
 
 Method = Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"]
 METHODS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
-FORMS = "none, fp16, bf16, int8, topk:FRACTION, powersgd:RANK (append :noef to int8/topk/powersgd to drop error feedback)"
+LOSSY = ("int8", "topk", "powersgd")
+FORMS = ("none, fp16, bf16, int8, topk:FRACTION, powersgd:RANK (append :update to int8/topk/powersgd "
+         "to average AdamW's updates instead of the gradients, :noef to drop error feedback)")
 
 
 class CompressError(ValueError):
@@ -65,6 +67,11 @@ class CompressSpec:
     """PowerSGD: rank of the approximation."""
     error_feedback: bool = True
     """Keep what was not sent and add it to the next gradient (int8, topk, powersgd)."""
+    update: bool = False
+    """Average each rank's AdamW update instead of its gradient (``:update``; int8, topk,
+    powersgd): every rank steps AdamW on its own gradient first, so error feedback keeps
+    the sum of the updates, which AdamW's normalisation would otherwise undo
+    (parallel/local_update.py)."""
     start: int = 0
     """Reductions of each bucket (one per optimizer step) averaged uncompressed before
     compression starts, as torch's ``start_powerSGD_iter``: early training is the most
@@ -80,8 +87,9 @@ class CompressSpec:
     @property
     def text(self) -> str:
         arg = {"topk": f":{self.fraction:g}", "powersgd": f":{self.rank}"}.get(self.method, "")
-        lossy = self.method in ("int8", "topk", "powersgd")
-        return self.method + arg + (":noef" if lossy and not self.error_feedback else "")
+        lossy = self.method in LOSSY
+        return (self.method + arg + (":update" if self.update else "")
+                + (":noef" if lossy and not self.error_feedback else ""))
 
 
 def parse(text: "str | CompressSpec") -> CompressSpec:
@@ -94,11 +102,13 @@ def parse(text: "str | CompressSpec") -> CompressSpec:
     bad = CompressError(f"compress={text!r} is not understood; write one of {FORMS}")
     if method not in METHODS:
         raise bad
-    ef = True
-    if args and args[-1] == "noef":
-        if method not in ("int8", "topk", "powersgd"):
-            raise CompressError(f"compress={text!r}: only int8, topk and powersgd keep a residual to turn off")
-        ef, args = False, args[:-1]
+    flags = set()
+    while args and args[-1] in ("noef", "update") and args[-1] not in flags:
+        flags.add(args.pop())
+    if flags and method not in LOSSY:
+        raise CompressError(f"compress={text!r}: only int8, topk and powersgd keep a residual "
+                            f"(:noef) or average AdamW's updates (:update)")
+    ef, update = "noef" not in flags, "update" in flags
     if method in ("topk", "powersgd") and len(args) != 1 or method not in ("topk", "powersgd") and args:
         raise bad
     if method == "topk":
@@ -108,15 +118,16 @@ def parse(text: "str | CompressSpec") -> CompressSpec:
             raise bad from None
         if not 0 < fraction <= 1:
             raise CompressError(f"compress={text!r}: the top-k fraction must be in (0, 1], e.g. topk:0.01")
-        return CompressSpec("topk", fraction=fraction, error_feedback=ef)
+        return CompressSpec("topk", fraction=fraction, error_feedback=ef, update=update)
     if method == "powersgd":
         if not args[0].isdigit() or int(args[0]) < 1:
             raise CompressError(f"compress={text!r}: the PowerSGD rank must be a positive integer, e.g. powersgd:4")
-        return CompressSpec("powersgd", rank=int(args[0]), error_feedback=ef)
-    return CompressSpec(method, error_feedback=ef)  # type: ignore[arg-type]
+        return CompressSpec("powersgd", rank=int(args[0]), error_feedback=ef, update=update)
+    return CompressSpec(method, error_feedback=ef, update=update)  # type: ignore[arg-type]
 
 
-def check(text: "str | CompressSpec", zero: int, tp: int = 1, replicas: int = 2) -> CompressSpec:
+def check(text: "str | CompressSpec", zero: int, tp: int = 1, replicas: int = 2,
+          cp: int = 1) -> CompressSpec:
     """Parse ``text`` and refuse layouts it cannot compose with (``replicas``: the size of
     the data-parallel group whose gradient reduction it compresses, dp x cp)."""
     from .int8 import INT8_BLOCK  # int8.py builds on this module
@@ -135,6 +146,13 @@ def check(text: "str | CompressSpec", zero: int, tp: int = 1, replicas: int = 2)
                             f"tensor-parallel ranks' copies of a replicated parameter would "
                             f"round differently and drift apart; use fp16, bf16, topk or "
                             f"powersgd with tensor parallelism")
+    if spec.update and (zero or cp > 1):
+        # AdamW runs on each rank's own gradient: it needs the whole optimizer state on
+        # every rank (not ZeRO's shard) and a gradient of whole sequences (a context-
+        # parallel rank holds a part of each sequence's gradient, not an estimate of it).
+        raise CompressError(f"compress={spec.text!r} with zero={zero}, cp={cp}: ':update' steps "
+                            f"AdamW on every rank's own gradient, which needs --zero 0 and --cp 1; "
+                            f"drop ':update' to compress the gradients instead")
     if spec.method != "none" and zero >= 2:
         raise CompressError(f"compress={spec.text!r} with zero={zero}: ZeRO-2/3 reduce-scatter every "
                             f"microbatch's gradient into shards and keep no full gradient to "

@@ -5,6 +5,7 @@ layout and by its buckets' tensors)."""
 from __future__ import annotations
 
 import hashlib
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ class CompressorSet:
         # another pipeline split or ZeRO stage that merely has as many entries.
         self.keys = [f"b{i}-{numel}" + (f"-{_digest(names[i], views)}" if names else "")
                      for i, (views, numel) in enumerate(buckets)]
+        self.extra: Callable[[], dict[str, torch.Tensor]] = dict
+        """More of this rank's own state to keep and restore with the compressors' (averaging
+        AdamW's updates: the rank's Adam moments, parallel/local_update.py)."""
 
     def __getitem__(self, index: int) -> Compressor:
         return self.items[index]
@@ -51,8 +55,10 @@ class CompressorSet:
         """This rank's compression state under 'METHOD/PLACE/bI-N-TENSORS.NAME' (bucket I of
         N entries holding the named TENSORS, a digest; no copy, no communication: sharded
         checkpoints write each rank's own)."""
-        return {f"{self._prefix()}{key}.{k}": v for key, c in zip(self.keys, self.items)
-                for k, v in c.state_dict().items()}
+        prefix = self._prefix()
+        return {**{f"{prefix}{key}.{k}": v for key, c in zip(self.keys, self.items)
+                   for k, v in c.state_dict().items()},
+                **{f"{prefix}{k}": v for k, v in self.extra().items()}}
 
     def load_state(self, saved: dict[str, torch.Tensor], group: ProcessGroup) -> str | None:
         """Install this rank's state from the saved ``local_state`` of the rank that held the
@@ -74,6 +80,8 @@ class CompressorSet:
         for key, c in zip(self.keys, self.items):
             prefix = f"{self._prefix()}{key}."
             c.load_state_dict({k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)})
+        for key, value in self.extra().items():
+            value.copy_(saved[self._prefix() + key])
         return None
 
 

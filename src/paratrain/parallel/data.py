@@ -13,7 +13,7 @@ optimizer step.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -91,12 +91,16 @@ class DataParallel(nn.Module):
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         # One compressor per bucket (comm/compress.py); "none" is the plain average.
         name_of = {p: n for n, p in module.named_parameters()}
-        self.compressors = CompressorSet(parse(compress), [
+        spec = parse(compress)
+        spec = replace(spec, undoable=False) if spec.update else spec  # (engine.forget_nonfinite)
+        self.compressors = CompressorSet(spec, [
             ([(b.offsets[p], p.shape) for p in b.params], b.buffer.numel()) for b in self.buckets],
             device=self.buckets[0].buffer.device if self.buckets else None,
             names=[[name_of[p] for p in b.params] for b in self.buckets])
         for bucket, compressor in zip(self.buckets, self.compressors.items):
             bucket.compressor = compressor
+        # Averaging AdamW's updates (``:update``), the engine reduces after its step.
+        self.deferred = self.compressors.spec.update
         self._sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(weakly(self, DataParallel._on_grad_ready))
                        for p in params]
@@ -116,7 +120,7 @@ class DataParallel(nn.Module):
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[param]
         self._keep_in_bucket(param, bucket)
-        if not self._sync:
+        if not self._sync or self.deferred:
             return
         if bucket.work is not None:
             raise RuntimeError("a backward pass produced gradients for a bucket that is already "
@@ -143,6 +147,8 @@ class DataParallel(nn.Module):
     def finish_grad_sync(self) -> None:
         """Launch any bucket not yet launched (e.g. holding unused parameters), then wait
         for all. Call after the last backward of a step, before the optimizer step."""
+        if self.deferred:
+            return
         for bucket in self.buckets:
             self.start_grad_sync(bucket)
         for bucket in self.buckets:  # second collectives (int8, PowerSGD) start as firsts end

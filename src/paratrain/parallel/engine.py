@@ -16,13 +16,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..optim import adam_step_count, build_adamw, clip_grad_norm_, set_lr
+from ..optim import MOMENTS, adam_step_count, build_adamw, clip_grad_norm_, set_lr
 from .data import DataParallel
+from .local_update import LocalUpdate
 from .step import Batch, ScheduledStep, StepLoss, StepPlan
 from .tensor import TensorParallel
 
-
-MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's per-parameter state, as checkpoints store it
+__all__ = ["MOMENTS", "Engine", "ReplicatedEngine", "merge_stages", "plain_name"]
 
 
 class Engine(Protocol):
@@ -80,6 +80,8 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         self.module = dp.module
         self.plan = plan or StepPlan.single(dp.module)
         self.optimizer = build_adamw([p for p in dp.module.parameters() if p.requires_grad], optim_cfg)
+        # --compress METHOD:update averages AdamW's updates, not gradients (local_update.py).
+        self.local = LocalUpdate(dp, self.optimizer) if dp.compressors.spec.update else None
 
     def forward(self, *args, **kwargs):
         return self.dp(*args, **kwargs)
@@ -96,6 +98,11 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         self.dp.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        if self.local is not None:  # each rank's own gradient, one factor for all (DGC)
+            return self.local.clip_(self._norm(0.0), max_norm)
+        return self._norm(max_norm)
+
+    def _norm(self, max_norm: float) -> torch.Tensor:
         # Replicated over data-parallel ranks, so no dp reduction; over tensor-parallel ranks
         # each rank counts its shards and one rank counts each replicated parameter.
         # Pipeline stages own disjoint parameters: their squared norms add up over pp.
@@ -107,6 +114,8 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         return clip_grad_norm_(owned, max_norm, groups=(self.tp.group, *stages), scale=grads)
 
     def step(self, lr: float) -> None:
+        if self.local is not None:
+            return self.local.step(lr)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
 
@@ -116,13 +125,15 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         return self.dp.compressors.pop_bytes()
 
     def forget_nonfinite(self) -> None:
-        self.dp.compressors.undo_step()
+        if self.local is None:  # averaging updates, the skipped step reduced nothing yet
+            self.dp.compressors.undo_step()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.module.parameters())
         optim = [v for state in self.optimizer.state.values() for v in state.values()
                  if isinstance(v, torch.Tensor) and v.dim() > 0]  # skip Adam's 0-d step counters
-        return {"params": params, "grads": [p.grad for p in params], "optim": optim}
+        origin = self.local.origin if self.local is not None else []
+        return {"params": params, "grads": [p.grad for p in params], "optim": optim + origin}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         if self.tp is not None:

@@ -168,7 +168,7 @@ class Config:
     def _check_strategies(self) -> None:
         p = self.parallel
         try:
-            compress.check(p.compress, p.zero, p.tp, replicas=p.dp * p.cp)
+            compress.check(p.compress, p.zero, p.tp, replicas=p.dp * p.cp, cp=p.cp)
         except compress.CompressError as exc:
             raise ConfigError(str(exc)) from None
         if p.offload and not p.zero:

@@ -1,0 +1,89 @@
+"""``--compress METHOD:update``: data parallelism that averages each rank's AdamW update
+instead of its gradient (Deep Gradient Compression's momentum correction, Lin et al. 2018,
+carried over from SGD's momentum to AdamW).
+
+Why. With top-k at 1%, error feedback sends a coordinate's accumulated gradient about once
+per 100 steps. AdamW divides every coordinate by the root of its second moment, so a value
+gathered over 100 steps and sent once moves the weight by a few learning rates, where dense
+training would have moved it by about 100: the sum that error feedback keeps is normalised
+away (docs/compression.md, "top-k 1% under AdamW"). DGC met the same with SGD's momentum and
+moved the momentum before the compression. Here every rank steps AdamW on its own gradient,
+and the compressed reduction averages the updates, lr * m_hat / (sqrt(v_hat) + eps): error
+feedback keeps their sum, and nothing after the reduction is nonlinear.
+
+The price. Each rank's Adam moments are its own (from its share of the batch), so
+checkpoints keep them per rank with the residual (``CompressorSet.extra``); each rank keeps a
+copy of the parameters the update starts from; and the reduction cannot overlap the backward
+(there is no update before the step's last backward). Clipping is local, as in DGC: every
+rank scales its gradient by one factor, from the root mean square of the ranks' own norms
+against sqrt(p) x ``grad_clip`` (a gradient averaged over 1/p of the batch has about sqrt(p)
+times the norm of the whole batch's, where noise dominates). Weight decay stays out of the
+compressed update: every rank applies the same decay exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..comm import collectives as C
+from ..optim import MOMENTS, set_lr
+from .data import Bucket, DataParallel
+
+
+class LocalUpdate:
+    """The step of a ReplicatedEngine whose compression averages AdamW updates."""
+
+    def __init__(self, dp: DataParallel, optimizer: torch.optim.Optimizer):
+        self.dp, self.optimizer = dp, optimizer
+        self.origin = [torch.empty_like(b.buffer) for b in dp.buckets]
+        """Per bucket, the parameters before this step's update (flat, as the bucket)."""
+        names = {p: n for n, p in dp.module.named_parameters()}
+        # This rank's moments go into checkpoints with its residual, under its place.
+        dp.compressors.extra = lambda: {f"adam/{names[p]}.{k}": v for p in names
+                                        for k, v in optimizer.state.get(p, {}).items() if k in MOMENTS}
+
+    @torch.no_grad()
+    def clip_(self, own_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+        """Scale this rank's gradient (its norm ``own_norm``) by the factor every rank
+        shares; returns the root mean square of the ranks' norms (0: only measure)."""
+        group = self.dp.group
+        sq = own_norm.float().pow(2)
+        C.all_reduce(sq, group, op="avg")
+        rms = sq.sqrt()
+        if max_norm > 0 and self.dp.buckets:
+            coef = torch.clamp(math.sqrt(C.size(group)) * max_norm / (rms + 1e-6), max=1.0)
+            torch._foreach_mul_([b.buffer for b in self.dp.buckets], coef.to(self.dp.buckets[0].buffer.dtype))
+        return rms
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        """AdamW on this rank's gradient, then the parameters move by the (compressed)
+        average of the ranks' updates from where they started, with weight decay applied
+        alike on every rank."""
+        buckets = self.dp.buckets
+        for bucket, origin in zip(buckets, self.origin):
+            for p in bucket.params:
+                _view(origin, bucket, p).copy_(p)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        keep = {p: 1 - lr * group["weight_decay"] for group in self.optimizer.param_groups
+                for p in group["params"]}
+        for bucket, origin in zip(buckets, self.origin):  # the update, into the spent gradient
+            for p in bucket.params:
+                torch.mul(_view(origin, bucket, p), keep[p], out=_view(bucket.buffer, bucket, p)).sub_(p)
+        pending = [b.compressor.reduce(b.buffer, self.dp.group) for b in buckets]
+        for work in pending:  # second collectives start as firsts end (DataParallel)
+            work.advance()
+        for work in pending:
+            work.wait()
+        for bucket, origin in zip(buckets, self.origin):
+            for p in bucket.params:
+                p.copy_(_view(origin, bucket, p)).mul_(keep[p]).sub_(_view(bucket.buffer, bucket, p))
+
+
+def _view(flat: torch.Tensor, bucket: Bucket, p: nn.Parameter) -> torch.Tensor:
+    offset = bucket.offsets[p]
+    return flat[offset:offset + p.numel()].view_as(p)
