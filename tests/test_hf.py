@@ -230,6 +230,22 @@ def test_export_carries_the_tokenizer_and_special_token_ids(models, tmp_path):
         assert transformers.AutoModelForCausalLM.from_pretrained(out).generation_config.eos_token_id == 2
 
 
+def test_export_into_its_own_source_directory_keeps_the_tokenizer(models, tmp_path):
+    """`export DIR --out DIR --overwrite` (or into the model directory a checkpoint's run
+    started from) ended in a shutil.SameFileError traceback: the tokenizer files were
+    copied onto themselves after the weights had been written."""
+    from paratrain.cli import main
+
+    src = _with_tokenizer(tmp_path, models["llama"][1])
+    tokenizer = (src / "tokenizer.json").read_text()
+    before = hf.load_weights(src, preset(str(src)))
+    assert main(["export", str(src), "--out", str(src), "--overwrite"]) == 0
+    assert (src / "tokenizer.json").read_text() == tokenizer
+    after = hf.load_weights(src, preset(str(src)))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert transformers.AutoTokenizer.from_pretrained(src).eos_token == "</s>"
+
+
 def test_a_pretrained_model_fed_another_tokenizers_ids_is_warned(models, tmp_path):
     """Its own tokenizer's data: no note; bytes, or another tokenizer of no larger vocabulary
     (which the vocabulary-size check lets through): a note naming the fix."""

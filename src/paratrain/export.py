@@ -84,7 +84,12 @@ class Companions:
 
     def write(self, out: Path) -> None:
         for path in self.files:
-            shutil.copy2(path, out / path.name)
+            # Exporting into the source's own directory (--out SOURCE --overwrite, or the
+            # model directory the run started from) finds its tokenizer already there:
+            # copying a file onto itself raised shutil.SameFileError after the weights
+            # were written.
+            if not (out / path.name).exists() or not (out / path.name).samefile(path):
+                shutil.copy2(path, out / path.name)
         if self.tokenizer_config is not None:
             (out / "tokenizer_config.json").write_text(json.dumps(self.tokenizer_config, indent=2))
 
