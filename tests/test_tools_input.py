@@ -148,6 +148,10 @@ def damaged_parquet(path: Path) -> None:
     path.write_bytes(data[:4] + bytes(len(data) // 2) + data[4 + len(data) // 2:])
 
 
+WORDS_TOKENIZER = json.dumps({  # a valid tokenizer.json without </s>
+    "version": "1.0", "added_tokens": [dict(id=0, content="<|endoftext|>", special=True, single_word=False,
+                                             lstrip=False, rstrip=False, normalized=False)],
+    "model": {"type": "WordLevel", "vocab": {"<|endoftext|>": 0, "hello": 1}, "unk_token": "<|endoftext|>"}})
 PREPARE_CASES = [  # (id, files written, flags after the input, words the message must hold)
     ("tokenizer-damaged", {"tok.json": '{"model": '}, ["--tokenizer", "{tmp}/tok.json"],
      "--tokenizer"),
@@ -155,6 +159,8 @@ PREPARE_CASES = [  # (id, files written, flags after the input, words the messag
     ("out-is-a-file", {"ds": "x"}, [], "--out {tmp}/ds: a file, not a directory"),
     ("eos-with-bytes", {}, ["--eos", "</s>"], "--eos '</s>': byte-level data"),
     ("input-empty", {"a.txt": ""}, [], "empty (0 bytes)"),
+    ("eos-not-a-token", {"tok.json": WORDS_TOKENIZER}, ["--tokenizer", "{tmp}/tok.json", "--eos", "</s>"],
+     "--eos '</s>': not a token of {tmp}/tok.json; its special tokens are <|endoftext|>"),
 ]
 
 

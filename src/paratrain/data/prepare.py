@@ -56,8 +56,13 @@ class TokenizerSpec:
             raise DataError(f"--tokenizer {self.source}: not a tokenizer.json the tokenizers "
                             f"library can read ({_one_line(exc)}); give a Hugging Face "
                             f"tokenizer.json, a model directory holding one, or 'bytes'") from None
+        if self.eos is not None and tok.token_to_id(self.eos) is None:
+            # The user's own --eos: "name one with --eos" would repeat what they just did.
+            special = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
+            raise DataError(f"--eos {self.eos!r}: not a token of {self.source}; its special "
+                            f"tokens are {', '.join(special) or 'none'}")
         eos = self.eos or next((t for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
-        if eos is None or tok.token_to_id(eos) is None:
+        if eos is None:
             raise DataError(f"{self.source}: no end-of-document token found (tried "
                             f"{', '.join(EOS_CANDIDATES)}); name one with --eos TOKEN")
         return tok, tok.get_vocab_size(with_added_tokens=True), tok.token_to_id(eos)
