@@ -174,4 +174,6 @@ def test_hf_reading_of_windows_gates_files_and_paths(tmp_path, monkeypatch):
                                                           "sliding_window": 4096})))
     assert mistral.max_seq_len == 4096  # paratrain trains within the window
     monkeypatch.chdir(tmp_path)
+    assert load_model("mistral").preset == ""  # a config.json alone: no weights to train from
+    (tmp_path / "mistral" / "model.safetensors").touch()
     assert load_model("mistral").preset == str(tmp_path / "mistral")  # absolute: --out from anywhere

@@ -234,6 +234,24 @@ def test_out_of_a_hugging_face_model_fine_tunes_it(tmp_path, capsys):
         out.unlink()
 
 
+def test_out_of_a_config_json_without_weights_trains_its_shape(tmp_path, capsys):
+    """examples/llama3-8b/config.json (no weights beside it): --out named its directory as
+    the preset and said "run it with paratrain train", which then refused it, finding no
+    model.safetensors. It writes the shape now, as for --model llama3-8b."""
+    from paratrain.plan.models import PRESETS
+    from paratrain.train.config import load
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "llama3-8b" / "config.json"
+    out = tmp_path / "plan.toml"
+    assert plan("--model", str(example), "--gpus", "64", "--out", str(out)) == 0
+    written = load(str(out)).validate()
+    spec = PRESETS["llama3-8b"]
+    assert written.model_preset != str(example.parent)
+    assert (written.model.d_model, written.model.n_layers, written.model.vocab_size,
+            written.model.n_kv_heads) == (spec.d_model, spec.n_layers, spec.vocab_size, spec.n_kv_heads)
+    assert (written.model.rope_theta, written.model.norm_eps) == (500000.0, 1e-5)
+
+
 def test_bad_files_and_paths_are_one_line_errors(tmp_path, capsys, monkeypatch):
     """Each was a traceback (TypeError, IsADirectoryError, matplotlib's ValueError) or
     silently another thing (--plot chart wrote chart.png)."""

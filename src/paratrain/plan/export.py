@@ -54,9 +54,10 @@ def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str,
 
 
 def _model_table(model: ModelSpec, seq_len: int) -> dict:
-    """``[model]`` as train builds this model: a Hugging Face directory as its preset (train
-    reads the shape from its config.json and loads its weights; only max_seq_len may
-    change), a paratrain preset by name (so that train reports the model it runs) with
+    """``[model]`` as train builds this model: a Hugging Face directory that holds weights
+    as its preset (train reads the shape from its config.json and loads its weights; only
+    max_seq_len may change; ``model.preset`` is empty for a config.json alone), a
+    paratrain preset by name (so that train reports the model it runs) with
     the fields that shape it, else the fields alone."""
     preset = model.preset or (model.name if model.name in TRAIN_PRESETS else "")
     fields = model.gpt_fields(seq_len)

@@ -73,8 +73,29 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         learned_pos=kind in ("gpt2", "gpt_bigcode", "opt"),
         dropout=any(float(cfg.get(k) or 0) > 0 for k in _DROPOUT_KEYS),
         qkv_bias=kind == "qwen2",  # Qwen2 biases q, k and v only, without a config key
-        preset=str(path.parent.resolve()) if kind in _TRAINED else "",  # --out: any cwd
+        # --out: the directory as train's preset (absolute: any cwd) only where train can
+        # load its weights; a config.json alone (examples/llama3-8b) becomes its shape, which
+        # train builds with random weights, as it builds --model llama3-8b.
+        preset=str(path.parent.resolve()) if kind in _TRAINED and _has_weights(path.parent) else "",
+        carried=_carried(cfg) if kind in _TRAINED else (),
     )
+
+
+def _has_weights(directory: Path) -> bool:
+    """Whether ``paratrain train --model DIR`` finds weights there (models/hf.py reads these)."""
+    return any((directory / name).is_file()
+               for name in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def _carried(cfg: dict) -> tuple[tuple[str, object], ...]:
+    """The Llama-family values besides the shape that a train config takes (GPTConfig
+    fields), so that a config written from a weightless config.json keeps its rotary base
+    and norm epsilon."""
+    rope = cfg.get("rope_parameters")  # transformers 5 keeps rope_theta there
+    theta = cfg.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None)
+    pairs = (("rope_theta", theta), ("norm_eps", cfg.get("rms_norm_eps")))
+    return tuple((k, float(v)) for k, v in pairs
+                 if type(v) in (int, float) and v > 0)
 
 
 def _check_hf_types(cfg: dict, path: Path) -> None:
