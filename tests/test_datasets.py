@@ -221,3 +221,16 @@ def test_a_dataset_whose_validation_split_holds_no_sample_is_refused(tmp_path):
                 preflight.check_data(cfg)
         else:
             preflight.check_data(cfg)
+
+
+def test_text_given_as_data_is_named_as_the_input_of_prepare(tmp_path):
+    """`train --data notes.txt` (or a folder of .txt) suggested `data prepare ... --out
+    notes.txt`, which prepare refuses (--out exists): the text is prepare's input."""
+    (tmp_path / "notes.txt").write_text("some text\n")
+    with pytest.raises(DataError, match=r"notes\.txt: a file, not a dataset directory; .*"
+                                        r"`paratrain data prepare \S+notes\.txt --tokenizer T --out DATA`"):
+        read_meta(tmp_path / "notes.txt")
+    with pytest.raises(DataError, match=r"no meta\.json there, so not a dataset; .*--out DATA`"):
+        read_meta(tmp_path)
+    with pytest.raises(DataError, match=r"--out \S+new`$"):  # not there yet: prepare makes it
+        read_meta(tmp_path / "new")

@@ -34,8 +34,7 @@ def read_meta(path: str | Path, what: str = "--data") -> DatasetMeta:
     root = Path(path)
     file = root / META
     if not file.is_file():
-        raise DataError(f"{what} {path}: no {META} there; make a dataset with "
-                        f"`paratrain data prepare INPUT... --tokenizer T --out {path}`")
+        raise DataError(f"{what} {path}: {_not_a_dataset(root)}")
     try:
         meta = json.loads(file.read_text())
     except (OSError, ValueError) as exc:  # not JSON, or not UTF-8
@@ -49,6 +48,19 @@ def read_meta(path: str | Path, what: str = "--data") -> DatasetMeta:
                             f"found {'none' if size < 0 else size}; prepare the dataset again")
     return DatasetMeta(root, meta["vocab_size"], meta["eos_id"], meta["tokens"],
                        meta["train_tokens"], meta["tokenizer"], meta)
+
+
+def _not_a_dataset(root: Path) -> str:
+    """Why ``root`` is no dataset and the command that makes one. Text given where a
+    dataset goes (a .txt file, a folder of them) is the input of ``prepare``, not its
+    ``--out``: prepare refuses an existing --out, so naming it there was a dead end."""
+    make = "make a dataset with `paratrain data prepare"
+    if root.is_file():
+        return f"a file, not a dataset directory; {make} {root} --tokenizer T --out DATA`"
+    if root.is_dir():
+        return (f"no {META} there, so not a dataset; {make} FILE... --tokenizer T --out DATA` "
+                f"with the text files as FILE")
+    return f"no {META} there; {make} INPUT... --tokenizer T --out {root}`"
 
 
 COUNTS = ("vocab_size", "eos_id", "tokens", "train_tokens")
