@@ -75,3 +75,16 @@ def test_bf16_zero_resumes_from_its_fp32_master_weights(tmp_path):
     assert checkpoint.read_meta(ckpt)["tensors"]["param/layers.0.attn.wq.weight"]["dtype"] == "float32"
     got = run_world(train_runs, 2, {"b": resume_config(str(tmp_path / "b"), 2, str(ckpt), **bf16)})[0]["b"]
     assert_identical_runs(tail(got), tail(run, since=3), what="bf16 ZeRO-2 resumed")
+
+
+def test_a_run_directory_given_to_resume_names_resume_auto(tmp_path):
+    """`--resume RUN_DIR` was told to give "the directory --save-every wrote", though the
+    user had: the run's, whose newest checkpoint --resume auto --run-dir takes. No processes."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-2").mkdir(parents=True)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=rf"it is a run directory; .*--resume auto --run-dir {run}, or give "
+                             rf"one of {run}/checkpoints/step-N"):
+        checkpoint.read_meta(run)
+    with pytest.raises(checkpoint.CheckpointError, match=r"give the directory .* wrote"):
+        checkpoint.read_meta(tmp_path / "elsewhere")

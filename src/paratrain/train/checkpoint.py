@@ -159,6 +159,11 @@ def read_meta(directory: str | Path) -> dict:
             raise CheckpointError(f"no checkpoint at {str(directory)!r}: its index {INDEX} is missing (the "
                                   f"index is written last, so that save never finished); resume from "
                                   f"another checkpoint")
+        if (where / "checkpoints").is_dir():  # a run directory: what --resume auto reads
+            raise CheckpointError(f"no checkpoint at {str(directory)!r} (no {INDEX}): it is a run "
+                                  f"directory; continue its newest complete checkpoint with "
+                                  f"--resume auto --run-dir {directory}, or give one of "
+                                  f"{where / 'checkpoints'}/step-N")
         raise CheckpointError(f"no checkpoint at {str(directory)!r} (no {INDEX}); give the "
                               f"directory `paratrain train --save-every N` wrote, "
                               f"e.g. RUN_DIR/checkpoints/step-N")
