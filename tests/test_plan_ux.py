@@ -119,6 +119,17 @@ def test_layout_given_twice_exits_2_naming_the_axis(capsys):
     assert "tp given twice" in capsys.readouterr().err
 
 
+def test_an_empty_or_unreadable_compare_spec_names_the_flag_given(capsys, monkeypatch):
+    """--layout "" printed the whole ranking as if no layout were asked for; a typo in a
+    --compare spec was reported as --layout's."""
+    assert plan(*TINY8, "--compare", "dp8", "dpp4") == 2
+    assert capsys.readouterr().err.startswith("paratrain plan: error: --compare: cannot read 'dpp4'")
+    _no_search(monkeypatch)
+    for flag, specs in (("--layout", [""]), ("--compare", ["dp8", "  "])):
+        assert plan(*TINY8, flag, *specs) == 2
+        assert f"{flag}: an empty layout" in capsys.readouterr().err
+
+
 # ---- train configs as --model ---------------------------------------------------------------
 
 def _as_train_reads_it(path: Path) -> ModelSpec:

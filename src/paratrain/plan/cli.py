@@ -142,6 +142,11 @@ def check_args(args: argparse.Namespace) -> None:
 def check_combinations(args: argparse.Namespace) -> None:
     """Refuse flags that contradict each other, or that the rest of the command would
     silently ignore, before any work is done."""
+    given = [("--layout", t) for t in ([args.layout] if args.layout is not None else [])]
+    blank = [flag for flag, t in given + [("--compare", t) for t in args.compare or []] if not t.strip()]
+    if blank:  # --layout "" printed the whole ranking, as if no layout had been given
+        raise ValueError(f"{blank[0]}: an empty layout; write e.g. 'dp8 tp8 pp4 zero1 mb1' "
+                         f"(any subset), or drop {blank[0]} to see the ranking")
     if args.layout and args.compare:
         raise ValueError("--layout and --compare both given: --layout evaluates one layout, "
                          "--compare several side by side; put every layout after --compare "
@@ -306,8 +311,9 @@ def _evaluate(args: argparse.Namespace, result, model: ModelSpec, training: Trai
     specs = [args.layout] if args.layout else list(args.compare)
     try:
         evaluations = with_search(specs, model, training, cluster, result, micro, recompute)
-    except ValueError as err:
-        print(f"paratrain plan: error: {err}", file=sys.stderr)
+    except ValueError as err:  # the parser names --layout; say the flag the user gave
+        flag = "--layout" if args.layout else "--compare"
+        print(f"paratrain plan: error: {str(err).replace('--layout', flag, 1)}", file=sys.stderr)
         return 2
     if args.json:
         data = {**report.setting_dict(model, training, cluster),
