@@ -71,6 +71,15 @@ def test_fixed_choices_are_respected():
     assert {(p.cand.micro_batch, p.cand.recompute) for p in result.plans} == {(2, "full")}
 
 
+def test_a_micro_batch_that_does_not_divide_is_shown_in_its_example():
+    """--micro-batch 3 on 2 sequences per replica: the example read "mb1x1", a size never
+    asked for, beside "% 3 != 0"."""
+    model, training = PRESETS["llama3-8b"], Training(16, 1024)
+    result = search(model, training, Cluster(gpu_preset("h100-80g"), 8), micro_batch=3)
+    group = result.rejected["micro batch does not divide the per-replica batch"]
+    assert " mb3 " in group.example and "mb1" not in group.example and "% 3" in group.detail
+
+
 def test_nothing_fits_reports_why():
     model, training = PRESETS["llama3-405b"], Training(64, 8192)
     result = search(model, training, Cluster(gpu_preset("a100-40g"), 8))

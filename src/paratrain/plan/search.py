@@ -350,8 +350,10 @@ def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...]
             fitted.add((cand.recompute, mb))
             continue
         if per_replica % mb:
+            # ``cand`` holds a placeholder micro batch (1x1): show the size that was tried.
             result.reject("micro batch does not divide the per-replica batch",
-                          cand.describe(), f"{per_replica} sequences per replica % {mb} != 0")
+                          f"{cand.describe().rsplit(' mb', 1)[0]} mb{mb} rc={cand.recompute}",
+                          f"{per_replica} sequences per replica % {mb} != 0")
             return len(sizes)
         m = per_replica // mb
         trial = Candidate(cand.dp, cand.tp, cand.pp, cand.cp, cand.zero, mb, m, cand.schedule,
