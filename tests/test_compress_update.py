@@ -82,32 +82,31 @@ def reference_averaging_updates(cfg) -> dict:
 LAYOUTS = {"dp2": dict(nproc=2), "dp2 accumulation": dict(nproc=2, micro_batch=2),
            "dp2 tp2 sp": dict(nproc=4, dp=2, tp=2, sp=True),
            "dp2 pp2": dict(nproc=4, dp=2, pp=2, microbatches=2)}
+CLIPS = {"no clipping": 0.0, "clipping": CLIP}
+RESUMED = dict(nproc=2, lr=1e-3, steps=6, compress="topk:0.1:update", compress_start=1)
 
 
-@pytest.mark.parametrize("clip", [0.0, CLIP], ids=["no clipping", "clipping"])
-def test_averaging_adamw_updates_equals_plain_torch(tmp_path, clip):
-    """top-k 1.0 sends everything: the run is the reference's exactly, whatever the layout."""
-    common = dict(grad_clip=clip, eval_every=0, lr=1e-3, compress="topk:1.0:update")
-    want = reference_averaging_updates(tiny_config(str(tmp_path), nproc=2, **common))
-    if clip:
-        assert min(want["grad_norms"]) > math.sqrt(DP) * clip  # clipping acts at every step
-    configs = {name: tiny_config(str(tmp_path / name.replace(" ", "-")), **common, **layout)
-               for name, layout in LAYOUTS.items() if layout["nproc"] == 4}
-    four = run_world(train_runs, 4, configs)[0]
-    two = run_world(train_runs, 2, {name: tiny_config(str(tmp_path / name.replace(" ", "-")), **common, **layout)
-                                    for name, layout in LAYOUTS.items() if layout["nproc"] == 2})[0]
-    for name, got in {**two, **four}.items():
-        assert_same_run({**got, "val": []}, want, what=name)
-
-
-def test_averaged_updates_resume_exactly_with_each_ranks_moments(tmp_path):
-    """Each rank's Adam moments are its own: a resumed run restores them with its residual."""
-    t, run = str(tmp_path), dict(nproc=2, lr=1e-3, steps=6, compress="topk:0.1:update", compress_start=1)
-    full = tiny_config(t + "/a", save_every=3, **run)
-    runs = run_world(train_runs, 2, {"full": full})[0]
-    resumed = run_world(train_runs, 2, {"resumed": tiny_config(t + "/b", resume=t + "/a/checkpoints/step-3",
-                                                               **run)})[0]
-    assert_same_run(tail(resumed["resumed"]), tail(runs["full"], 3))
+def test_averaging_adamw_updates_equals_plain_torch_and_resumes_exactly(tmp_path):
+    """top-k 1.0 sends everything: the run is the reference's exactly, whatever the layout,
+    with clipping active or not. And each rank's Adam moments are its own: a resumed run
+    restores them with its residual and goes on exactly."""
+    t = str(tmp_path)
+    common = dict(eval_every=0, lr=1e-3, compress="topk:1.0:update")
+    configs = {(clip, name): tiny_config(f"{t}/{clip}-{name}".replace(" ", "-"), grad_clip=value, **common, **layout)
+               for clip, value in CLIPS.items() for name, layout in LAYOUTS.items()}
+    two = {k: c for k, c in configs.items() if c.parallel.nproc == 2}
+    two["full", "resumed"] = tiny_config(t + "/full", save_every=3, **RESUMED)
+    runs = run_world(train_runs, 2, two)[0]
+    runs.update(run_world(train_runs, 4, {k: c for k, c in configs.items() if c.parallel.nproc == 4})[0])
+    resumed = run_world(train_runs, 2, {"resumed": tiny_config(t + "/resumed", resume=t + "/full/checkpoints/step-3",
+                                                               **RESUMED)})[0]
+    assert_same_run(tail(resumed["resumed"]), tail(runs.pop(("full", "resumed")), 3))
+    for clip, value in CLIPS.items():
+        want = reference_averaging_updates(tiny_config(t, nproc=2, grad_clip=value, **common))
+        if value:
+            assert min(want["grad_norms"]) > math.sqrt(DP) * value  # clipping acts at every step
+        for name in LAYOUTS:
+            assert_same_run({**runs[clip, name], "val": []}, want, what=f"{name}, {clip}")
 
 
 def test_averaging_updates_is_refused_where_it_cannot_work(tmp_path):
