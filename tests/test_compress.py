@@ -1,7 +1,7 @@
 """Gradient compression: exactness where the arithmetic allows it, the error-feedback
 invariant, lossless settings equal to no compression, exact resume, and (slow) convergence.
 
-Slow convergence check (about 9.5 min on a quiet 2-core machine):
+Slow convergence check (about 20 min on a quiet 2-core machine):
     PYTHONPATH=src python -m pytest -q -m slow tests/test_compress.py -s
 """
 
