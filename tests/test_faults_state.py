@@ -179,23 +179,29 @@ def faults_in_one_world(tmp: str) -> dict:
         except Exception as exc:  # noqa: BLE001
             out[name] = f"{type(exc).__name__}: {exc}"
     loop.build = build
-    for kind in ("full", "read-only", "rank 1 only"):
-        sharded = dict(zero=1, tie_embeddings=False) if kind == "rank 1 only" else {}  # rank 1 writes
+    for kind in ("full", "read-only", "rank 1 only", "pieces"):
+        sharded = dict(zero=1, tie_embeddings=False) if kind in ("rank 1 only", "pieces") else {}  # rank 1 writes
         cfg = tiny_config(f"{tmp}/{kind}", nproc=2, steps=2, eval_every=0, save_every=2, **sharded)
-        if kind != "read-only":
-            checkpoint.save_file, real = failing_write(kind), checkpoint.save_file
-        else:
-            Path.mkdir, real = failing_write(kind), Path.mkdir
+        owner, name = {"read-only": (Path, "mkdir"), "pieces": (checkpoint.S, "engine_pieces")}.get(
+            kind, (checkpoint, "save_file"))
+        real = getattr(owner, name)
+        setattr(owner, name, failing_write(kind) if kind != "pieces" else failing_pieces(real))
         try:
             loop.train(cfg, Mesh.build(cfg.layout))
         except Exception as exc:  # noqa: BLE001
             out[kind] = f"{type(exc).__name__}: {exc}"
         finally:
-            if kind != "read-only":
-                checkpoint.save_file = real
-            else:
-                Path.mkdir = real
+            setattr(owner, name, real)
     return out
+
+
+def failing_pieces(real):
+    """Collecting the slices to save fails on rank 1 only (before any file is opened)."""
+    def engine_pieces(engine, for_save):
+        if for_save and dist.get_rank() == 1:
+            raise RuntimeError("a slice outside its tensor")
+        return real(engine, for_save)
+    return engine_pieces
 
 
 def test_nonfinite_steps_and_failed_writes_in_one_world(tmp_path):
@@ -221,6 +227,7 @@ def test_nonfinite_steps_and_failed_writes_in_one_world(tmp_path):
         assert "CheckpointError" in out["read-only"] and "Read-only file system" in out["read-only"]
         assert "CheckpointError: RuntimeError: out of memory" in out["rank 1 only"], out["rank 1 only"]
         assert "(on rank 1)" in out["rank 1 only"]  # every rank fails, none waits in the gather
+        assert "RuntimeError: a slice outside its tensor (on rank 1)" in out["pieces"], out["pieces"]
     records = strict_json(tmp_path / "skip" / "metrics.jsonl")
     assert records[1]["loss"] is None and records[1]["skipped"] == 1 and records[1]["nonfinite_ranks"] == [1]
     meta, tensors = checkpoint.verify(tmp_path / "skip" / "checkpoints" / "step-5", PRESETS["tiny"])

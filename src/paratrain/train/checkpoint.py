@@ -58,15 +58,15 @@ def save(directory: Path, step: int, engine, model_cfg, layout: str, is_writer: 
     directory, rank = Path(directory), dist.get_rank()
     tmp = directory.with_name(f".{directory.name}.tmp")
     _agree(P.fresh(tmp, directory) if rank == 0 else "")
-    pieces = S.engine_pieces(engine, for_save=True)
     error, record = "", None
-    if pieces:
-        try:
+    try:
+        pieces = S.engine_pieces(engine, for_save=True)
+        if pieces:
             record = _write_file(tmp, f"rank-{rank:05d}.safetensors", pieces, directory)
-        except CheckpointError as exc:
-            error = f"{exc} (on rank {rank})"
-        except Exception as exc:  # noqa: BLE001  any failure must reach the gather below,
-            error = f"{type(exc).__name__}: {exc} (on rank {rank})"  # or the others wait in it
+    except CheckpointError as exc:
+        error = f"{exc} (on rank {rank})"
+    except Exception as exc:  # noqa: BLE001  any failure must reach the gather below,
+        error = f"{type(exc).__name__}: {exc} (on rank {rank})"  # or the others wait in it
     everyone: list | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object((error, record), everyone, dst=0)  # only rank 0 holds the whole index
     outcome = next((e for e, _ in everyone if e), "") if rank == 0 else ""
