@@ -62,7 +62,7 @@ class CompressorSet:
 
     def load_state(self, saved: dict[str, torch.Tensor], group: ProcessGroup) -> str | None:
         """Install this rank's state from the saved ``local_state`` of the rank that held the
-        same place, if every rank of ``group`` (all that compress) finds its own: a
+        same place, if every rank of ``group`` (the world: every rank compresses) finds its own: a
         checkpoint of another method, layout or bucket split leaves every rank's state
         fresh, never some (their reductions would no longer match). Returns the reason
         (None: restored, or nothing to restore)."""

@@ -180,5 +180,5 @@ class PowerSGD(Compressor):
         for name, value in state.items():
             if name.startswith("q"):
                 self.qs[int(name[1:])].copy_(value)
-            else:
-                super().load_state_dict({name: value})
+        # In one call: whether the saved start is kept depends on the saved count.
+        super().load_state_dict({k: v for k, v in state.items() if not k.startswith("q")})

@@ -37,7 +37,7 @@ class Bucket:
     offsets: dict[torch.Tensor, int]
     """Start of each parameter's gradient in ``buffer``, by ``param``."""
     ready: set[torch.Tensor] = field(default_factory=set)
-    """ids of the parameters whose gradient this backward pass has produced."""
+    """The parameters whose gradient this backward pass has produced."""
     work: object | None = None
     """Handle of the in-flight all-reduce, if launched."""
     compressor: object | None = None

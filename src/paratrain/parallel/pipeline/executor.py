@@ -28,7 +28,7 @@ action says:
   waits the in-place table implied, which it is checked deadlock-free with. Without them
   every output sent stayed alive to the end of the step.
 
-Loss scaling: the caller passes ``loss_scale = dp / tokens_in_global_batch``; every
+Loss scaling: the caller passes ``loss_scale = dp x cp / tokens_in_global_batch``; every
 microbatch's summed loss is multiplied by it before backward, so after the data-parallel
 average the gradients equal those of the mean loss over the global batch.
 """

@@ -42,6 +42,7 @@ from ...comm import collectives as C
 from ...comm.compress import CompressSpec, all_reduce_bytes, check
 from ...comm.compressor_set import CompressorSet
 from ...comm.ring import ring_all_gather
+from ...optim import adam_step_count
 from ..engine import MOMENTS, merge_stages, plain_name
 from ..hooks import weakly
 from ..step import ScheduledStep, StepPlan
@@ -320,7 +321,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
                     flat[offset:offset + p.numel()] = local.reshape(-1)
                 slices[key] = unit.flat.own_slice(flat).split([v.numel() for v in views])
             for i, view in enumerate(views):
-                state[view] = {"step": torch.tensor(float(step)),
+                state[view] = {"step": adam_step_count(self.optimizer.optimizer, step, view.device),
                                **{k: slices[k][i].to(view.device).clone() for k in MOMENTS}}
 
 

@@ -50,7 +50,7 @@ class Unit:
     grad_shard: torch.Tensor | None = None
     """This rank's averaged gradient slice (stage 1: a view into flat_grad)."""
     ready: set[torch.Tensor] = field(default_factory=set)
-    """ids of parameters whose gradient this backward produced."""
+    """The parameters whose gradient this backward produced."""
     keeps_full_grad: bool = False
     """Stage 1: the full gradient persists and the shard is a view of it; stages 2/3
     assemble it temporarily and add their slice to a separate shard."""
