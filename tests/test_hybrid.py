@@ -51,6 +51,15 @@ def test_tensor_parallel_with_data_zero_and_context_parallel_on_four_ranks(refer
           dict(tp=2, sp=True, cp=2, cp_method="ring"))
 
 
+def test_tied_embeddings_under_tensor_sequence_data_and_context_parallelism(tmp_path):
+    """The embedding and the head share one weight: split over the vocabulary under tp, its
+    gradient sums both uses of each shard."""
+    tied = dict(tie_embeddings=True)
+    ref = run_world(train_runs, 1, {"ref": tiny_config(str(tmp_path / "ref"), nproc=1, lr=1e-3, **tied)})[0]["ref"]
+    check(2, ref, tmp_path, dict(tp=2, **tied), dict(tp=2, sp=True, **tied), dict(cp=2, **tied),
+          dict(dp=2, **tied))
+
+
 def test_pipeline_schedules_on_two_ranks(reference, tmp_path):
     check(2, reference, tmp_path, dict(pp=2, schedule="gpipe", microbatches=4),
           dict(pp=2, schedule="1f1b", microbatches=4), dict(pp=2, schedule="1f1b", microbatches=8),
