@@ -51,7 +51,7 @@ from common import at_least
 
 ROOT = Path(__file__).resolve().parents[1]
 UNTIMED = 3  # the first steps of every run: start-up, not step time
-METHODS = ["none", "fp16", "bf16", "int8", "topk:0.01", "powersgd:{r}"]
+METHODS = ["none", "fp16", "bf16", "int8", "topk:0.01", "topk:0.01:update", "powersgd:{r}"]
 PEERS = {"none": "ddp", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook",
          "powersgd:{r}": "powerSGD_hook"}
 """torch's counterpart of a paratrain method: DDP and its communication hooks."""
