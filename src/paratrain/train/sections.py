@@ -52,7 +52,8 @@ class ParallelConfig:
     compress: str = "none"
     """Gradient compression of the data-parallel reduction: none, fp16, bf16, int8,
     topk:FRACTION or powersgd:RANK; int8/topk/powersgd keep an error-feedback residual
-    (append :noef to drop it). With --zero 0 or 1."""
+    (append :noef to drop it), and with :update average AdamW's updates instead of the
+    gradients (--zero 0, --cp 1; docs/compression.md). With --zero 0 or 1."""
     compress_start: int = -1
     """Optimizer steps averaged uncompressed before compression starts (torch's
     start_powerSGD_iter): early steps are the most sensitive to a compressed gradient.
