@@ -122,6 +122,10 @@ def failing_write(kind: str):
     return mkdir if kind == "read-only" else save_file
 
 
+COMPRESSED = ("int8", "powersgd:2", "topk:0.5", "topk:0.5:update")
+"""Skipping a non-finite step must leave no NaN in their state (residual, Q, Adam moments)."""
+
+
 def faults_in_one_world(tmp: str) -> dict:
     mesh = Mesh.build(tiny_config(tmp, nproc=2).layout)
     out = {"timeouts": [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -162,7 +166,7 @@ def faults_in_one_world(tmp: str) -> dict:
         out["resumed_over"] = f"{type(exc).__name__}: {exc}"
     loop.build = poisoned(build, {2})
     # compressed: the skipped step's NaN must not stay in the residuals (or PowerSGD's Q)
-    for method in ("int8", "powersgd:2", "topk:0.5"):
+    for method in COMPRESSED:
         cfg = tiny_config(f"{tmp}/skip-{method.replace(':', '_')}", nproc=2, steps=4,
                           eval_every=0, on_nonfinite="skip", max_skips=1, save_every=4,
                           compress=method, compress_start=0)
@@ -216,7 +220,7 @@ def test_nonfinite_steps_and_failed_writes_in_one_world(tmp_path):
         assert "over --max-skips 1" in out["resumed_over"] and "at step 4" in out["resumed_over"]
         assert "CheckpointError" in out["load_fails"], out["load_fails"]
         assert "cannot decompress block (on rank 1)" in out["load_fails"]
-        for method in ("int8", "powersgd:2", "topk:0.5"):
+        for method in COMPRESSED:
             losses = out[method]
             assert isinstance(losses, list), (method, losses)
             assert math.isnan(losses[1]) and all(map(math.isfinite, losses[2:])), (method, losses)
