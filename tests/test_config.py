@@ -65,6 +65,11 @@ def test_bad_file(tmp_path):
     bad.write_text("[train]\nsteps_typo = 3\n")
     with pytest.raises(ConfigError, match="known fields"):
         load(str(bad))
+    hf = tmp_path / "llama" / "config.json"  # a Hugging Face config given to --config
+    hf.parent.mkdir()
+    hf.write_text('{"model_type": "llama", "hidden_size": 64}')
+    with pytest.raises(ConfigError, match=rf"is JSON, not a paratrain TOML file.*--model {tmp_path / 'llama'}$"):
+        load(str(hf))
 
 
 def test_cli_reports_config_errors_without_spawning(capsys):

@@ -138,6 +138,14 @@ def test_prepare_workers_negative_exits_2(tmp_path, capsys):
     assert "--workers -1" in capsys.readouterr().err
 
 
+def test_prepare_given_a_directory_names_its_files(tmp_path, capsys):
+    """It said 'input file(s) not found: text' of a folder that exists."""
+    (tmp_path / "text").mkdir()
+    argv = ["data", "prepare", str(tmp_path / "text"), "--tokenizer", "bytes", "--out", str(tmp_path / "ds")]
+    assert main(argv) == 2
+    assert f"{tmp_path / 'text'} is a directory; give its files, e.g. {tmp_path / 'text' / '*.txt'}" in capsys.readouterr().err
+
+
 def damaged_parquet(path: Path) -> None:
     """A parquet file whose footer (the schema) reads but whose data pages are zeros."""
     pa = pytest.importorskip("pyarrow")

@@ -138,6 +138,10 @@ def check_inputs(files: list[Path], field: str) -> None:
     """Fail before any work on a missing file, an unsupported extension, or a .jsonl /
     .parquet file whose first record has no ``field`` (the cheap checks: a later record
     without it still fails, during tokenizing)."""
+    folders = [p for p in files if p.is_dir()]
+    if folders:
+        raise DataError(f"{folders[0]} is a directory; give its files, e.g. "
+                        f"{folders[0] / '*.txt'} (the shell expands the pattern)")
     missing = [str(p) for p in files if not p.is_file()]
     if missing:
         raise DataError(f"input file(s) not found: {', '.join(missing)}")

@@ -195,6 +195,9 @@ def read_toml(path: str) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
+        if file.suffix.lower() == ".json":  # most often a Hugging Face model's config.json
+            raise ConfigError(f"config file {path!r} is JSON, not a paratrain TOML file; for a "
+                              f"Hugging Face model pass its directory: --model {file.parent}") from None
         raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
 
 
