@@ -72,6 +72,25 @@ def test_prepare_with_a_trained_tokenizer_and_with_bytes(inputs, tmp_path):
         == expected_stream(None, 0)
 
 
+def test_prepare_names_the_train_command_for_its_tokenizer(inputs, tmp_path, capsys):
+    """A Hugging Face model directory's tokenizer: train that model (``--model DIR``, which
+    refuses --vocab-size); any other tokenizer: a preset sized to its vocabulary."""
+    from paratrain.cli import main
+
+    root, files = inputs
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_bytes((root / "tokenizer.json").read_bytes())
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    for tokenizer, want in ((model, f"paratrain train --model {model} --data {tmp_path / 'a'}\n"),
+                            (root, f"paratrain train --data {tmp_path / 'b'} --vocab-size 300\n")):
+        out = tmp_path / ("a" if tokenizer == model else "b")
+        assert main(["data", "prepare", files[0], "--tokenizer", str(tokenizer), "--out", str(out),
+                     "--workers", "1"]) == 0
+        assert capsys.readouterr().out.endswith("train on it   " + want)
+
+
 def test_corrupt_and_bad_inputs_are_named(inputs, tmp_path):
     root, files = inputs
     prepare(files[:1], "bytes", str(tmp_path / "ds"), progress=False, workers=1)

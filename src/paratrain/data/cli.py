@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .prepare import DataError, prepare
 
@@ -39,8 +40,18 @@ def _prepare(args: argparse.Namespace) -> int:
     print(f"dataset       {args.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens "
           f"({meta['train_tokens']:,} train), vocabulary {meta['vocab_size']:,}, "
           f"{len(meta['shards'])} shard(s) of {meta['dtype']}")
-    print(f"train on it   paratrain train --data {args.out} --vocab-size {meta['vocab_size']}")
+    print(f"train on it   {train_command(args.tokenizer, args.out, meta['vocab_size'])}")
     return 0
+
+
+def train_command(tokenizer: str, out: str, vocab_size: int) -> str:
+    """The command that trains on the new dataset: the Hugging Face model whose directory
+    gave the tokenizer (its vocabulary is its own: ``--model DIR`` refuses --vocab-size),
+    else a paratrain preset sized to the vocabulary."""
+    directory = Path(tokenizer)
+    if directory.is_dir() and (directory / "config.json").is_file() and any(directory.glob("*.safetensors")):
+        return f"paratrain train --model {tokenizer} --data {out}"
+    return f"paratrain train --data {out} --vocab-size {vocab_size}"
 
 
 def _verify(args: argparse.Namespace) -> int:
