@@ -100,6 +100,11 @@ def test_configs_that_do_not_describe_their_weights_are_refused(models, tmp_path
     (tmp_path / "mixed" / "config.json").write_text(json.dumps({**raw, "max_window_layers": 1}))
     with pytest.raises(hf.HFModelError, match="max_window_layers=1"):
         preset(str(tmp_path / "mixed"))
+    raw = json.loads(Path(path, "config.json").read_text())  # 4 heads over 3 key/value heads
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "config.json").write_text(json.dumps({**raw, "num_key_value_heads": 3}))
+    with pytest.raises(hf.HFModelError, match=rf"^{tmp_path / 'kv'}: .*multiple of n_kv_heads=3 .*num_key_value_heads"):
+        preset(str(tmp_path / "kv"))
 
 
 def test_export_over_a_sharded_model_removes_its_index_and_shards(models, tmp_path):

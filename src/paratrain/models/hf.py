@@ -78,13 +78,18 @@ def read_config(directory: str | Path) -> GPTConfig:
     if raw.get("head_dim") not in (None, d // heads):
         raise HFModelError(f"{directory}: head_dim={raw['head_dim']} differs from hidden_size / "
                            f"num_attention_heads = {d // heads}, which paratrain assumes")
-    return GPTConfig(
-        vocab_size=raw["vocab_size"], d_model=d, n_layers=raw["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=raw.get("num_key_value_heads") or heads, ffn_hidden=raw["intermediate_size"],
-        max_seq_len=raw.get("max_position_embeddings", 2048), rope_theta=float(rope.get("rope_theta", 10000.0)),
-        norm_eps=raw.get("rms_norm_eps", 1e-6), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM", rope_scaling=_rope_scaling(rope, directory),
-        sliding_window=_sliding_window(raw, arch, directory))
+    try:
+        return GPTConfig(
+            vocab_size=raw["vocab_size"], d_model=d, n_layers=raw["num_hidden_layers"], n_heads=heads,
+            n_kv_heads=raw.get("num_key_value_heads") or heads, ffn_hidden=raw["intermediate_size"],
+            max_seq_len=raw.get("max_position_embeddings", 2048), rope_theta=float(rope.get("rope_theta", 10000.0)),
+            norm_eps=raw.get("rms_norm_eps", 1e-6), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM", rope_scaling=_rope_scaling(rope, directory),
+            sliding_window=_sliding_window(raw, arch, directory))
+    except ValueError as exc:  # GPTConfig's own checks, in its own field names
+        raise HFModelError(f"{directory}: config.json describes a shape paratrain cannot build: "
+                           f"{exc} (d_model is hidden_size, n_heads num_attention_heads, "
+                           f"n_kv_heads num_key_value_heads)") from None
 
 
 INTS = (*REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings")
