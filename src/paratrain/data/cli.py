@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..models import has_weights
 from .prepare import DataError, prepare
 
 
@@ -48,8 +49,7 @@ def train_command(tokenizer: str, out: str, vocab_size: int) -> str:
     """The command that trains on the new dataset: the Hugging Face model whose directory
     gave the tokenizer (its vocabulary is its own: ``--model DIR`` refuses --vocab-size),
     else a paratrain preset sized to the vocabulary."""
-    directory = Path(tokenizer)
-    if directory.is_dir() and (directory / "config.json").is_file() and any(directory.glob("*.safetensors")):
+    if (Path(tokenizer) / "config.json").is_file() and has_weights(tokenizer):
         return f"paratrain train --model {tokenizer} --data {out}"
     return f"paratrain train --data {out} --vocab-size {vocab_size}"
 

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+
+def has_weights(directory: str | Path) -> bool:
+    """Whether a Hugging Face model directory holds the weights ``paratrain train --model
+    DIR`` loads (models/hf.py reads these files; this check imports no torch)."""
+    return any((Path(directory) / name).is_file()
+               for name in ("model.safetensors", "model.safetensors.index.json"))
+
 
 def param_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
     """Every parameter of the plain model ``model_cfg`` describes (a GPT, or the U-Net), and

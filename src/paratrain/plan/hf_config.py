@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..models import has_weights
 from .models import ModelSpec, check_values
 
 _HF_ALIASES = {
@@ -76,15 +77,9 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         # --out: the directory as train's preset (absolute: any cwd) only where train can
         # load its weights; a config.json alone (examples/llama3-8b) becomes its shape, which
         # train builds with random weights, as it builds --model llama3-8b.
-        preset=str(path.parent.resolve()) if kind in _TRAINED and _has_weights(path.parent) else "",
+        preset=str(path.parent.resolve()) if kind in _TRAINED and has_weights(path.parent) else "",
         carried=_carried(cfg) if kind in _TRAINED else (),
     )
-
-
-def _has_weights(directory: Path) -> bool:
-    """Whether ``paratrain train --model DIR`` finds weights there (models/hf.py reads these)."""
-    return any((directory / name).is_file()
-               for name in ("model.safetensors", "model.safetensors.index.json"))
 
 
 def _carried(cfg: dict) -> tuple[tuple[str, object], ...]:
