@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
-from ..optim import MOMENTS, set_lr
+from ..optim import MOMENTS, clip_by_squared_norm_, set_lr
 from .data import Bucket, DataParallel
 
 
@@ -45,18 +45,15 @@ class LocalUpdate:
         dp.compressors.extra = lambda: {f"adam/{names[p]}.{k}": v for p in names
                                         for k, v in optimizer.state.get(p, {}).items() if k in MOMENTS}
 
-    @torch.no_grad()
     def clip_(self, own_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
         """Scale this rank's gradient (its norm ``own_norm``) by the factor every rank
-        shares; returns the root mean square of the ranks' norms (0: only measure)."""
-        group = self.dp.group
-        sq = own_norm.float().pow(2)
-        C.all_reduce(sq, group, op="avg")
-        rms = sq.sqrt()
-        if max_norm > 0 and self.dp.buckets:
-            coef = torch.clamp(math.sqrt(C.size(group)) * max_norm / (rms + 1e-6), max=1.0)
-            torch._foreach_mul_([b.buffer for b in self.dp.buckets], coef.to(self.dp.buckets[0].buffer.dtype))
-        return rms
+        shares; returns the root mean square of the ranks' norms (0: only measure). The
+        norm summed over the p ranks is sqrt(p) x their RMS, so clipping it at p x max_norm
+        clips the RMS at sqrt(p) x max_norm."""
+        p = C.size(self.dp.group)
+        total = clip_by_squared_norm_(own_norm.float().pow(2), p * max_norm, (self.dp.group,),
+                                      [b.buffer for b in self.dp.buckets])
+        return total / math.sqrt(p)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
