@@ -239,6 +239,10 @@ def test_nonfinite_steps_and_failed_writes_in_one_world(tmp_path):
     assert meta["run"]["seed"] == 0 and meta["run"]["config"]["train"]["on_nonfinite"] == "skip"
     assert meta["data"]["step"] == 5 and meta["data"]["samples_seen"] == 5 * 8
     assert meta["nonfinite"]["skipped"] == 1
+    # averaging AdamW's updates, the skipped step reduced nothing: 3 reductions of 4 steps
+    meta, tensors = checkpoint.verify(tmp_path / "skip-topk_0.5_update" / "checkpoints" / "step-4", PRESETS["tiny"])
+    counts = [int(tensors[k]) for k in meta["tensors"] if k.endswith(".reductions")]
+    assert counts and set(counts) == {3}, counts
     assert strict_json(tmp_path / "stop" / "metrics.jsonl")[-1]["loss"] is None
     assert not (tmp_path / "stop" / "checkpoints" / "step-3").exists()
     assert list((tmp_path / "full" / "checkpoints").iterdir()) == []  # no half-written checkpoint

@@ -335,7 +335,9 @@ def make_compressor(spec: CompressSpec, views: list[tuple[int, torch.Size]], num
     (offset, shape) ``views`` (PowerSGD compresses each matrix on its own)."""
     compressor = _make(spec, views, numel, seed, device)
     compressor.start = spec.start if spec.method != "none" else 0
-    compressor.undoable = spec.undoable and spec.method != "none"
+    # Averaging AdamW's updates, the reduction runs after the step's non-finite check:
+    # a skipped step has reduced nothing, so there is nothing to keep for an undo.
+    compressor.undoable = spec.undoable and spec.method != "none" and not spec.update
     return compressor
 
 

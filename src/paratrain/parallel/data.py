@@ -13,7 +13,7 @@ optimizer step.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -91,9 +91,7 @@ class DataParallel(nn.Module):
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         # One compressor per bucket (comm/compress.py); "none" is the plain average.
         name_of = {p: n for n, p in module.named_parameters()}
-        spec = parse(compress)
-        spec = replace(spec, undoable=False) if spec.update else spec  # (engine.forget_nonfinite)
-        self.compressors = CompressorSet(spec, [
+        self.compressors = CompressorSet(parse(compress), [
             ([(b.offsets[p], p.shape) for p in b.params], b.buffer.numel()) for b in self.buckets],
             device=self.buckets[0].buffer.device if self.buckets else None,
             names=[[name_of[p] for p in b.params] for b in self.buckets])

@@ -125,8 +125,7 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         return self.dp.compressors.pop_bytes()
 
     def forget_nonfinite(self) -> None:
-        if self.local is None:  # averaging updates, the skipped step reduced nothing yet
-            self.dp.compressors.undo_step()
+        self.dp.compressors.undo_step()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.module.parameters())
