@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from paratrain.plan import cli
+from paratrain.plan.hardware import Calibration
 from paratrain.plan.evaluate import parse_layout
 from paratrain.plan.models import _IGNORED_GPT_FIELDS, ModelSpec, from_gpt_config, load_model
 from test_plan_cli import plan
@@ -166,7 +167,16 @@ def test_config_toml_of_a_run_is_a_model(tmp_path, capsys):
     assert plan("--model", str(path), "--gpus", "2", "--global-batch", "8") == 0
 
 
-def test_out_trains_the_model_of_the_train_config_it_read(tmp_path, capsys):
+@pytest.fixture
+def local(tmp_path) -> tuple[str, ...]:
+    """``--cluster local`` with a calibration of its own: a clean machine has none."""
+    cal = tmp_path / "cal.json"
+    cal.write_text(Calibration({"fp32": 40e9}, cores=2, alpha=30e-6, beta=0.8e9,
+                               memory=4 * 2**30).to_json())
+    return ("--cluster", "local", "--calibration", str(cal))
+
+
+def test_out_trains_the_model_of_the_train_config_it_read(tmp_path, capsys, local):
     """Settings the planner does not model (rope_theta, ...) still reach the written config:
     `train --config` on it builds the model the user planned."""
     from paratrain.train.config import load
@@ -177,7 +187,7 @@ def test_out_trains_the_model_of_the_train_config_it_read(tmp_path, capsys):
     model.write_text("[model]\npreset = \"tiny\"\nrope_theta = 500000.0\nnorm_eps = 1e-6\n"
                      "rope_scaling = \"llama3:8:1:4:64\"\n")
     out = tmp_path / "plan.toml"
-    assert plan("--model", str(model), "--cluster", "local", "--gpus", "2", "--global-batch", "8",
+    assert plan("--model", str(model), *local, "--gpus", "2", "--global-batch", "8",
                 "--seq-len", "32", "--out", str(out)) == 0
     assert load(str(out)).validate().model == cfg.model
 
@@ -226,7 +236,7 @@ def test_docs_rejected_layout_example_is_what_plan_prints(capsys):
     assert quoted in capsys.readouterr().out
 
 
-def test_out_of_a_hugging_face_model_fine_tunes_it(tmp_path, capsys):
+def test_out_of_a_hugging_face_model_fine_tunes_it(tmp_path, capsys, local):
     """Planned from a Hugging Face directory (or a run's config.toml naming one), --out
     names the directory as the preset: train loads its weights, not a fresh model of that
     shape."""
@@ -238,7 +248,7 @@ def test_out_of_a_hugging_face_model_fine_tunes_it(tmp_path, capsys):
     source = hf.export(GPT(cfg).state_dict(), cfg, tmp_path / "hf")
     for model in (str(source), str(source / "config.json")):
         out = tmp_path / "plan.toml"
-        assert plan("--model", model, "--cluster", "local", "--gpus", "2", "--global-batch", "8",
+        assert plan("--model", model, *local, "--gpus", "2", "--global-batch", "8",
                     "--seq-len", "32", "--out", str(out)) == 0
         written = load(str(out)).validate()
         assert written.model_preset == str(source) and written.model == hf.read_config(source)
