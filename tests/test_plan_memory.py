@@ -241,3 +241,64 @@ def test_paratrain_memory_counts_sent_tensors_until_waited():
         training = Training(global_batch=2 * m, seq_len=64, precision="fp32")
         buffers[m] = _paratrain_stage_memory(model, training, cand, 0, 2).buffers
     assert buffers[8] - buffers[4] == 4 * activation
+
+
+def test_first_backwards_of_each_chunk_from_the_tables():
+    """The moments a ZeRO-2/3 gradient chunk is allocated: the first is the activation
+    peak; with two microbatches per chunk every forward comes first and the second
+    chunk's backward starts after the first chunk's drained; in 1F1B's steady state the
+    in-flight count holds while every chunk is reached."""
+    from paratrain.parallel.pipeline.schedules import inflight_at_first_backwards, peak_inflight
+
+    assert inflight_at_first_backwards("interleaved", 2, 2, 2) == [(2.0, 1.0), (1.5, 1.0)]
+    for kind, p, m, v in (("interleaved", 4, 8, 2), ("interleaved", 16, 32, 8),
+                          ("1f1b", 4, 8, 1), ("gpipe", 2, 4, 1)):
+        moments = inflight_at_first_backwards(kind, p, m, v)
+        assert [first[0] for first in moments] == peak_inflight(kind, p, m, v)
+        assert all(len(chunks) == v for chunks in moments)
+    assert set(inflight_at_first_backwards("interleaved", 16, 32, 8)[0]) == {143 / 8}
+    assert inflight_at_first_backwards("interleaved", 16, 16, 8)[1] == tuple(
+        16 - 2 * k for k in range(8))
+    # The planner's closed form (the search cannot afford to walk the tables) agrees.
+    from paratrain.plan.memory import first_backward_inflight
+    for p, m, v in ((2, 2, 2), (2, 4, 2), (4, 4, 3), (4, 8, 2), (4, 12, 5), (8, 8, 4),
+                    (8, 24, 2), (16, 16, 8), (16, 32, 8), (16, 64, 7)):
+        tables = inflight_at_first_backwards("interleaved", p, m, v)
+        assert [first_backward_inflight(p, m, v, r) for r in range(p)] == tables, (p, m, v)
+
+
+def test_accumulated_gradient_counted_at_the_worst_moment():
+    """Llama 3 405B on 16,384 GPUs (tp8 pp16 v8, 16 microbatches per replica): ZeRO-2's
+    gradient is one chunk's at the activation peak, so it fits where ZeRO-1's persistent
+    gradient does not; with 32 microbatches the steady state holds the peak's
+    activations with every chunk's gradient."""
+    model, training = PRESETS["llama3-405b"], Training(2048, 8192)
+    psi, grads = {}, {}
+    for m in (16, 32):
+        for zero in (1, 2):
+            cand = Candidate(2048 // m, 8, 16, 1, zero, 1, m, "interleaved", 8, "none")
+            mem = stage_memory(model, training, cand, 1)
+            psi[m, zero], grads[m, zero] = mem.total, mem.buffers
+    stage = model.stage_params(8, 16, 1, 8) * 2  # bf16 gradient
+    assert grads[16, 2] - grads[16, 1] == pytest.approx(stage / 8)
+    assert grads[32, 2] - grads[32, 1] == pytest.approx(stage)
+    assert psi[16, 2] < 71.7 * 2**30 < psi[16, 1]
+
+
+def test_paratrain_memory_allocates_the_chunk_gradients_as_its_zero_does():
+    """paratrain's ZeRO-2 under a pipeline allocates a unit's flat gradient at its first
+    backward (parallel/zero/units.py): with two microbatches per replica the second
+    chunk's is not yet there at the peak (measured in tests/test_plan_peaks.py)."""
+    from paratrain.plan.memory import _paratrain_stage_memory
+    from paratrain.plan.models import load_model
+    from paratrain.plan.runtime import held_grad_bytes
+
+    model = load_model("tiny")
+    training = Training(global_batch=4, seq_len=64, precision="fp32")
+    interleaved = Candidate(2, 1, 2, 1, 2, 1, 2, "interleaved", 2)
+    zero1 = _paratrain_stage_memory(model, training, Candidate(2, 1, 2, 1, 1, 1, 2,
+                                                               "interleaved", 2), 0, 2)
+    zero2 = _paratrain_stage_memory(model, training, interleaved, 0, 2)
+    held = held_grad_bytes(model, interleaved, 0, "fp32")
+    assert held > 0 and zero2.activations == zero1.activations
+    assert zero2.buffers - zero1.buffers == held / 2

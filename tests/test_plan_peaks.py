@@ -95,7 +95,11 @@ MATRIX = {
         dict(pp=2, dp=2, schedule="interleaved", virtual_stages=2, n_layers=4),
         dict(dp=4, zero=3, precision="bf16"), dict(dp=2, pp=2, zero=2),
         dict(dp=2, pp=2, zero=3, precision="bf16"),
-        dict(dp=2, pp=2, zero=3, reshard_after_forward="yes")],
+        dict(dp=2, pp=2, zero=3, reshard_after_forward="yes"),
+        # two microbatches: every forward before the first backward, and the second
+        # chunk's accumulated gradient allocated only after the first chunk's drain
+        dict(dp=2, pp=2, zero=2, schedule="interleaved", virtual_stages=2, n_layers=4,
+             global_batch=4)],
 }
 
 

@@ -19,7 +19,11 @@ reduces to those formulas for the standard block. A pipeline stage holds as many
 microbatches of activations as its schedule has in flight (``inflight_microbatches``).
 Under a pipeline ZeRO-2/3 accumulate the stage's full gradient through the step, as
 paratrain does (and FSDP under torchtitan's pipelines), and ZeRO-3 kept gathered holds the
-stage's parameters from the first forward to the last backward: both are buffers.
+stage's parameters from the first forward to the last backward: both are buffers. The
+gradient of a chunk is allocated by its first backward, so under interleaving the peak is
+the worst moment of the schedule, activations still held plus the chunks' gradients
+allocated so far (``peak_moment``): with few microbatches every forward runs before the
+first backward and most of the gradient appears only as activations drain.
 
 paratrain's own runs (the local cluster) are counted exactly instead, by ``plan.runtime``
 (``paratrain_state_bytes`` is re-exported here): its ZeRO pads every unit to a multiple
@@ -200,11 +204,11 @@ def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: i
     s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
     per_layer = layer_activation_bytes(model, s, b, cand.tp, cand.sp, cand.recompute, elem,
                                        training.flash_attention)
-    inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,
-                                     cand.virtual_stages, stage)
-    acts = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages) * inflight
-    buffers = _buffers(model, training, cand, stage, zero, inflight)
-    return Memory(params, grads, opt, acts, buffers, stage)
+    per_micro = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages)
+    held_grad = bytes_per_param(training.precision, training.optimizer)[1] * psi
+    inflight, fraction = peak_moment(cand, stage, per_micro, held_grad)
+    buffers = _buffers(model, training, cand, stage, zero, inflight, fraction)
+    return Memory(params, grads, opt, per_micro * inflight, buffers, stage)
 
 
 def _paratrain_stage_memory(model: ModelSpec, training: Training, cand: Candidate,
@@ -215,21 +219,55 @@ def _paratrain_stage_memory(model: ModelSpec, training: Training, cand: Candidat
     s, b = training.seq_len // cand.cp, cand.micro_batch
     per_layer = runtime.paratrain_layer_activation_bytes(model, s, b, cand.tp, cand.sp,
                                                          cand.recompute, mode)
+    per_micro = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages)
+    held_grad = runtime.held_grad_bytes(model, cand, stage, training.precision)
+    inflight, fraction = peak_moment(cand, stage, per_micro, held_grad)
+    buffers = runtime.paratrain_buffer_bytes(model, training, cand, stage, receives_ahead,
+                                             fraction)
+    return Memory(states["param_bytes"], states["grad_bytes"], states["optim_bytes"],
+                  per_micro * inflight, buffers, stage)
+
+
+def peak_moment(cand: Candidate, stage: int, per_micro: float,
+                held_grad: float) -> tuple[float, float]:
+    """(microbatches of activations in flight, fraction of the stage's accumulated
+    gradient allocated) at the peak of ``stage``: ``per_micro`` bytes of activations per
+    microbatch, ``held_grad`` bytes of gradient accumulated through the step (ZeRO-2/3
+    under a pipeline), one chunk's share allocated by each chunk's first backward."""
     inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,
                                      cand.virtual_stages, stage)
-    acts = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages) * inflight
-    buffers = runtime.paratrain_buffer_bytes(model, training, cand, stage, receives_ahead)
-    return Memory(states["param_bytes"], states["grad_bytes"], states["optim_bytes"], acts,
-                  buffers, stage)
+    if not (cand.zero >= 2 and cand.shard > 1 and cand.pp > 1 and cand.virtual_stages > 1):
+        return inflight, 1.0  # one chunk: its first backward runs at the activation peak
+    v = cand.virtual_stages
+    moments = first_backward_inflight(cand.pp, cand.microbatches, v, stage)
+    return max(((alive, (j + 1) / v) for j, alive in enumerate(moments)),
+               key=lambda moment: moment[0] * per_micro + moment[1] * held_grad)
+
+
+def first_backward_inflight(p: int, m: int, v: int, stage: int = 0) -> tuple[float, ...]:
+    """In-flight microbatches at the first backward of each chunk of ``stage`` under
+    interleaved 1F1B, in the order those backwards run: the closed form of
+    ``schedules.inflight_at_first_backwards`` (which walks the tables; a test holds them
+    equal). After W = min(2(p - stage - 1) + (v - 1)p, mv) warm-up forwards, backward k
+    runs with W + 1 units alive while forwards remain (k < mv - W), else mv - k; chunks
+    are first reached at backwards 0, p, 2p, ... (microbatches go p at a time per chunk).
+    Microbatches not in groups of p have no table: every moment is the peak."""
+    total = m * v
+    warmup = min(2 * (p - stage - 1) + (v - 1) * p, total)
+    if m % p:
+        return (min(warmup + 1, total) / v,) * v
+    return tuple((warmup + 1 if j * p < total - warmup else total - j * p) / v
+                 for j in range(v))
 
 
 def _buffers(model: ModelSpec, training: Training, cand: Candidate, stage: int, zero: int,
-             inflight: float) -> float:
+             inflight: float, grad_fraction: float = 1.0) -> float:
     weight, grad, _ = bytes_per_param(training.precision, training.optimizer)
     s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
     total = 0.0
     if zero >= 2 and cand.pp > 1:  # the stage's full gradient, accumulated through the step
-        total += model.stage_params(cand.tp, cand.pp, stage, cand.virtual_stages) * grad
+        total += grad_fraction * model.stage_params(cand.tp, cand.pp, stage,
+                                                    cand.virtual_stages) * grad
     if zero == 3 and not cand.reshards:  # every unit kept gathered through the step
         total += model.stage_params(cand.tp, cand.pp, stage, cand.virtual_stages) * weight
     if zero == 3:  # the unit in use, the prefetched one, and one unit's unsharded grads

@@ -25,6 +25,8 @@ stream, norms still computed in fp32).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from functools import lru_cache
 
 from ..parallel.pipeline import posting, schedules
@@ -143,13 +145,14 @@ def paratrain_layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int = 
 
 
 def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate, stage: int,
-                           receives_ahead: int) -> float:
+                           receives_ahead: int, grad_fraction: float = 1.0) -> float:
     """Bytes beyond the stored activations at a paratrain rank's peak (measured with live
     storages, tests/test_plan_peaks.py). Always: autocast's bf16 copies of the weights
     (the graph keeps them until backward reaches their layer), the batch's token ids and
     targets (int64), under a pipeline the activations and gradients received and not yet
     read and those sent and not yet waited for (``held_buffers``), and ZeRO's buffers
-    that live through the step (``held_zero_bytes``). Then the larger of two moments:
+    that live through the step (``held_zero_bytes``; ``grad_fraction`` of the accumulated
+    gradient, ``memory.peak_moment``). Then the larger of two moments:
 
     * the start of the loss's backward on the last stage (``paratrain_head_bytes``);
     * the backward of a block: ZeRO's gathered units and full unit gradients, the
@@ -173,7 +176,7 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
     if cand.pp > 1:  # received and not yet read; sent and not yet waited for
         total += sum(held_buffers(cand.schedule, cand.pp, cand.microbatches,
                                   cand.virtual_stages, stage, receives_ahead)) * r * shard
-    total += held_zero_bytes(units, cand, weight)
+    total += held_zero_bytes(units, cand, weight, grad_fraction)
     block = 2 * c * model.ffn_hidden / cand.tp * tokens
     if cand.zero == 3 and cand.reshards:  # the unit in use and the prefetched one
         block += 2 * max(units) * weight
@@ -187,18 +190,29 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
     return total + max(head, block)
 
 
-def held_zero_bytes(units: list[int], cand: Candidate, weight: int) -> float:
+def held_zero_bytes(units: list[int], cand: Candidate, weight: int,
+                    grad_fraction: float = 1.0) -> float:
     """ZeRO-2/3 buffers that live through a step (``parallel/zero/engine.py``): under a
     pipeline every unit's full gradient, accumulated from its first backward to its last;
     with ZeRO-3 kept gathered (``cand.reshards`` False), every unit's parameters, from
-    its first forward to its last backward. ``weight``: bytes per element of both."""
+    its first forward to its last backward. ``weight``: bytes per element of both;
+    ``grad_fraction``: the part of the gradient allocated at the moment counted."""
     if cand.zero < 2:
         return 0.0
     n = cand.dp * cand.cp
     padded = sum(-(-u // n) * n for u in units)  # the flat buffers, padded to n
     grads = padded if cand.pp > 1 else 0
     params = padded if cand.zero == 3 and not cand.reshards else 0
-    return float(weight * (grads + params))
+    return float(weight * (grad_fraction * grads + params))
+
+
+def held_grad_bytes(model: ModelSpec, cand: Candidate, stage: int, precision: str) -> float:
+    """The gradient ZeRO-2/3 accumulate through the step under a pipeline, all chunks'."""
+    if cand.zero < 2 or cand.pp == 1:
+        return 0.0
+    units = unit_params(model, cand.tp, cand.pp, stage, cand.virtual_stages)
+    weight = 4 if precision_mode(precision, cand.zero) == "fp32" else 2
+    return held_zero_bytes(units, replace(cand, zero=2), weight)
 
 
 def paratrain_head_bytes(model: ModelSpec, s: int, b: int, cand: Candidate, mode: str) -> float:

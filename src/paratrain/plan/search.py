@@ -4,7 +4,7 @@ predicted step time.
 The space is (tp, cp, pp, dp) with tp·cp·pp·dp = GPUs, then the schedule (1F1B or
 interleaved with v chunks), ZeRO stage, recompute policy and microbatch size. Validity is
 ``rules.check_split`` (heads, KV heads, MLP width, layers, sequence) plus batch divisibility. The
-search prunes what cannot win, so a 405B model on 16,384 GPUs takes well under a second:
+search prunes what cannot win, so a 405B model on 16,384 GPUs takes about a second:
 
 * tp stays inside a node: its collectives sit on the critical path of every block, and
   over the network they cost several times the compute they serve;
@@ -13,7 +13,8 @@ search prunes what cannot win, so a 405B model on 16,384 GPUs takes well under a
 * a (shape, ZeRO stage) whose parameters, gradients and optimizer states alone overflow
   is rejected once for all its microbatches and recompute policies;
 * peak memory never shrinks as the microbatch grows, so the first microbatch size that
-  overflows rejects the larger ones too;
+  overflows rejects the larger ones too (except ZeRO-2/3 under interleaving, whose
+  accumulated gradient arrives chunk by chunk: there every size is tried);
 * more recompute is tried only at microbatch sizes where less recompute overflowed.
 """
 
@@ -339,13 +340,18 @@ def _states_fit(problem: _Problem, cand: Candidate, count: int, result: SearchRe
 def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...], first: int,
                       result: SearchResult, skip: set, fitted: set) -> int:
     """Evaluate ``cand`` at ``sizes[first:]`` (ascending) until one overflows; returns the
-    index of the first size that did not fit (peak memory never shrinks with the size).
-    Adds the sizes that fit, or are in ``skip``, to ``fitted``."""
+    index of the first size that did not fit. Peak memory never shrinks with the size,
+    except where ZeRO-2/3's accumulated gradient arrives chunk by chunk under interleaving
+    (``memory.peak_moment``: fewer, larger microbatches can reach the peak with fewer
+    chunks' gradients), so there every size is evaluated. Adds the sizes that fit, or are
+    in ``skip``, to ``fitted``; a size that fitted with less recompute is not timed again."""
     training, cluster = problem.training, problem.cluster
     per_replica = training.global_batch // cand.dp
+    monotonic = not (cand.zero >= 2 and cand.schedule == "interleaved" and cand.pp > 1)
+    overflowed = len(sizes)
     for i in range(first, len(sizes)):
         mb = sizes[i]
-        if (cand.recompute, mb) in skip:
+        if (cand.recompute, mb) in skip or any(size == mb for _, size in fitted):
             result.dominated += 1
             fitted.add((cand.recompute, mb))
             continue
@@ -361,21 +367,25 @@ def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...]
                           cand.shard_group, cand.cp_method, cand.reshard_after_forward)
         if trial.schedule == "interleaved" and m % trial.pp:
             result.reject("interleaved needs microbatches divisible by pp", trial.describe(),
-                          lambda: f"{m} microbatches % pp={trial.pp} != 0 (Megatron's rule)")
+                          lambda m=m, p=trial.pp: f"{m} microbatches % pp={p} != 0 (Megatron's rule)")
             continue
         memory = rank_memory(problem.model, training, trial, problem.paratrain)
         if memory.total > cluster.memory_limit:
             result.reject("activations exceed memory", trial.describe(),
-                          lambda: _overflow_text(memory, cluster), count=len(sizes) - i,
+                          lambda memory=memory: _overflow_text(memory, cluster),
+                          count=len(sizes) - i if monotonic else 1,
                           overflow=memory.total - cluster.memory_limit)
-            return i
+            if monotonic:
+                return i
+            overflowed = min(overflowed, i)
+            continue
         fitted.add((cand.recompute, mb))
         times = step_time(problem.model, training, cluster, trial)
         peak = cluster.gpu.peak_flops if training.precision == "bf16" else \
             cluster.gpu.peak_flops_fp32
         result.plans.append(Plan(trial, memory, times, training.tokens / times.step,
                                  problem.model_flops / (times.step * cluster.n_gpus * peak)))
-    return len(sizes)
+    return overflowed
 
 
 def _overflow_text(memory: Memory, cluster: Cluster) -> str:

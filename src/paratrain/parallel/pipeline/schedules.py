@@ -182,6 +182,30 @@ def peak_inflight(kind: str, stages: int, microbatches: int, chunks: int = 1) ->
     return peaks
 
 
+def inflight_at_first_backwards(kind: str, stages: int, microbatches: int,
+                                chunks: int = 1) -> list[tuple[float, ...]]:
+    """For each rank, the in-flight microbatches (as ``peak_inflight`` counts them) at the
+    first backward of each of its chunks, in the order those backwards run.
+
+    A gradient accumulated through the step (ZeRO-2/3 under a pipeline) is allocated by
+    its chunk's first backward, while activations are freed by every backward: the
+    memory peak is the largest of these moments, activations plus the gradients of the
+    chunks reached so far. Under interleaving with few microbatches per chunk the first
+    backward comes after every forward, and later chunks' gradients appear only as
+    activations drain."""
+    check(kind, stages, microbatches, chunks)
+    out = []
+    for r in range(stages):
+        alive, seen, moments = 0, set(), []
+        for step, _, stage in _ORDERS[kind](stages, microbatches, chunks, r):
+            if step == "B" and stage not in seen:
+                seen.add(stage)
+                moments.append(alive / chunks)  # its input's activations are still held
+            alive += 1 if step == "F" else -1
+        out.append(tuple(moments))
+    return out
+
+
 Work = tuple[str, int, int]  # (F or B, microbatch, virtual stage)
 
 
