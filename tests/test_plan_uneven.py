@@ -62,6 +62,9 @@ def test_llama3_interleaves_one_layer_per_chunk_with_the_ends_alone():
     assert [len(r) for r in runs] == [0] + [1] * 126 + [0]
     assert llama.stage_layer_counts(16, 8) == (7,) + (8,) * 14 + (7,)
     assert 8 in _virtual_stages(126, 16) and 7 in _virtual_stages(126, 16)
+    # Software with even stages only (Megatron-LM before 2023) cannot give the embedding
+    # and the head chunks of their own: 30 layers on 2 ranks split into 15, not 16.
+    assert 16 in _virtual_stages(30, 2) and _virtual_stages(30, 2, uneven=False) == [3, 5, 15]
 
 
 def llama_costs(spec):

@@ -287,19 +287,20 @@ def _schedules(problem: _Problem, shape: Candidate, result: SearchResult):
         yield shape
         return
     yield replace(shape, schedule="1f1b")
-    for v in _virtual_stages(problem.model.n_layers, shape.pp):
+    for v in _virtual_stages(problem.model.n_layers, shape.pp, problem.uneven_stages):
         cand = replace(shape, schedule="interleaved", virtual_stages=v)
         if _valid(problem, cand, v, cand.describe(), result):
             yield cand
 
 
-def _virtual_stages(n_layers: int, pp: int) -> list[int]:
+def _virtual_stages(n_layers: int, pp: int, uneven: bool = True) -> list[int]:
     """Chunks per rank worth searching: those that give every chunk the same blocks, and
-    one block per chunk with the embedding and the head as chunks of their own (Llama 3's
-    v8 for 126 layers on 16 ranks) where that count exists."""
+    (``uneven``: software that splits stages unevenly) one block per chunk with the
+    embedding and the head as chunks of their own (Llama 3's v8 for 126 layers on 16
+    ranks) where that count exists."""
     vs = set(divisors(n_layers // pp)[1:])
     ends = -(-(n_layers + 1) // pp)  # the fewest chunks per rank past one per block
-    if ends > 1 and pp * ends <= n_layers + 2:
+    if uneven and ends > 1 and pp * ends <= n_layers + 2:
         vs.add(ends)
     return sorted(vs)
 
