@@ -26,7 +26,6 @@ stream, norms still computed in fp32).
 from __future__ import annotations
 
 from dataclasses import replace
-
 from functools import lru_cache
 
 from ..parallel.pipeline import posting, schedules
@@ -212,7 +211,7 @@ def held_grad_bytes(model: ModelSpec, cand: Candidate, stage: int, precision: st
         return 0.0
     units = unit_params(model, cand.tp, cand.pp, stage, cand.virtual_stages)
     weight = 4 if precision_mode(precision, cand.zero) == "fp32" else 2
-    return held_zero_bytes(units, replace(cand, zero=2), weight)
+    return held_zero_bytes(units, replace(cand, zero=2), weight)  # zero=2: no kept params
 
 
 def paratrain_head_bytes(model: ModelSpec, s: int, b: int, cand: Candidate, mode: str) -> float:
