@@ -361,3 +361,18 @@ def test_a_metrics_path_that_cannot_be_a_file_is_refused_before_launch(tmp_path)
         runs.place(config(metrics=str(tmp_path / "a-file" / "m.jsonl")), torchrun=False)
     with pytest.raises(ConfigError, match="is a directory; give a file path"):
         runs.place(config(metrics=str(tmp_path)), torchrun=False)
+
+
+def test_summary_reports_data_parallel_traffic_and_its_compression():
+    """The closing report's traffic line averages the steps' bytes and names no payload
+    (gradients, or AdamW's updates under --compress METHOD:update)."""
+    from paratrain.train.metrics import summary
+
+    step = {"loss": 2.0, "tokens": 1024, "step_time_s": 0.5}
+    records = [{**step, "comm_bytes": 1000, "comm_ratio": 20.0},
+               {**step, "comm_bytes": 3000, "comm_ratio": 20.0}]
+    ranks = [{"param_bytes": 1, "grad_bytes": 1, "optim_bytes": 1}]
+    line = next(x for x in summary(records, ranks, 1.0).splitlines() if "sent per step" in x)
+    assert line.startswith("dp traffic") and "compression ratio 20.0x" in line
+    assert "2.0 KiB sent" in line, line  # the mean of 1000 and 3000 bytes
+    assert "sent per step" not in summary([step], ranks, 1.0)  # no reduction: no line

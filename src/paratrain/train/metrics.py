@@ -22,8 +22,9 @@ def state_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:
 
 
 def comm_metrics(engine) -> dict[str, float]:
-    """This step's gradient bytes sent by this rank (``comm_bytes``) and the compression
-    ratio against uncompressed all-reduces (``comm_ratio``), for engines that count them."""
+    """This step's data-parallel bytes sent by this rank (``comm_bytes``: gradients, or
+    AdamW's updates under ``:update``) and the compression ratio against uncompressed
+    all-reduces (``comm_ratio``), for engines that count them."""
     pop = getattr(engine, "pop_comm_bytes", None)
     if pop is None:
         return {}
@@ -125,7 +126,8 @@ def summary(records: list[dict[str, Any]], per_rank: list[dict[str, int]], wall_
     if any(r.get("comm_bytes") for r in steps):  # no data-parallel reduction: nothing to say
         sent = sum(r["comm_bytes"] for r in steps) / len(steps)
         dense = sum(r["comm_bytes"] * r["comm_ratio"] for r in steps) / len(steps)
-        lines.append(f"gradients     {human_bytes(sent)} sent per step and rank "
+        # Gradients, or AdamW's updates under --compress METHOD:update: name neither.
+        lines.append(f"dp traffic    {human_bytes(sent)} sent per step and rank "
                      f"(compression ratio {dense / max(sent, 1e-9):.1f}x)")
     lines += [f"throughput    {tok_s:,.0f} tokens/s", f"train time    {wall_s:.1f} s (the steps, evaluations and checkpoints)",
               "memory/rank   params / grads / optimizer state"]
