@@ -50,11 +50,11 @@ DTYPES = ("float32", "bfloat16")
 
 
 # ---- saving ------------------------------------------------------------------------------------
-def save(directory: Path, step: int, engine, model_cfg, layout: str, is_writer: bool = True,
+def save(directory: Path, step: int, engine, model_cfg, layout: str,
          run_meta: dict | None = None) -> None:
-    """Every rank writes the slices it owns; rank 0 writes the index and publishes the
-    directory (collective). Raises CheckpointError on every rank if any rank failed.
-    (``is_writer`` is kept for callers; rank 0 of the world coordinates.)"""
+    """Every rank writes the slices it owns; rank 0 of the world writes the index and
+    publishes the directory (collective). Raises CheckpointError on every rank if any
+    rank failed."""
     directory, rank = Path(directory), dist.get_rank()
     tmp = directory.with_name(f".{directory.name}.tmp")
     _agree(P.fresh(tmp, directory) if rank == 0 else "")

@@ -246,7 +246,7 @@ def _save(run: Run, step: int, skipped: int) -> None:
     data = {"step": step, "samples_seen": step * cfg.train.global_batch, **cfg.data_order()}
     run_meta = {"run": run_record(cfg, run.run_id), "data": data, "nonfinite": {"skipped": skipped}}
     checkpoint.save(directory, step, run.engine, cfg.model, cfg.describe_layout(),
-                    is_writer=run.is_logger, run_meta=run_meta)
+                    run_meta=run_meta)
     run.last_checkpoint = str(directory)
 
 

@@ -241,8 +241,8 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         if cfg.train.save_every and (last or (step + 1) % cfg.train.save_every == 0):
             directory = Path(cfg.train.run_dir) / "checkpoints" / f"step-{step + 1}"
             checkpoint.save(directory, step + 1, run.engine, unet_config(cfg), cfg.describe_layout(),
-                            is_writer=is_logger, run_meta={"run": run_record(cfg, run.run_id),
-                                                           "nonfinite": {"skipped": guard.skips}})
+                            run_meta={"run": run_record(cfg, run.run_id),
+                                      "nonfinite": {"skipped": guard.skips}})
             run.last_checkpoint = str(directory)
         progress.update(record)
     progress.close()
