@@ -90,11 +90,12 @@ class DataParallel(nn.Module):
         self.buckets = make_buckets(params[::-1], max(1, int(bucket_mb * 2**20)))
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         # One compressor per bucket (comm/compress.py); "none" is the plain average.
-        name_of = {p: n for n, p in module.named_parameters()}
+        self.name_of = {p: n for n, p in module.named_parameters()}
+        """Each parameter's name in the module (compression state is keyed by names)."""
         self.compressors = CompressorSet(parse(compress), [
             ([(b.offsets[p], p.shape) for p in b.params], b.buffer.numel()) for b in self.buckets],
             device=self.buckets[0].buffer.device if self.buckets else None,
-            names=[[name_of[p] for p in b.params] for b in self.buckets])
+            names=[[self.name_of[p] for p in b.params] for b in self.buckets])
         for bucket, compressor in zip(self.buckets, self.compressors.items):
             bucket.compressor = compressor
         # Averaging AdamW's updates (``:update``), the engine reduces after its step.

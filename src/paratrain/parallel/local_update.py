@@ -40,7 +40,7 @@ class LocalUpdate:
         self.dp, self.optimizer = dp, optimizer
         self.origin = [torch.empty_like(b.buffer) for b in dp.buckets]
         """Per bucket, the parameters before this step's update (flat, as the bucket)."""
-        names = {p: n for n, p in dp.module.named_parameters()}
+        names = dp.name_of
         # This rank's moments go into checkpoints with its residual, under its place.
         dp.compressors.extra = lambda: {f"adam/{names[p]}.{k}": v for p in names
                                         for k, v in optimizer.state.get(p, {}).items() if k in MOMENTS}
