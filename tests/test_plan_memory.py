@@ -302,3 +302,17 @@ def test_paratrain_memory_allocates_the_chunk_gradients_as_its_zero_does():
     held = held_grad_bytes(model, interleaved, 0, "fp32")
     assert held > 0 and zero2.activations == zero1.activations
     assert zero2.buffers - zero1.buffers == held / 2
+
+
+def test_peak_moment_can_fall_between_the_first_and_last_chunk():
+    """Stage 3 of pp4 x v4 with 4 microbatches: the first backwards of its chunks run with
+    13, 12, 8 and 4 chunk-forwards alive (of 1/4 microbatch each). With a gradient twice a
+    microbatch's activations the worst moment is the second chunk's: 3 microbatches of
+    activations plus half the gradient (4.0, against 3.75, 3.5 and 3)."""
+    from paratrain.plan.memory import first_backward_inflight, peak_moment
+
+    assert first_backward_inflight(4, 4, 4, 3) == (13 / 4, 12 / 4, 8 / 4, 4 / 4)
+    cand = Candidate(2, 1, 4, 1, 2, 1, 4, "interleaved", 4)
+    assert peak_moment(cand, 3, 1.0, 2.0) == (3.0, 0.5)
+    assert peak_moment(cand, 3, 1.0, 0.0) == (13 / 4, 0.25)  # no gradient: activation peak
+    assert peak_moment(cand.but(zero=1), 3, 1.0, 2.0) == (13 / 4, 1.0)  # persistent gradient

@@ -98,8 +98,9 @@ MATRIX = {
         dict(dp=2, pp=2, zero=3, reshard_after_forward="yes"),
         # two microbatches: every forward before the first backward, and the second
         # chunk's accumulated gradient allocated only after the first chunk's drain
+        # (counting it whole at the peak predicted +6.7% and +9.2%: held to 5% here)
         dict(dp=2, pp=2, zero=2, schedule="interleaved", virtual_stages=2, n_layers=4,
-             global_batch=4)],
+             global_batch=4, within=0.05)],
 }
 
 
@@ -107,7 +108,8 @@ def configs(tmp: str, nproc: int):
     base = {"preset": "tiny", "nproc": nproc, "seq_len": 64, "global_batch": 8, "steps": 2,
             "grad_clip": 0.0, "eval_every": 0, "eval_batches": 1, "progress": False,
             "run_dir": tmp}
-    return [load(None, {**base, **layout}).validate() for layout in MATRIX[nproc]]
+    return [load(None, {**base, **{k: v for k, v in layout.items() if k != "within"}}).validate()
+            for layout in MATRIX[nproc]]
 
 
 def measure(cfgs) -> list[dict[str, int]]:
@@ -135,5 +137,5 @@ def test_predicted_peaks_within_10_percent_of_measured(nproc, tmp_path):
             mem = predicted(cfg, got["pp"])
             assert got["start"] == mem.states, (layout, rank)  # exact, as the states test
             assert (mem.activations + mem.buffers) > 0.3 * mem.total, layout
-            assert abs(mem.total - got["peak"]) <= 0.1 * got["peak"], (
+            assert abs(mem.total - got["peak"]) <= layout.get("within", 0.1) * got["peak"], (
                 layout, rank, mem.total, got["peak"])

@@ -148,3 +148,23 @@ def test_a_larger_microbatch_that_fits_after_one_that_does_not_is_found():
     shapes = {(p.cand.tp, p.cand.pp, p.cand.virtual_stages, p.cand.micro_batch)
               for p in result.plans}
     assert (1, 2, 8, 2) in shapes and (1, 2, 8, 1) not in shapes
+
+
+def test_every_zero_stage_is_timed_and_each_size_once():
+    """ZeRO-3 kept gathered can beat ZeRO-2 where both fit (its gathers hide behind
+    compute, ZeRO-2's post-step gather does not): it must be timed, not skipped because the
+    stage below fits. And a microbatch that fits with less recompute is not timed again
+    with more."""
+    model, training = PRESETS["llama3-8b"], Training(64, 8192)
+    result = search(model, training, Cluster(gpu_preset("h100-80g"), 8))
+    dp8 = [p.cand for p in result.plans  # fastest first
+           if (p.cand.dp, p.cand.micro_batch, p.cand.recompute) == (8, 1, "none")]
+    assert (dp8[0].zero, dp8[0].reshards) == (3, False) and 2 in {c.zero for c in dp8}
+    pp2 = [p.cand.zero for p in result.plans if (p.cand.dp, p.cand.pp, p.cand.virtual_stages,
+                                                 p.cand.micro_batch) == (4, 2, 8, 1)]
+    assert pp2[0] == 3 and 1 in pp2  # kept gathered under the pipeline, beside ZeRO-1
+    gpu = gpu_preset("a100-80g")
+    small = search(model, Training(64, 512), Cluster(gpu, 32, usable_memory=20 * 2**30 / gpu.memory),
+                   context_parallel=False, hsdp=False)
+    keys = [p.cand.but(recompute="none") for p in small.plans]
+    assert len(keys) == len(set(keys))

@@ -156,19 +156,18 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
     for shape in _cp_methods(problem, _shapes(problem, result), result):
         for cand in _schedules(problem, shape, result):
             fitted: set = set()
-            below3: set = set()  # what fits with a stage below 3
+            # Every stage is timed: ZeRO-2/3 send more than the stage below but can hide
+            # more of it (ZeRO-3 gathers each unit behind the previous one's compute,
+            # where ZeRO-1/2's gather of the updated parameters waits after the step).
             for stage in zero if cand.shard > 1 else (0,):
-                staged = cand.but(zero=stage)
-                # ZeRO-2 and 3 only communicate more than the stage below: they are timed
-                # only where it did not fit.
-                below3 = fitted if stage == 3 else below3
-                fitted = _sweep(problem, staged, result, fitted if stage >= 2 else set())
+                fitted = _sweep(problem, cand.but(zero=stage), result, set())
             if 3 in zero and cand.shard > 1:
                 # ZeRO-3's other choice: under a pipeline, regathering every microbatch
-                # (less memory, more traffic: only where keeping did not fit); without one,
-                # keeping the units gathered (more memory, fewer gathers).
+                # (less memory, more traffic and the same overlap: only where keeping did
+                # not fit); without one, keeping the units gathered (more memory, fewer
+                # gathers).
                 other = cand.but(zero=3, reshard_after_forward=cand.pp > 1)
-                _sweep(problem, other, result, fitted if cand.pp > 1 else below3)
+                _sweep(problem, other, result, fitted if cand.pp > 1 else set())
             for group in _hsdp_groups(problem, cand) if 3 in zero else ():
                 _sweep(problem, cand.but(zero=3, shard_group=group), result, set())
     result.plans.sort(key=lambda p: rank_key(p.time.step, p.memory.total))
