@@ -278,7 +278,9 @@ def evaluate(spec: LayoutSpec, model: ModelSpec, training: Training, cluster: Cl
     """The best completion of ``spec`` (or the closest to fitting), ranked against
     ``result``, the search over all layouts."""
     best = None
-    searched = next((plan.cand for plan in result.plans if _completes(spec, plan.cand)), None)
+    timed = sorted(result.plans + result.shadowed,
+                   key=lambda p: rank_key(p.time.step, p.memory.total))
+    searched = next((plan.cand for plan in timed if _completes(spec, plan.cand)), None)
     if searched is not None:  # the search's fastest completion: no need to enumerate them all
         best = evaluate_candidate(model, training, cluster, searched)
     for cand in () if searched is not None else candidates(spec, model, training, cluster):

@@ -78,8 +78,9 @@ def summary(result: SearchResult, model: ModelSpec, training: Training, cluster:
 def search_line(result: SearchResult) -> str:
     dropped = sum(r.count for r in result.rejected.values())
     return (f"searched {result.considered:,} candidates in {result.seconds:.2f} s: "
-            f"{len(result.plans):,} ranked, {result.dominated:,} skipped (less recompute fits "
-            f"and is as fast), {dropped:,} rejected (--show-rejected for why)")
+            f"{len(result.plans):,} ranked, {result.dominated:,} skipped (no faster or smaller "
+            f"than less recompute or a lower ZeRO stage), {dropped:,} rejected "
+            f"(--show-rejected for why)")
 
 
 # ---- --explain ----------------------------------------------------------------------------

@@ -76,8 +76,11 @@ class SearchResult:
     rejected: dict[str, Rejected] = field(default_factory=dict)
     """Rejections grouped by reason."""
     dominated: int = 0
-    """Fitting candidates not timed because the same candidate with less recompute fits
-    and is at least as fast."""
+    """Fitting candidates not ranked because the same candidate with less recompute fits
+    and is at least as fast, or with a lower ZeRO stage is at least as fast and small."""
+    shadowed: list[Plan] = field(default_factory=list)
+    """The timed ones of those (a lower ZeRO stage as fast and small): not ranked, but
+    ``--layout`` completes to them."""
     seconds: float = 0.0
     """Wall time of the search."""
 
@@ -155,6 +158,7 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
                        hsdp and cluster.kind != "local" and 3 in zero, uneven_stages, ulysses)
     for shape in _cp_methods(problem, _shapes(problem, result), result):
         for cand in _schedules(problem, shape, result):
+            first = len(result.plans)
             fitted: set = set()
             # Every stage is timed: ZeRO-2/3 send more than the stage below but can hide
             # more of it (ZeRO-3 gathers each unit behind the previous one's compute,
@@ -170,9 +174,29 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
                 _sweep(problem, other, result, fitted if cand.pp > 1 else set())
             for group in _hsdp_groups(problem, cand) if 3 in zero else ():
                 _sweep(problem, cand.but(zero=3, shard_group=group), result, set())
+            _drop_dominated(result, first)
     result.plans.sort(key=lambda p: rank_key(p.time.step, p.memory.total))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _drop_dominated(result: SearchResult, first: int) -> None:
+    """Move aside the plans of one shape (``result.plans[first:]``) that a lower ZeRO stage
+    at the same microbatch and recompute matches in both step time and memory (ZeRO-2
+    under a pipeline: ZeRO-1's traffic, and the accumulated gradient besides the sharded
+    one): they add rows, not choices. ``--layout`` still completes to them."""
+    plans = result.plans[first:]
+
+    def dominated(p: Plan) -> bool:
+        return any(q.cand.zero < p.cand.zero and (q.cand.micro_batch, q.cand.recompute)
+                   == (p.cand.micro_batch, p.cand.recompute)
+                   and q.time.step <= p.time.step and q.memory.total <= p.memory.total
+                   for q in plans)
+
+    aside = [p for p in plans if dominated(p)]
+    result.dominated += len(aside)
+    result.shadowed += aside
+    result.plans[first:] = [p for p in plans if not dominated(p)]
 
 
 def _hsdp_groups(problem: _Problem, cand: Candidate, most: int = 1) -> list[int]:
