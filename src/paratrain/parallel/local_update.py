@@ -40,9 +40,8 @@ class LocalUpdate:
         self.dp, self.optimizer = dp, optimizer
         self.origin = [torch.empty_like(b.buffer) for b in dp.buckets]
         """Per bucket, the parameters before this step's update (flat, as the bucket)."""
-        names = dp.name_of
         # This rank's moments go into checkpoints with its residual, under its place.
-        dp.compressors.extra = lambda: {f"adam/{names[p]}.{k}": v for p in names
+        dp.compressors.extra = lambda: {f"adam/{n}.{k}": v for p, n in dp.name_of.items()
                                         for k, v in optimizer.state.get(p, {}).items() if k in MOMENTS}
 
     def clip_(self, own_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

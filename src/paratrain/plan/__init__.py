@@ -11,7 +11,8 @@ only module that uses torch, lazily), ``cli`` (the sub-command).
 from .candidate import Candidate, Training
 from .hardware import GPUS, Cluster, GpuSpec, gpu_preset, local_cluster
 from .models import PRESETS, ModelSpec, load_model
-from .search import SearchResult, search
+from .results import SearchResult
+from .search import search
 
 __all__ = [
     "Candidate", "Training", "GPUS", "Cluster", "GpuSpec", "gpu_preset", "local_cluster",

@@ -342,7 +342,7 @@ def _write_layout(path: str, ev, model: ModelSpec, training: Training, cluster: 
     """``--layout SPEC --out FILE``: that layout as a train config; 2 (nothing written)
     if it is rejected or is not one ``paratrain train`` runs."""
     from . import export
-    from .search import Plan
+    from .results import Plan
 
     try:
         if not ev.fits:

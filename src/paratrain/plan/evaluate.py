@@ -22,7 +22,8 @@ from .flops import step_flops
 from .hardware import Cluster
 from .memory import Memory, rank_memory
 from .models import ModelSpec
-from .search import SearchResult, _virtual_stages, divisors, layout_problems, rank_key
+from .results import SearchResult, rank_key
+from .search import _virtual_stages, divisors, layout_problems
 
 _SIZE = re.compile(r"(dp|tp|pp|cp)(\d+)(\+sp)?(?:/(ring|ulysses))?")
 _ALIASES = {"sel": "selective", "no": "none", "off": "none"}

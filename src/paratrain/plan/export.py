@@ -27,7 +27,7 @@ from .hardware import GiB
 from .memory import rank_memory
 from .models import TRAIN_PRESETS, ModelSpec
 from .report import MEMORY_PARTS, TIME_PARTS, layout_label
-from .search import Plan
+from .results import Plan
 
 
 def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str, dict]:

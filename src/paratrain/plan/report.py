@@ -7,7 +7,7 @@ from dataclasses import asdict
 from .candidate import Training
 from .hardware import GiB, Cluster
 from .models import ModelSpec, describe
-from .search import Plan, SearchResult
+from .results import Plan, SearchResult
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 TIME_PARTS = ("compute", "bubble", "tp", "cp", "pp", "dp", "optimizer")

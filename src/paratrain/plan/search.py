@@ -20,83 +20,19 @@ search prunes what cannot win, so a 405B model on 16,384 GPUs takes about a seco
 
 from __future__ import annotations
 
-import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .. import rules
 from ..layout import LayoutError
 from .candidate import RECOMPUTE, Candidate, Training
-from .cost import ORDER, StepTime, step_time
+from .cost import ORDER, step_time
 from .flops import step_flops
 from .hardware import GiB, Cluster, members_per_node
 from .memory import Memory, rank_memory, rank_states
 from .models import ModelSpec
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One candidate with its predictions."""
-
-    cand: Candidate
-    """The layout and its choices."""
-    memory: Memory
-    """Peak bytes on the worst rank."""
-    time: StepTime
-    """Seconds per step by component."""
-    tokens_per_s: float
-    """Training throughput of the whole job."""
-    mfu: float
-    """Model FLOPs (no recompute) per second over the peak of all GPUs."""
-
-
-@dataclass
-class Rejected:
-    """Candidates dropped for one reason; ``example`` is the one closest to working."""
-
-    reason: str
-    """The rule, with numbers blanked so alike rejections group together."""
-    count: int = 0
-    """Candidates dropped for it."""
-    example: str = ""
-    """One of them (``Candidate.describe`` or a shape)."""
-    detail: str = ""
-    """The full message for ``example``."""
-    overflow: float = float("inf")
-    """Bytes over the limit of ``example`` (memory rejections)."""
-
-
-@dataclass
-class SearchResult:
-    """Ranked plans, the rejections, and what the search cost."""
-
-    plans: list[Plan]
-    """Fitting candidates, fastest first (equal at 3 significant figures: least memory)."""
-    rejected: dict[str, Rejected] = field(default_factory=dict)
-    """Rejections grouped by reason."""
-    dominated: int = 0
-    """Fitting candidates not ranked because the same candidate with less recompute fits
-    and is at least as fast, or with a lower ZeRO stage is at least as fast and small."""
-    shadowed: list[Plan] = field(default_factory=list)
-    """The timed ones of those (a lower ZeRO stage as fast and small): not ranked, but
-    ``--layout`` completes to them."""
-    seconds: float = 0.0
-    """Wall time of the search."""
-
-    @property
-    def considered(self) -> int:
-        """Candidates enumerated: fitting, rejected or dominated."""
-        return len(self.plans) + self.dominated + sum(r.count for r in self.rejected.values())
-
-    def reject(self, reason: str, example: str, detail: str, count: int = 1,
-               overflow: float = float("inf")) -> None:
-        key = re.sub(r"\d+(\.\d+)?", "N", reason)
-        group = self.rejected.setdefault(key, Rejected(key))
-        group.count += count
-        if overflow < group.overflow or not group.example:  # ``detail`` may be a callable:
-            group.example, group.overflow = example, overflow  # built only when shown
-            group.detail = detail() if callable(detail) else detail
+from .results import Plan, SearchResult, rank_key
 
 
 @lru_cache(maxsize=1024)
@@ -213,12 +149,6 @@ def _hsdp_groups(problem: _Problem, cand: Candidate, most: int = 1) -> list[int]
         groups.append(g)
         g *= 2
     return groups
-
-
-def rank_key(step: float, memory: float) -> tuple[float, float]:
-    """Order of plans: the model is not finer than 3 significant figures of step time;
-    within that, less memory wins."""
-    return float(f"{step:.3g}"), memory
 
 
 def layout_problems(model: ModelSpec, training: Training, cluster: Cluster,
