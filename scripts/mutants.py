@@ -6,8 +6,9 @@ Mutants are data, in ``scripts/mutants/*.toml`` (any number of files)::
     [[mutant]]
     name = "short-kebab-name"
     file = "src/paratrain/....py"        # relative to the repository root
-    old = '''exact text that occurs exactly once in the file'''
-    new = '''the buggy replacement'''
+    function = "place"                    # optional: search only this function (or Class.method)
+    old = '''text that occurs exactly once there, indentation ignored'''
+    new = '''the buggy replacement (re-indented to where old sits)'''
     tests = ["tests/test_x.py::test_y"]  # pytest node ids that must fail
     ci = false                            # true: a fast one, run by --ci
     why = "what bug this models"
@@ -19,6 +20,10 @@ Usage (from the repository root)::
     python scripts/mutants.py --only NAME [--only NAME2]
     python scripts/mutants.py --jobs 2     # two mutants at a time, each in its own copy
     python scripts/mutants.py --list
+
+Mutants find their place by content (scripts/mutant_locate.py): the lines of ``old`` match
+whatever their indentation, inside ``function`` when one is named, so a refactor that keeps
+behaviour (a block moved into a helper, code re-indented) does not re-point them.
 
 Before any mutant, the selected mutants' tests run once on the unmutated copy and must pass
 (otherwise every mutant would look caught). A mutant counts as caught when its tests fail;
@@ -44,9 +49,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mutant_locate as locate  # noqa: E402  (beside this script, which is not a package)
+
 ROOT = Path(__file__).resolve().parent.parent
 MUTANT_DIR = ROOT / "scripts" / "mutants"
-FIELDS = {"name": str, "file": str, "old": str, "new": str, "tests": list, "ci": bool, "why": str}
+FIELDS = {"name": str, "file": str, "function": str, "old": str, "new": str, "tests": list, "ci": bool, "why": str}
 REQUIRED = ("name", "file", "old", "new", "tests", "why")
 
 
@@ -61,6 +69,11 @@ class Mutant:
     why: str
     source: str
     """The .toml file it came from."""
+    function: str = ""
+    """Where in the file ``old`` is looked for ('' : anywhere)."""
+
+    def apply(self, text: str) -> str:
+        return locate.apply(text, self.old, self.new, self.function)
 
 
 def load_mutants(directory: Path = MUTANT_DIR, root: Path = ROOT) -> list[Mutant]:
@@ -87,7 +100,7 @@ def load_mutants(directory: Path = MUTANT_DIR, root: Path = ROOT) -> list[Mutant
                 seen[name] = path.name
                 mutants.append(Mutant(name, entry["file"], entry["old"], entry["new"],
                                       tuple(entry["tests"]), entry.get("ci", False), entry["why"],
-                                      path.name))
+                                      path.name, entry.get("function", "")))
     if problems:
         raise ValueError("malformed mutants:\n  " + "\n  ".join(problems))
     return mutants
@@ -105,9 +118,13 @@ def _check_entry(entry: dict, root: Path) -> list[str]:
     target = root / entry["file"]
     if not target.is_file():
         return errors + [f"file {entry['file']} does not exist"]
-    count = target.read_text().count(entry["old"])
+    where = f"{entry['file']}" + (f" in {entry['function']}" if entry.get("function") else "")
+    try:
+        count = locate.count(target.read_text(), entry["old"], entry.get("function", ""))
+    except (ValueError, SyntaxError) as exc:
+        return errors + [f"{where}: {exc}"]
     if count != 1:
-        errors.append(f"'old' occurs {count} times in {entry['file']} (must be exactly once)")
+        errors.append(f"'old' occurs {count} times in {where} (must be exactly once)")
     if entry["old"] == entry["new"]:
         errors.append("'new' equals 'old'")
     if not entry["tests"]:
@@ -186,7 +203,7 @@ def check(mutants: list[Mutant], timeout: float, baseline: bool = True, jobs: in
             copy = copies.get()
             target = copy / m.file
             original = target.read_text()
-            target.write_text(original.replace(m.old, m.new, 1))
+            target.write_text(m.apply(original))
             try:
                 status, seconds, tail = run_tests(copy, m.tests, timeout)
             finally:

@@ -228,3 +228,73 @@ def test_a_rank_that_never_joins_is_named_without_a_torch_traceback(tmp_path, mo
     (tmp_path / "error0.txt").write_text(f"{time.time()}\nJoinError: rank 0 could not join ...")
     report = launch._failure_report([Alive(), Alive()], str(tmp_path))
     assert report.startswith("rank 1 never reached the process group's rendezvous"), report
+
+
+# ---- restarts and exports that must not touch another run's work ----------------------------
+
+def test_a_restarted_torchrun_job_continues_its_own_run_not_latest(tmp_path, monkeypatch):
+    """Job A (no --run-dir) is killed; job B, started later in the same directory, moves
+    runs/latest and finishes. A's restart must resume A's own checkpoint, not B's run."""
+    from test_runs import config, fake_checkpoint
+
+    from paratrain.launch import job_identity
+    from paratrain.train import runs
+
+    monkeypatch.chdir(tmp_path)
+    cfg = config(save_every=2)
+    a, b = (job_identity(run_id, 4242) for run_id in ("none", "jobB"))  # A: torchrun's default id
+    first, _ = runs.place(cfg, torchrun=True, now=0, job=runs.Job(a))
+    fake_checkpoint(Path(first.train.run_dir), 4, cfg, run_id="A")
+    other, notes = runs.place(config(resume="none", steps=4), torchrun=True, now=60, job=runs.Job(b))
+    fake_checkpoint(Path(other.train.run_dir), 4, cfg, run_id="B")
+    assert os.readlink("runs/latest") == Path(other.train.run_dir).name  # B moved latest
+
+    restarted, notes = runs.place(cfg, torchrun=True, now=120, job=runs.Job(a, attempt=1))
+    assert restarted.train.run_dir == first.train.run_dir, notes
+    assert Path(restarted.train.resume) == Path(first.train.run_dir) / "checkpoints" / "step-4"
+    # B's own restart (its first attempt resumed nothing) continues B, from its checkpoint
+    again, _ = runs.place(config(resume="none", steps=6), torchrun=True, now=180, job=runs.Job(b, attempt=1))
+    assert again.train.run_dir == other.train.run_dir and again.train.resume.endswith("step-4")
+    # a restart whose first attempt recorded nothing starts anew, never in latest
+    lost, notes = runs.place(cfg, torchrun=True, now=240, job=runs.Job("agent-elsewhere", attempt=2))
+    assert lost.train.run_dir not in (first.train.run_dir, other.train.run_dir) and not lost.train.resume
+    assert "recorded no run directory" in notes[0]
+
+
+def test_the_job_identity_is_torchruns_run_id_or_else_its_agent(tmp_path):
+    from paratrain.launch import job_identity
+
+    assert job_identity("slurm-1234", os.getpid()) == "rdzv-slurm-1234"
+    agent = job_identity("none", os.getpid())
+    assert agent == job_identity("", os.getpid()) and str(os.getpid()) in agent
+    assert agent != job_identity("none", os.getppid())  # another agent, another job
+
+
+def test_export_overwrite_touches_only_plain_names_inside_the_directory(tmp_path):
+    """A Hugging Face index naming '../victim' or an absolute path must delete nothing
+    outside --out: the export is refused before any weight is read or file removed."""
+    import json
+
+    from paratrain.models import hf
+
+    victims = [tmp_path / "victim.txt", tmp_path / "abs.txt"]
+    out = tmp_path / "model"
+    out.mkdir()
+    for victim in victims:
+        victim.write_text("keep me")
+    (out / "model-1.safetensors").write_text("old shard")
+    for bad in ("../victim.txt", str(victims[1]), "sub/../../victim.txt"):
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {"a": "model-1.safetensors", "b": bad}}))
+        with pytest.raises(hf.HFModelError, match="plain file name"):
+            hf.check_export_target(out, overwrite=True)
+        with pytest.raises(hf.HFModelError, match="plain file name"):
+            hf.weight_files(out)  # nor is any such file read
+    assert all(v.read_text() == "keep me" for v in victims) and (out / "model-1.safetensors").exists()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": 5}))
+    with pytest.raises(hf.HFModelError, match="weight_map"):
+        hf.weight_files(out)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-1.safetensors"}}))
+    hf.check_export_target(out, overwrite=True)
+    hf._remove_shards(out)  # a plain name inside the directory is what --overwrite replaces
+    assert not (out / "model-1.safetensors").exists() and all(v.exists() for v in victims)

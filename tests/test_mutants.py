@@ -40,3 +40,22 @@ def test_malformed_mutants_are_refused(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 2
     assert "occurs" in done.stderr and "tests/nothing.py does not exist" in done.stderr
+
+
+def test_a_mutant_finds_its_place_after_a_refactor_that_keeps_behaviour():
+    """A mutant survives its code moving into a block or a helper (indentation ignored) and
+    a pattern common in the file (``function`` scopes it); ``new`` takes the match's indent."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import mutant_locate as locate
+
+    before = "def f(x):\n    if x:\n        return 1\n    return 0\n"
+    after = "def g(y):\n    if y:\n        return 1\n\n\nclass A:\n    def f(self, x):\n        if x:\n            return 1\n        return 0\n"
+    old, new = "if x:\n    return 1", "if not x:\n    return 1"
+    assert locate.apply(before, old, new) == before.replace("if x:", "if not x:")
+    assert locate.count(after, old) == 1  # re-indented into a method: still found
+    assert locate.apply(after, old, new) == after.replace("if x:", "if not x:")
+    assert locate.count(after, "return 1") == 2 and locate.count(after, "return 1", "A.f") == 1
+    assert locate.apply(after, "return 1", "return 2\nprint()", "f").endswith(
+        "            return 2\n            print()\n        return 0\n")
+    with pytest.raises(ValueError, match="defined 0 times"):
+        locate.count(after, "return 1", "h")

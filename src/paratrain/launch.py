@@ -17,12 +17,14 @@ import datetime
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -64,6 +66,8 @@ class WorldSpec:
     """Under torchrun: how many times the job was restarted before (``--max-restarts``)."""
     local_world_size: int = 1
     """Processes on this machine (they share its memory)."""
+    job: str = ""
+    """Under torchrun: who this job is, the same in every attempt (``job_identity``)."""
 
 
 def pick_backend(backend: str = "auto") -> str:
@@ -94,7 +98,28 @@ def torchrun_world(backend: str = "auto", timeout_s: float = 300.0) -> WorldSpec
                   env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"),
         attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+        job=job_identity(env.get("TORCHELASTIC_RUN_ID", ""), os.getppid()),
     )
+
+
+def job_identity(run_id: str, agent_pid: int) -> str:
+    """A torchrun job's identity across its restarts: torchrun's run id (``--rdzv-id``; a
+    fresh uuid per ``--standalone`` job). Without one (torchrun's default id is the literal
+    'none', shared by every job) it is the agent that restarts the ranks: its host, pid and
+    start time, so a pid reused after a reboot is another job."""
+    if run_id and run_id != "none":
+        return f"rdzv-{run_id}"
+    return f"agent-{socket.gethostname()}-{agent_pid}-{_start_time(agent_pid)}"
+
+
+def _start_time(pid: int) -> str:
+    """A process's start time in clock ticks since boot (field 22 of /proc/PID/stat), or ''
+    where /proc is not there."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]  # the name in parentheses may hold spaces
 
 
 def init_world(spec: WorldSpec, threads: int = 1) -> None:

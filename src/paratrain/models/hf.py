@@ -205,11 +205,38 @@ def weight_files(directory: str | Path) -> dict[str, str]:
     if (root / "model.safetensors").is_file():  # read first, as transformers reads it
         with safe_open(str(root / "model.safetensors"), framework="pt") as f:
             return {key: "model.safetensors" for key in f.keys()}
-    index = root / "model.safetensors.index.json"
+    index = root / INDEX
     if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
+        return read_weight_map(index)
     raise HFModelError(f"{directory}: no model.safetensors or model.safetensors.index.json "
                        f"(pytorch_model.bin is not read: it is a pickle)")
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """A sharded model's ``weight_map`` (tensor name -> shard file), refused (HFModelError)
+    unless every shard is a plain file name: the index is input, and a name like
+    ``../x`` or ``/x`` would have paratrain read, or ``export --overwrite`` delete, a file
+    outside the model's directory."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise HFModelError(f"{index}: not a JSON object with a weight_map ({exc})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise HFModelError(f"{index}: weight_map must map tensor names to shard file names, "
+                           f"not {type(weight_map).__name__}")
+    for shard in weight_map.values():
+        if not is_plain_name(shard):
+            raise HFModelError(f"{index}: shard {shard!r} is not a plain file name inside "
+                               f"{index.parent}; an index may only name files beside it")
+    return dict(weight_map)
+
+
+def is_plain_name(name: str) -> bool:
+    """A file name with no directory part: it can only name a file in the directory at hand."""
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 def load_weights(directory: str | Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
@@ -286,6 +313,8 @@ def check_export_target(out: str | Path, overwrite: bool = False) -> Path:
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise HFModelError(f"--out {out}: the directory exists and is not empty; choose a new "
                            f"one, or pass --overwrite to replace its config.json and model.safetensors")
+    if (target / INDEX).is_file():  # the shards --overwrite removes: checked before any work
+        read_weight_map(target / INDEX)
     return target
 
 
@@ -313,9 +342,9 @@ def _remove_shards(target: Path) -> None:
     """Remove a sharded model that ``export --overwrite`` replaces: its index and the shards
     it lists. Left beside the new model.safetensors, they would give any reader of the index
     the old weights."""
-    index = target / "model.safetensors.index.json"
+    index = target / INDEX
     if index.is_file():
-        for shard in set(json.loads(index.read_text())["weight_map"].values()) - {"model.safetensors"}:
+        for shard in set(read_weight_map(index).values()) - {"model.safetensors"}:
             (target / shard).unlink(missing_ok=True)
         index.unlink()
 

@@ -25,6 +25,7 @@ resolved config, which ``paratrain train --config`` reads back) and ``versions.j
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -56,40 +57,35 @@ def resume_mode(resume: str, torchrun: bool) -> str:
     return resume or ("auto" if torchrun else "none")
 
 
-def place(cfg: Config, torchrun: bool, now: float | None = None) -> tuple[Config, list[str]]:
+def place(cfg: Config, torchrun: bool, now: float | None = None,
+          job: "Job | None" = None) -> tuple[Config, list[str]]:
     """``cfg`` with a concrete run directory and resume checkpoint ('' : fresh), and the notes
-    to print. Creates a new run directory (and points ``runs/latest`` at it) when one is needed."""
+    to print. Creates a new run directory (and points ``runs/latest`` at it) when one is needed.
+    ``job``: the torchrun job this is an attempt of; a restart continues the run its first
+    attempt started, whatever ``runs/latest`` points at by then."""
     _check_metrics_path(cfg.train.metrics)
     mode = resume_mode(cfg.train.resume, torchrun)
-    explicit = bool(cfg.train.run_dir)
-    latest = ROOT / LATEST
-    run_dir: Path | None = Path(cfg.train.run_dir) if explicit else None
-    if not explicit and mode == "auto" and latest.is_dir():
-        run_dir = latest.parent / os.readlink(latest) if latest.is_symlink() else latest
     # A checkpoint named through runs/latest: resolved now, before latest moves to a new run.
-    resume, notes = ("" if mode in RESUME_CHOICES else os.path.realpath(mode)), []
+    given = "" if mode in RESUME_CHOICES else os.path.realpath(mode)
+    explicit = bool(cfg.train.run_dir)
+    run_dir: Path | None = Path(cfg.train.run_dir) if explicit else None
+    notes: list[str] = []
+    owned = explicit  # the directory is this run's own, not runs/latest's guess
+    if job is not None and job.attempt > 0:
+        mode = "auto"  # a restart continues its own run, whatever its first attempt resumed
+        if not explicit:
+            run_dir = job.run_dir()
+            owned = run_dir is not None
+            if run_dir is None:
+                notes.append(f"torchrun restarted job {job.name} (attempt {job.attempt}), but its "
+                             f"first attempt recorded no run directory in {JOBS}: starting a new "
+                             f"run (runs/latest may be another job's)")
+    elif not explicit and mode == "auto" and (ROOT / LATEST).is_dir():
+        latest = ROOT / LATEST
+        run_dir = latest.parent / os.readlink(latest) if latest.is_symlink() else latest
+    resume = given
     if mode == "auto" and run_dir is not None:
-        foreign: list[checkpoint.ModelMismatch] = []
-        found, step = newest_complete(run_dir, model_config(cfg), notes, foreign)
-        if found is not None and step >= cfg.train.steps:
-            if explicit:
-                raise ConfigError(f"the run in {str(run_dir)!r} finished: its newest checkpoint is "
-                                  f"at step {step}, and steps={cfg.train.steps}; raise --steps to "
-                                  f"train further, or choose another --run-dir")
-            notes.append(f"{latest} ({run_dir.name}) finished at step {step}: starting a new run")
-            run_dir = None
-        elif found is not None:
-            resume = str(found)
-            notes.append(f"resuming {found} (step {step})")
-        elif explicit:
-            if foreign:  # complete, but another model's: starting fresh would overwrite that run
-                raise ConfigError(f"{str(run_dir)!r} holds a run of another model, which a fresh "
-                                  f"run there would overwrite ({foreign[0]}); choose another --run-dir")
-            _refuse_finished_records(run_dir)
-            notes.append(f"no complete checkpoint in {run_dir}: starting fresh")
-        else:
-            notes.append(f"no complete checkpoint in {latest} ({run_dir.name}): starting a new run")
-            run_dir = None
+        run_dir, resume = _auto(cfg, run_dir, owned, given, notes)
     if resume:
         meta = checkpoint.read_meta(resume)
         notes += data_changes(meta, cfg) + schedule_changes(meta, cfg)
@@ -99,8 +95,75 @@ def place(cfg: Config, torchrun: bool, now: float | None = None) -> tuple[Config
         _refuse_overwrite(cfg, run_dir if explicit else None)
     if run_dir is None:
         run_dir = new_run_dir(cfg.train.name or default_name(cfg), now)
+    if job is not None:
+        job.record(run_dir)
     train = dataclasses.replace(cfg.train, run_dir=str(run_dir), resume=resume)
     return dataclasses.replace(cfg, train=train), notes
+
+
+def _auto(cfg: Config, run_dir: Path, owned: bool, given: str,
+          notes: list[str]) -> tuple[Path | None, str]:
+    """``--resume auto`` in ``run_dir``: (the run directory, the checkpoint to resume). A
+    directory that is not ``owned`` (runs/latest's) with nothing to resume gives way to a
+    new run (None); an owned one is started fresh in, or resumes ``given`` (what the first
+    attempt of a restarted job resumed)."""
+    where = str(run_dir) if owned else f"{ROOT / LATEST} ({run_dir.name})"
+    foreign: list[checkpoint.ModelMismatch] = []
+    found, step = newest_complete(run_dir, model_config(cfg), notes, foreign)
+    if found is not None and step >= cfg.train.steps:
+        if owned:
+            raise ConfigError(f"the run in {str(run_dir)!r} finished: its newest checkpoint is "
+                              f"at step {step}, and steps={cfg.train.steps}; raise --steps to "
+                              f"train further, or choose another --run-dir")
+        notes.append(f"{where} finished at step {step}: starting a new run")
+        return None, ""
+    if found is not None:
+        notes.append(f"resuming {found} (step {step})")
+        return run_dir, str(found)
+    if not owned:
+        notes.append(f"no complete checkpoint in {where}: starting a new run")
+        return None, ""
+    if foreign:  # complete, but another model's: starting fresh would overwrite that run
+        raise ConfigError(f"{str(run_dir)!r} holds a run of another model, which a fresh "
+                          f"run there would overwrite ({foreign[0]}); choose another --run-dir")
+    if not given:
+        _refuse_finished_records(run_dir)
+    notes.append(f"no complete checkpoint in {where}: " + (f"resuming {given}" if given else "starting fresh"))
+    return run_dir, given
+
+
+JOBS = ROOT / ".jobs"
+"""Where each torchrun job records the run directory its first attempt placed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One attempt of a torchrun job: its identity (``launch.job_identity``) and how many
+    times torchrun restarted it before."""
+
+    name: str
+    """The same in every attempt of the job, and in no other job."""
+    attempt: int = 0
+    """``TORCHELASTIC_RESTART_COUNT``: 0 for the first attempt."""
+
+    @property
+    def path(self) -> Path:
+        digest = hashlib.sha256(self.name.encode()).hexdigest()[:16]  # any run id makes a file name
+        return JOBS / f"{digest}.json"
+
+    def run_dir(self) -> Path | None:
+        """The run directory this job's first attempt placed, or None if it recorded none."""
+        try:
+            recorded = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(recorded, dict) or recorded.get("job") != self.name:
+            return None
+        return Path(recorded["run_dir"]) if isinstance(recorded.get("run_dir"), str) else None
+
+    def record(self, run_dir: Path) -> None:
+        JOBS.mkdir(parents=True, exist_ok=True)
+        _atomic(self.path, json.dumps({"job": self.name, "run_dir": str(run_dir)}) + "\n")
 
 
 RECORDS = ("metrics.jsonl", "metrics.csv")
@@ -217,9 +280,9 @@ def schedule_changes(meta: dict, cfg: Config) -> list[str]:
             f"{lr_at(step, was.steps, was):.3g})"]
 
 
-def place_and_print(cfg: Config, torchrun: bool) -> Config:
+def place_and_print(cfg: Config, torchrun: bool, job: Job | None = None) -> Config:
     """``place``, with its notes and the run directory printed."""
-    cfg, notes = place(cfg, torchrun)
+    cfg, notes = place(cfg, torchrun, job=job)
     for note in notes:
         print(f"paratrain train: {note}", flush=True)
     print(f"run directory {cfg.train.run_dir}", flush=True)

@@ -30,7 +30,7 @@ def run_worker(cfg: Config, world: WorldSpec | None) -> None:
     try:
         enter_world(world)
         watchdog.attach(dist.distributed_c10d._get_default_store())
-        cfg, lock = _agree_on_run(cfg, world.rank)
+        cfg, lock = _agree_on_run(cfg, world)
         train(cfg, Mesh.build(cfg.layout))
         dist.barrier()
     except BaseException:
@@ -46,17 +46,18 @@ def run_worker(cfg: Config, world: WorldSpec | None) -> None:
             dist.destroy_process_group()
 
 
-def _agree_on_run(cfg: Config, rank: int) -> tuple[Config, RunDirLock | None]:
+def _agree_on_run(cfg: Config, world: WorldSpec) -> tuple[Config, RunDirLock | None]:
     """Global rank 0 places the run (its directory, what it resumes: train/runs.py), locks
     the directory and records the config; every rank receives that decision (collective).
-    A restarted torchrun job decides again, and ``--resume auto`` finds the same run."""
+    A restarted torchrun job decides again, and finds the run its first attempt recorded."""
     from . import runs
 
     decision: list = [None]
     lock = None
-    if rank == 0:
+    if world.rank == 0:
         try:
-            cfg = runs.place_and_print(cfg, torchrun=True)
+            job = runs.Job(world.job, world.attempt) if world.job else None
+            cfg = runs.place_and_print(cfg, torchrun=True, job=job)
             lock = RunDirLock(cfg).acquire()
             runs.record(cfg)
             decision = [(cfg, "")]
