@@ -49,7 +49,7 @@ def test_failing_rank_ends_the_job_within_seconds_with_its_traceback(tmp_path):
     assert "rank 1 failed first" in message
     assert "FloatingPointError: injected: loss became nan on rank 1" in message
     assert "in broken" in message  # the traceback, not just the message
-    assert elapsed < 30, f"took {elapsed:.1f} s"
+    assert elapsed < 90, f"took {elapsed:.1f} s"  # named at once, not after the 120 s timeout
 
 
 def free_port() -> int:
