@@ -326,15 +326,15 @@ def run_benchmark(script: str, args: list[str], monkeypatch) -> int:
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")
                                           if p.name != "common.py"))
 def test_benchmark_counts_are_checked_before_any_process(script, monkeypatch, capsys):
-    flag = {"init_and_checkpoint.py": "--rounds", "gpu_compute.py": "--reps",
+    flag = {"init_and_checkpoint.py": "--rounds", "plan_speed.py": "--rounds", "gpu_compute.py": "--reps",
             "gpu_memory.py": "--micro-batch"}.get(script, "--steps")
     assert run_benchmark(script, [flag, "0"], monkeypatch) == 2
     assert f"argument {flag}: must be at least" in capsys.readouterr().err
 
 
 def test_benchmark_sequence_must_fit_the_model(monkeypatch, capsys):
-    assert run_benchmark("zero_vs_peers.py", ["--model", "tiny"], monkeypatch) == 2
-    assert "--seq 128 is longer than model tiny's max_seq_len 64" in capsys.readouterr().err
+    assert run_benchmark("zero_vs_peers.py", ["--model", "tiny", "--seq", "256"], monkeypatch) == 2
+    assert "--seq 256 is longer than model tiny's max_seq_len 128" in capsys.readouterr().err
 
 
 BAD_FLAGS = [  # (script, flags, words): each failed in every rank, deep in the model or torch

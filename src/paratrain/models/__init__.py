@@ -3,6 +3,26 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Mapping
+
+
+DEFAULT_PRESET = "small"
+"""The preset a model starts from when none is named and no whole shape is given."""
+CUSTOM = "custom"
+"""The preset of a model given whole by its fields: ``GPTConfig``'s own defaults (one
+key/value head per query head, the derived MLP width)."""
+WHOLE_SHAPE = ("n_layers", "d_model", "n_heads")
+"""Fields that, given together, make a shape of their own."""
+
+
+def shape_base(fields: Mapping[str, object], named: str | None) -> str:
+    """The preset a ``[model]`` table (or the model flags) starts from: the one named; else,
+    where the fields give a whole shape, ``CUSTOM``, so that nothing of the default preset
+    (its 2 key/value heads, its MLP width) slips into a shape the user wrote out; else the
+    default preset, whose fields the given ones change. Train and plan both read it."""
+    if named is not None:
+        return named
+    return CUSTOM if all(k in fields for k in WHOLE_SHAPE) else DEFAULT_PRESET
 
 
 def has_weights(directory: str | Path) -> bool:

@@ -86,7 +86,9 @@ class GPTConfig:
 
 PRESETS: dict[str, GPTConfig] = {
     # For tests: runs a step in milliseconds.
-    "tiny": GPTConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64),
+    "tiny": GPTConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=128),
+    # A shape given whole by its fields (models.shape_base) starts from the defaults alone.
+    "custom": GPTConfig(),
     # The demo default: ~2.46M parameters, learns visibly in a minute on two CPU processes.
     "small": GPTConfig(d_model=192, n_layers=6, n_heads=6, n_kv_heads=2, ffn_hidden=512, max_seq_len=128),
     # The planner's Llama 3 presets (plan/models.py), at full size with random weights:

@@ -282,7 +282,8 @@ def _write_out(path: str, result, model, training, cluster, log) -> int:
     if chosen is not result.plans[0]:
         print(f"--out: plan #{result.plans.index(chosen) + 1} ({chosen.cand.describe()}), the "
               f"best that paratrain train runs and fits as its runtime holds memory", file=log)
-    print(f"wrote {path}: run it with `paratrain train --config {path}`", file=log)
+    print(f"wrote {path}: run it with `paratrain train --config {path}`\n"
+          + export.SCALED_DOWN.replace("THIS", path).replace("\n", " "), file=log)
     return 0
 
 
@@ -354,7 +355,8 @@ def _write_layout(path: str, ev, model: ModelSpec, training: Training, cluster: 
     except ValueError as err:
         print(f"paratrain plan: error: --out: {err}; {path} not written", file=sys.stderr)
         return 2
-    print(f"wrote {path}: run it with `paratrain train --config {path}`", file=log)
+    print(f"wrote {path}: run it with `paratrain train --config {path}`\n"
+          + export.SCALED_DOWN.replace("THIS", path).replace("\n", " "), file=log)
     return 0
 
 

@@ -164,7 +164,13 @@ def header(plan: Plan, model: ModelSpec, training: Training, backend: str = "glo
                   f"the number\n`paratrain train` predicts and checks before it starts")
     return (f"Written by `paratrain plan` for {model.name}: {layout_label(plan)}\n"
             f"predicted {plan.time.step:.3g} s/step, MFU {plan.mfu:.1%}\n"
-            f"memory: {memory}")
+            f"memory: {memory}\n{SCALED_DOWN}")
+
+
+SCALED_DOWN = ("Try the layout on a small model first: `paratrain train --config THIS --model tiny\n"
+               "--seq-len 64 --global-batch 16 --microbatches 0 --steps 20` (--model replaces the\n"
+               "file's [model] table and keeps its layout; one that tiny cannot split is named before launch)")
+"""How to run a plan scaled down: said in the config and by ``plan --out``."""
 
 
 def plot(path: str | Path, plans: list[Plan], limit: float, title: str = "") -> None:

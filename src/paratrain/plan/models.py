@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
+from ..models import CUSTOM, shape_base
 from ..stages import head_costs, stage_layer_counts
 from .keys import cached_hash
 
@@ -211,9 +212,6 @@ def load_model(spec: str) -> ModelSpec:
 
 # ---- TOML ---------------------------------------------------------------------------------
 
-TRAIN_DEFAULT_PRESET = "small"
-"""The preset ``paratrain train`` starts a ``[model]`` table from when it names none
-(train/config.py)."""
 _IGNORED_GPT_FIELDS = (
     "rope_theta", "rope_scaling",  # rotary frequencies: the same tensors and FLOPs
     "norm_eps", "init_std",  # values, not shapes
@@ -229,8 +227,8 @@ modelled (``qkv_bias`` is a ``ModelSpec`` field). tests/test_plan_ux.py checks t
 def from_toml(path: str | Path) -> ModelSpec:
     """Read the ``[model]`` table of a train config, or top-level fields of a model file:
     ``ModelSpec`` field names; ``n_kv_heads`` / ``ffn_hidden`` of 0 mean what they mean in
-    ``GPTConfig``. As ``paratrain train`` reads it, a ``[model]`` table starts from its
-    ``preset`` (``TRAIN_DEFAULT_PRESET`` if none) and overrides that preset's fields."""
+    ``GPTConfig``. As ``paratrain train`` reads it, a ``[model]`` table starts from the
+    preset ``models.shape_base`` names and overrides that preset's fields."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -246,8 +244,9 @@ def from_toml(path: str | Path) -> ModelSpec:
     table = dict(table)
     preset = ""
     if "model" in data or "preset" in table:
-        name = table.pop("preset", TRAIN_DEFAULT_PRESET)
-        table, preset = {**_preset_fields(path, name), **table}, name
+        name = shape_base(table, table.pop("preset", None))  # as `paratrain train` reads it
+        if name != CUSTOM:
+            table, preset = {**_preset_fields(path, name), **table}, name
     carried = tuple((key, table.pop(key)) for key in _IGNORED_GPT_FIELDS if key in table)
     known = {f.name for f in fields(ModelSpec)} - {"name", "preset", "carried"}  # set by the reader
     unknown = sorted(k for k in table if k not in known and not isinstance(table[k], dict))

@@ -2,7 +2,7 @@
 
 A TOML file has one table per section (``[model]``, ``[parallel]``, ``[data]``,
 ``[optim]``, ``[train]``); ``[model]`` takes ``preset`` plus any ``GPTConfig`` field to
-override. Every field is also a command-line flag (``--d-model``, ``--dp``, ``--lr``...);
+override (which preset a table without one starts from: ``models.shape_base``). Every field is also a command-line flag (``--d-model``, ``--dp``, ``--lr``...);
 flags override the file, which overrides the defaults. Every value is checked against
 its field's type and range as it is read (``schema``: types and choices come from the
 annotations, ranges from ``schema.LIMITS``); ``Config.validate()`` then checks the
@@ -19,7 +19,7 @@ from typing import Any, Literal
 from .. import rules
 from ..comm import compress
 from ..layout import Layout, LayoutError, parse_domain
-from ..models import hf
+from ..models import hf, shape_base
 from ..models.gpt import PRESETS, GPTConfig, parse_rope_scaling, preset
 from . import schema
 from .heat2d import Heat2DConfig
@@ -317,12 +317,15 @@ def _check_fields(cfg: Config) -> None:
 
 
 def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat field -> value).
-    Every value is checked (``schema``) before a dataclass is built from it."""
+    """Defaults, then the TOML file at ``path``, then ``overrides`` (flat field -> value);
+    a ``preset`` among the overrides (``--model``) replaces the file's whole ``[model]``
+    table, since its shape fields would otherwise resize the preset named on the command
+    line. The model's base preset follows ``models.shape_base``. Every value is checked (``schema``) before a dataclass is built from it."""
     flat = schema.flatten(schema.read_toml(path), path, _SCHEMA) if path else {}
-    for key, value in (overrides or {}).items():
-        flat[_qualify(key)] = value
-    return _build(flat)
+    given = {_qualify(key): value for key, value in (overrides or {}).items()}
+    if "model.preset" in given:  # --model replaces the file's whole model: a flag beats the file
+        flat = {key: value for key, value in flat.items() if not key.startswith("model.")}
+    return _build({**flat, **given})
 
 
 def _qualify(name: str) -> str:
@@ -339,7 +342,7 @@ def _build(flat: dict[str, Any]) -> Config:
     for key, value in flat.items():
         section, name = key.split(".", 1)
         tables[section][name] = value
-    name = tables["model"].pop("preset", "small")
+    name = shape_base(tables["model"], tables["model"].pop("preset", None))
     problems = []
     if name not in PRESETS and not hf.is_model_dir(name):
         problems.append(f"model.preset: unknown preset {name!r}; known: "

@@ -1,0 +1,67 @@
+"""A new user's first day, as journeys: each step is what the README or a printed hint
+tells them to type, and it must work as written."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from paratrain.cli import main
+from paratrain.models import param_shapes
+from paratrain.models.gpt import PRESETS
+from paratrain.plan.models import from_toml
+from paratrain.train.config import load
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def test_the_tiny_preset_trains_with_every_other_setting_at_its_default(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "paratrain", "train", "--model", "tiny", "--steps", "2",
+                          "--nproc", "2", "--run-dir", str(tmp_path / "run"), "--no-progress"],
+                         env={**os.environ, "PYTHONPATH": SRC}, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
+
+
+def test_a_plans_config_runs_scaled_down_as_its_hint_says(tmp_path, capsys):
+    """``plan --out`` for Llama 3 8B, then the command its hint prints: ``--model tiny``
+    replaces the file's shape (it used to keep the 8B shape and be refused for memory) and
+    keeps the planned layout."""
+    out = tmp_path / "plan.toml"
+    assert main(["plan", "--model", "llama3-8b", "--gpu", "h100-80g", "--gpus", "8", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    hint = next(line for line in (printed.out + printed.err).splitlines() if "--model tiny" in line)
+    assert f"--config {out}" in hint and "--model tiny" in out.read_text()  # said in both places
+    argv = shlex.split(hint.split("`")[1])[2:]  # after `paratrain train`
+    flags = dict(zip(argv[::2], argv[1::2]))
+    planned = load(str(out))
+    cfg = load(str(out), {"preset": flags["--model"], "seq_len": int(flags["--seq-len"]),
+                          "global_batch": int(flags["--global-batch"]),
+                          "microbatches": int(flags["--microbatches"])}).validate()
+    assert cfg.model == PRESETS["tiny"] and cfg.model_preset == "tiny"
+    assert (cfg.parallel.nproc, cfg.parallel.cp, cfg.parallel.zero) == (
+        planned.parallel.nproc or 8, planned.parallel.cp, planned.parallel.zero)
+    assert load(str(out), {"preset": "tiny", "d_model": 128}).model.d_model == 128  # flags still apply
+
+
+def test_a_whole_shape_without_kv_heads_plans_and_trains_as_multi_head_attention(tmp_path):
+    """A [model] table that writes out a shape and names no preset takes nothing from the
+    default preset (whose 2 key/value heads made a 96-head 145B GPT plan as 122B)."""
+    path = tmp_path / "gpt.toml"
+    path.write_text("[model]\nvocab_size = 50257\nn_layers = 2\nd_model = 96\nn_heads = 6\n")
+    cfg = load(str(path)).validate()
+    assert cfg.model.kv_heads == cfg.model.n_heads == 6 and cfg.model_preset == "custom"
+    shapes = param_shapes(cfg.model)
+    assert shapes["layers.0.attn.wk.weight"] == (96, 96)  # one key head per query head
+    planned = from_toml(path)
+    assert planned.n_kv_heads == 6 and planned.ffn_hidden == cfg.model.ffn_dim
+    built = sum(torch.Size(s).numel() for s in shapes.values())
+    assert planned.num_params() == built, (planned.num_params(), built)
+    # a partial table still changes the default preset, as documented
+    path.write_text("[model]\nd_model = 96\nn_heads = 6\n")
+    assert load(str(path)).model.n_kv_heads == PRESETS["small"].n_kv_heads
