@@ -3,9 +3,10 @@
 A mutant names the code it changes by content, not by position, and survives refactors
 that keep behaviour:
 
-- **indentation is ignored**: each line of ``old`` is matched with its leading whitespace
-  stripped, so code moved into or out of a block, a helper or a class still matches; the
-  ``new`` lines are re-indented to where the match sits;
+- **indentation is ignored** where the text is not found as written: each line of ``old``
+  is then matched with its leading whitespace stripped, so code moved into or out of a
+  block, a helper or a class still matches, and ``new`` is shifted by as many columns as
+  the match moved;
 - **``function`` scopes the search** (optional): ``"place"`` or ``"Job.record"`` limits it
   to that function's (or class's) source, so a pattern common in a file, such as
   ``if False:``-able conditions, need only be unique inside one function.
@@ -80,14 +81,20 @@ def _occurrences(haystack: str, needle: str) -> list[int]:
 
 
 def count(source: str, old: str, function: str = "") -> int:
-    """How many times ``old`` occurs in the scope, indentation ignored."""
+    """How many times ``old`` occurs in the scope: as written, or else indentation ignored."""
     where = scope(source, function)
-    return len(_occurrences(_normalize(where.text)[0], _normalize(old)[0]))
+    exact = where.text.count(old)
+    return exact if exact else len(_occurrences(_normalize(where.text)[0], _normalize(old)[0]))
 
 
 def apply(source: str, old: str, new: str, function: str = "") -> str:
-    """``source`` with the one occurrence of ``old`` replaced by ``new``, re-indented."""
+    """``source`` with the one occurrence of ``old`` replaced by ``new``. Text found as
+    written is replaced as written; text found only with its indentation ignored gets
+    ``new`` shifted by as much as the match sits deeper (or shallower) than ``old``."""
     where = scope(source, function)
+    if where.text.count(old) == 1:
+        text = where.text.replace(old, new, 1)
+        return source[:where.start] + text + source[where.start + len(where.text):]
     norm, offsets = _normalize(where.text)
     needle = _normalize(old)[0]
     hits = _occurrences(norm, needle)
@@ -96,18 +103,27 @@ def apply(source: str, old: str, new: str, function: str = "") -> str:
     begin = offsets[hits[0]]
     end = offsets[hits[0] + len(needle) - 1] + 1
     line_start = where.text.rfind("\n", 0, begin) + 1
-    indent = len(where.text[line_start:begin]) - len(where.text[line_start:begin].lstrip(" \t"))
-    text = where.text[:begin] + _reindent(new, indent) + where.text[end:]
+    lead = where.text[line_start:begin]
+    shift = _indent(lead) - _indent(old.split("\n")[0])
+    starts_line = not lead.strip(" \t")
+    if starts_line:  # the match starts its line: its indent is replaced too
+        begin = line_start
+    text = where.text[:begin] + _shift(new, shift, first_too=starts_line) + where.text[end:]
     return source[:where.start] + text + source[where.start + len(where.text):]
 
 
-def _reindent(new: str, indent: int) -> str:
-    """``new`` placed where the first line's text starts at column ``indent``: its first line
-    without its own indentation, later lines shifted by the same amount as the first."""
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
+def _shift(new: str, by: int, first_too: bool) -> str:
+    """``new`` with each line's indentation changed by ``by`` columns; ``first_too`` False:
+    the first line continues a line already indented, so it is left as it is."""
     lines = new.split("\n")
-    base = len(lines[0]) - len(lines[0].lstrip(" "))
-    shifted = [lines[0].lstrip(" ")]
-    for line in lines[1:]:
-        own = len(line) - len(line.lstrip(" "))
-        shifted.append(" " * max(0, own - base + indent) + line.lstrip(" ") if line.strip() else line)
-    return "\n".join(shifted)
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip() or (i == 0 and not first_too):
+            out.append(line if i == 0 else line.strip(" "))
+        else:
+            out.append(" " * max(0, _indent(line) + by) + line.lstrip(" "))
+    return "\n".join(out)

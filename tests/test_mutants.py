@@ -55,7 +55,22 @@ def test_a_mutant_finds_its_place_after_a_refactor_that_keeps_behaviour():
     assert locate.count(after, old) == 1  # re-indented into a method: still found
     assert locate.apply(after, old, new) == after.replace("if x:", "if not x:")
     assert locate.count(after, "return 1") == 2 and locate.count(after, "return 1", "A.f") == 1
-    assert locate.apply(after, "return 1", "return 2\nprint()", "f").endswith(
-        "            return 2\n            print()\n        return 0\n")
+    assert locate.apply(after, "    if x:\n        return 1", "    if x:\n        return 2\n    print()", "f").endswith(
+        "        if x:\n            return 2\n        print()\n        return 0\n")  # shifted by 4
     with pytest.raises(ValueError, match="defined 0 times"):
         locate.count(after, "return 1", "h")
+
+
+def test_every_mutant_applies_to_code_that_compiles():
+    """A mutant that breaks the syntax is 'caught' by any test: it must change behaviour."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import mutants
+
+    broken = []
+    for m in mutants.load_mutants():
+        if m.file.endswith(".py"):
+            try:
+                compile(m.apply((ROOT / m.file).read_text()), m.file, "exec")
+            except SyntaxError as exc:
+                broken.append(f"{m.name}: {exc}")
+    assert not broken, broken
