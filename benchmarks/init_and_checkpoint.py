@@ -6,7 +6,7 @@ torch.distributed.checkpoint (DCP) with FSDP2, same model, same world size, one 
 Defaults: a ~300M-parameter GPT (d_model 1024, 14 layers, MLP 4096, vocabulary 32000; the
 largest tensor is an embedding of 131 MB). Layouts, each in its own 2-rank gloo world:
 
-* paratrain dp2 x ZeRO-3 and paratrain tp2: ``loop.build_engine`` (the model built on
+* paratrain dp2 x ZeRO-3 and paratrain tp2: ``task_lm.build_engine`` (the model built on
   the meta device; each rank materialises and initialises only its share), one AdamW
   step, then ``checkpoint.save`` (each rank writes its slices) and ``checkpoint.load_into``
   (reads only its slices; it also checks each file's SHA-256, which DCP does not);
@@ -90,13 +90,13 @@ def config(args, tmp: str, **layout):
 
 def paratrain_worker(args, name: str, layout: dict) -> dict:
     from paratrain.mesh import Mesh
-    from paratrain.train import checkpoint, loop
+    from paratrain.train import checkpoint, loop, task_lm
 
     torch.set_num_threads(1)
     cfg = config(args, f"{args.dir}/{name}", **layout)
     out, mesh = {}, Mesh.build(cfg.layout)  # process groups: not initialisation
     with AnonPeak() as m:
-        loop.build_engine(cfg, mesh)
+        task_lm.build_engine(cfg, mesh)
     out["init"] = m.result()
     run = loop.build(cfg, mesh)
     loop.train_step(run, 0)

@@ -86,23 +86,20 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
 
 
 def _recording(box: dict):
-    """Stand-ins for ``parallelize`` (the language model) and heat2d's ``build`` that make
-    the engine record, at every clip call, the global gradient norm, and at the first one
-    the unsharded gradients (before clipping)."""
-    from paratrain.train import loop, task_heat2d
+    """A stand-in for the loop's ``build`` (any task) that makes the engine record, at every
+    clip call, the global gradient norm, and at the first one the unsharded gradients
+    (before clipping)."""
+    from paratrain.train import loop
 
-    originals = loop.parallelize, task_heat2d.build
-
-    def parallelize(model, mesh, cfg):
-        return _record_clips(originals[0](model, mesh, cfg), box)
+    original = loop.build
 
     def build(cfg, mesh):
-        run = originals[1](cfg, mesh)
+        run = original(cfg, mesh)
         _record_clips(run.engine, box)
         return run
 
     def install(on: bool) -> None:
-        loop.parallelize, task_heat2d.build = (parallelize, build) if on else originals
+        loop.build = build if on else original
 
     return install
 

@@ -154,8 +154,11 @@ def one_rank(tmp_path_factory, two_ranks):
     resume = f"{two_ranks[1]}/checkpoints/step-2"
     configs = {"circular": heat_config(tmp, nproc=1), "zeros": heat_config(tmp, nproc=1, boundary="zeros"),
                "resumed": heat_config(tmp, nproc=1, resume=resume),
-               "levels2": heat_config(tmp + "/l2", nproc=1, unet_levels=2, boundary="zeros")}
-    return run_world(train_runs, 1, configs)[0]
+               "levels2": heat_config(tmp + "/l2", nproc=1, unet_levels=2, boundary="zeros"),
+               "observed": heat_config(tmp + "/observed", nproc=1, log="csv", profile="1:1")}
+    results = run_world(train_runs, 1, configs)[0]
+    results["observed"]["run_dir"] = tmp + "/observed"
+    return results
 
 
 def test_domain2_trains_like_one_process(two_ranks, one_rank):
@@ -298,13 +301,26 @@ def test_a_nan_loss_stops_or_skips_the_heat2d_task_as_it_does_the_language_model
     assert len(stopped) == 2  # the bad step is logged, and nothing after it
 
 
+def test_heat2d_runs_in_the_one_loop_with_its_sinks_profiler_and_peak_memory(one_rank):
+    """The task is a plug-in of the language model's loop, so what the loop gives one task
+    it gives every task (heat2d's own loop had neither sinks, a profiler nor peak memory)."""
+    import json
+    from pathlib import Path
+
+    run = Path(one_rank["observed"]["run_dir"])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert (run / "metrics.csv").read_text().count("\n") == len(records) + 1  # a header, a row a step
+    assert (run / "profile-rank0.json").is_file()
+    assert records[-1]["peak_mem_bytes"] and records[-1]["mfu"] is None  # convolutions: no MFU
+
+
 @pytest.mark.parametrize("setting, named", [
-    (dict(log="csv"), "--log"), (dict(profile="1:1"), "--profile"), (dict(seq_len=100000), "--seq-len"),
+    (dict(seq_len=100000), "--seq-len"),
     (dict(schedule="gpipe"), "--schedule"), (dict(n_layers=4), "[model] fields"),
     (dict(eval_batches=3), "--eval-batches")])
 def test_heat2d_refuses_language_model_settings_it_would_ignore(tmp_path, setting, named):
-    """They ran silently (no metrics.csv, no profile) or were refused for the wrong reason
-    (a corpus too short for --seq-len, which the task never reads)."""
+    """They ran silently or were refused for the wrong reason (a corpus too short for
+    --seq-len, which the task never reads)."""
     from paratrain.train import preflight
 
     with pytest.raises(ConfigError, match=rf"{re.escape(named)}.*does not use"):

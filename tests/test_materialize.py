@@ -20,7 +20,7 @@ from paratrain import api
 from paratrain.accounting import storage_bytes
 from paratrain.mesh import Mesh
 from paratrain.models import hf
-from paratrain.train import checkpoint, loop
+from paratrain.train import checkpoint, task_lm
 from paratrain.train.config import load
 
 transformers = pytest.importorskip("transformers")
@@ -68,7 +68,7 @@ def initialise(configs: dict) -> dict:
     for name, cfg in configs.items():
         mesh = Mesh.build(cfg.layout)
         with LiveBytes() as bytes_:
-            engine, _ = loop.build_engine(cfg, mesh)
+            engine, _ = task_lm.build_engine(cfg, mesh)
         state = engine.state_tensors()
         out[name] = {"peak": bytes_.peak, "end": bytes_.end,
                      "state": storage_bytes([*state["params"], *state["grads"], *state["optim"]]),

@@ -39,8 +39,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 HEARTBEAT = "paratrain/heartbeat/"
-LOOPS = ("train/loop.py", "train/task_heat2d.py")
-"""The training loops whose ``train`` frame holds the step (0-based ``step``)."""
+LOOPS = ("train/loop.py",)
+"""The training loop whose ``train`` frame holds the step (0-based ``step``)."""
 
 
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:

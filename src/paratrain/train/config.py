@@ -257,9 +257,9 @@ def _check_unused(cfg: Config) -> None:
 
 HEAT2D_UNUSED = {"data": ("corpus", "data", "seq_len", "val_fraction"),
                  "parallel": ("cp_method", "schedule", "virtual_stages"),
-                 "train": ("log", "profile", "timeline", "eval_batches")}
-"""Language-model settings the heat2d task never reads (it makes its own fields, and runs
-neither a pipeline nor context parallelism, and logs metrics.jsonl only)."""
+                 "train": ("timeline", "eval_batches")}
+"""Language-model settings the heat2d task never reads (it makes its own fields, runs
+neither a pipeline nor context parallelism, and validates on all its fields)."""
 
 
 def _check_unused_by_heat2d(cfg: Config) -> None:
@@ -270,8 +270,7 @@ def _check_unused_by_heat2d(cfg: Config) -> None:
         given.insert(0, "the [model] fields (--n-layers, --d-model, ...)")
     if given:
         raise ConfigError(f"{', '.join(given)}: language-model settings, which --task heat2d "
-                          f"does not use (it generates its own fields and logs metrics.jsonl); "
-                          f"drop them")
+                          f"does not use (it generates its own fields); drop them")
 
 
 def _resolve_world(p: ParallelConfig, launcher: str = "local") -> ParallelConfig:

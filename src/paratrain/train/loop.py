@@ -1,10 +1,7 @@
-"""The training loop, run by every rank. Reads top to bottom: build, then step, then report.
-
-Loss normalisation: the model returns the *sum* of token losses over a microbatch; each
-rank scales it by ``dp * cp / tokens_in_global_batch`` before backward, and the average of
-gradients over the dp x cp group then equals the gradient of the mean loss over the whole
-global batch — the same number a single process computes on the same batch, whatever the
-data- or context-parallel size, the accumulation steps or the padding.
+"""The training loop, run by every rank for any task. Reads top to bottom: build, then
+step, then report. What differs between tasks (the model, its data, what a loss unit is,
+validation) is the task's (train/task.py); the loss normalisation each task uses is in
+its own module (task_lm.py, task_heat2d.py).
 """
 
 from __future__ import annotations
@@ -17,20 +14,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..layout import DP, PP
+from ..layout import PP
 from ..mesh import Mesh
 from ..optim import lr_at
-from ..parallel.engine import Engine
 from ..parallel.pipeline import gather_timeline
-from ..api import build_model
-from ..parallelize import parallelize
 from . import checkpoint, logs
-from . import data as D
 from .config import Config
-from .materialize import fill, initial_source
 from .metrics import MetricsWriter, comm_metrics, state_bytes, summary
 from .nonfinite import NonFiniteGuard, culprits
-from .rundir import claim_records, continued_run_id, run_record
+from .rundir import claim_records, run_record
+from .task import Run, task_for
 
 
 @dataclass
@@ -47,69 +40,21 @@ class RunResult:
     """Final parameters of this rank's model (if asked for)."""
 
 
-@dataclass
-class Run:
-    """Everything the steps share."""
-
-    cfg: Config
-    mesh: Mesh
-    engine: Engine
-    """The parallel model, its optimizer and its step (parallel/engine.py)."""
-    train_data: D.Samples
-    val_data: D.Samples
-    sampler: D.DistributedSampler
-    start_step: int = 0
-    """Steps already taken (a resumed run starts there)."""
-    run_id: str = ""
-    """This run's identity, kept by its checkpoints (a resumed run keeps the one it resumes)."""
-    last_checkpoint: str = ""
-    """The newest checkpoint this run wrote or resumed from."""
-    skipped: int = 0
-    """Steps skipped as non-finite before ``start_step`` (kept by checkpoints)."""
-
-    @property
-    def is_logger(self) -> bool:
-        return self.mesh.rank == 0
-
-
 def build(cfg: Config, mesh: Mesh) -> Run:
-    """Model, parallel wrapper, optimizer and data for this rank."""
-    torch.manual_seed(cfg.train.seed)
-    meta = checkpoint.read_meta(cfg.train.resume) if cfg.train.resume else {}
-    run_id = continued_run_id(meta)
-    engine, start_step = build_engine(cfg, mesh)
-    train_tokens, val_tokens = D.load_tokens(cfg.data)
-    train_data = D.Samples(train_tokens, cfg.data.seq_len)
-    sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch,
-                                   dp_rank=mesh.coord(DP), dp_size=mesh.size(DP),
-                                   seed=cfg.train.seed, remainder=cfg.data.remainder)
-    return Run(cfg, mesh, engine, train_data, D.Samples(val_tokens, cfg.data.seq_len), sampler,
-               start_step, run_id, cfg.train.resume, checkpoint.skipped_steps(meta))
-
-
-def build_engine(cfg: Config, mesh: Mesh) -> tuple[Engine, int]:
-    """This rank's engine with its share of the weights, and the steps already taken. The
-    model is built without storage; each rank materialises only its share
-    (train/materialize.py), from the checkpoint it resumes, else the Hugging Face weights
-    or the seeded initialiser."""
-    engine = parallelize(build_model(cfg, mesh.device, meta=True), mesh, cfg)
-    if cfg.train.resume:  # each rank reads the slices of its own shards (train/checkpoint.py)
-        return engine, checkpoint.load_into(engine, cfg.train.resume, cfg.model)
-    fill(engine, initial_source(cfg))
-    return engine, 0
+    """Model, parallel wrapper, optimizer and data for this rank, as its task builds them."""
+    return task_for(cfg).build(cfg, mesh)
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
     """One optimizer step over a global batch; returns its loss, grad norm and lr."""
-    tokens = D.valid_tokens(run.sampler.global_indices(step), run.cfg.data.seq_len)
-    return optimizer_step(run, step, _microbatches(run, run.train_data,
-                                                   run.sampler.local_indices(step)), tokens)
+    microbatches = run.task.microbatches(run, run.train_data, run.sampler.local_indices(step))
+    return optimizer_step(run, step, microbatches, run.task.count(run, step))
 
 
-def optimizer_step(run, step: int, microbatches: list, count: int) -> dict[str, float]:
+def optimizer_step(run: Run, step: int, microbatches: list, count: int) -> dict[str, float]:
     """Forward and backward over this rank's ``microbatches``, their summed losses divided
     by ``count`` (the global batch's tokens or points: the same on every rank), then clip
-    and step. Every task's step (language model, heat2d) is this one."""
+    and step."""
     cfg, engine = run.cfg, run.engine
     engine.zero_grad()
     loss = engine.forward_backward(microbatches, loss_scale=1 / count)
@@ -124,47 +69,27 @@ def optimizer_step(run, step: int, microbatches: list, count: int) -> dict[str, 
     return record
 
 
-def _microbatches(run: Run, samples: D.Samples, indices: list[int]) -> list[tuple[torch.Tensor, ...]]:
-    """This data-parallel rank's samples ``indices``, cut into microbatches."""
-    size = run.cfg.micro_batch
-    return [samples.batch(indices[i:i + size], run.mesh.device) for i in range(0, len(indices), size)]
-
-
-@torch.no_grad()
-def evaluate(run: Run) -> float:
-    """Mean loss over the first ``eval_batches`` global batches of validation data."""
-    cfg, mesh = run.cfg, run.mesh
-    total, count = 0.0, 0
-    share = cfg.train.global_batch // mesh.size(DP)
-    for b in range(cfg.train.eval_batches):
-        indices = D.eval_indices(len(run.val_data), cfg.train.global_batch, b)
-        count += D.valid_tokens(indices, cfg.data.seq_len)
-        mine = indices[mesh.coord(DP) * share:(mesh.coord(DP) + 1) * share]
-        total += run.engine.forward_backward(_microbatches(run, run.val_data, mine), 1.0,
-                                             training=False).total.item()
-    return total / max(count, 1)
+def evaluate(run: Run) -> float | None:
+    """The task's validation loss (collective), or None without validation data."""
+    return run.task.evaluate(run)
 
 
 def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     """Train for ``cfg.train.steps`` steps; every rank of the mesh calls this."""
-    if cfg.train.task == "heat2d":  # the U-Net task has its own build and step
-        from .task_heat2d import train as train_heat2d
-
-        return train_heat2d(cfg, mesh, keep_params)
     run = build(cfg, mesh)
     result = RunResult()
     resumed_at = run.start_step if cfg.train.resume else None  # append after its records
     writer = MetricsWriter(cfg.metrics_path if run.is_logger else None, resumed_at)
     if run.is_logger:
         claim_records(Path(cfg.train.run_dir), run.run_id)
-    sinks = _sinks(cfg, resumed_at) if run.is_logger else []
+    sinks = _sinks(run, resumed_at) if run.is_logger else []
     if run.is_logger:
-        print(describe(run), flush=True)
+        print(run.task.describe(run), flush=True)
     progress = logs.Progress(cfg.train.steps, run.start_step, run.is_logger and cfg.train.progress,
                              cfg.train.log_every)
     profiler = logs.Profiler(logs.ProfileWindow.parse(cfg.train.profile, cfg.train.steps),
                              Path(cfg.train.run_dir), mesh.rank, mesh.device)
-    flops = _flops_per_token(cfg)
+    flops = run.task.flops_per_unit(cfg)
     peak = logs.peak_flops(mesh.device, cfg.train.precision, mesh.layout.world_size)
     records = []
     guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skips, run.skipped)
@@ -177,14 +102,15 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         if not result.state_bytes:  # after the first step run: optimizer state exists
             result.state_bytes = _gather(state_bytes(run.engine.state_tensors()))
         record.update(step=step + 1, step_time_s=elapsed, tokens_per_s=record["tokens"] / elapsed,
-                      mfu=flops * record["tokens"] / elapsed / peak if peak else None,
+                      mfu=flops * record["tokens"] / elapsed / peak if peak and flops else None,
                       **result.state_bytes[0], **comm_metrics(run.engine))
         result.losses.append(record["loss"])
         last = step + 1 == cfg.train.steps
         evaluating = last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)
-        if evaluating and len(run.val_data) > 0:  # no validation set: no validation loss
-            record["val_loss"] = evaluate(run)
-            result.val_losses.append((step + 1, record["val_loss"]))
+        val_loss = evaluate(run) if evaluating else None
+        if val_loss is not None:  # no validation set: no validation loss
+            record["val_loss"] = val_loss
+            result.val_losses.append((step + 1, val_loss))
         if last or (step + 1) % cfg.train.log_every == 0:  # same steps on every rank: collective
             record["peak_mem_bytes"] = _gather_peak_memory(mesh)
         stop = guard.check(record, run.last_checkpoint) if "nonfinite_ranks" in record else None
@@ -219,17 +145,12 @@ def finish(cfg: Config, engine, records: list[dict], result: RunResult, start: f
     return result
 
 
-def _sinks(cfg: Config, resumed_at: int | None = None) -> list:
+def _sinks(run: Run, resumed_at: int | None = None) -> list:
+    cfg = run.cfg
     names = logs.parse_sinks(cfg.train.log)
-    config = {"layout": cfg.describe_layout(), "model": cfg.model_preset, "seed": cfg.train.seed}
+    config = {"layout": cfg.describe_layout(), "task": cfg.train.task,
+              "model": run.task.model_label(cfg), "seed": cfg.train.seed}
     return logs.make_sinks(names, Path(cfg.train.run_dir), config, resume_step=resumed_at)
-
-
-def _flops_per_token(cfg: Config) -> float:
-    m = cfg.model
-    untied = 0 if m.tie_embeddings else 1
-    matmul = m.num_params() - 2 * m.d_model * m.n_layers - m.d_model - untied * m.vocab_size * m.d_model
-    return logs.flops_per_token(m.n_layers, m.d_model, cfg.data.seq_len, matmul)
 
 
 def _gather_peak_memory(mesh: Mesh) -> list[int]:
@@ -242,10 +163,11 @@ def _gather_peak_memory(mesh: Mesh) -> list[int]:
 def _save(run: Run, step: int, skipped: int) -> None:
     cfg = run.cfg
     directory = Path(cfg.train.run_dir) / "checkpoints" / f"step-{step}"
-    # The data position: the sampler's order is a function of (seed, global batch, step).
-    data = {"step": step, "samples_seen": step * cfg.train.global_batch, **cfg.data_order()}
-    run_meta = {"run": run_record(cfg, run.run_id), "data": data, "nonfinite": {"skipped": skipped}}
-    checkpoint.save(directory, step, run.engine, cfg.model, cfg.describe_layout(),
+    run_meta = {"run": run_record(cfg, run.run_id), "nonfinite": {"skipped": skipped}}
+    data = run.task.data_position(cfg, step)
+    if data is not None:
+        run_meta["data"] = data
+    checkpoint.save(directory, step, run.engine, run.task.model_config(cfg), cfg.describe_layout(),
                     run_meta=run_meta)
     run.last_checkpoint = str(directory)
 
@@ -260,27 +182,6 @@ def _save_timeline(run: Run) -> None:
         timeline.save(path)
         print(f"timeline      {path} (measured bubble {timeline.bubble():.1%}; "
               f"`paratrain trace --run {path}` draws it)", flush=True)
-
-
-def describe(run: Run) -> str:
-    cfg, s = run.cfg, run.sampler
-    remainder = ("pad: the last batch of each epoch is padded and masked" if cfg.data.remainder == "pad"
-                 else f"drop: {s.dropped_per_epoch} samples per epoch that do not fill a global batch are skipped")
-    return (f"paratrain: {cfg.describe_layout()}, model {cfg.describe_model()} "
-            f"({cfg.model.num_params() / 1e6:.2f}M params), {cfg.train.global_batch} x "
-            f"{cfg.data.seq_len} tokens per step, micro-batch {cfg.micro_batch} x "
-            f"{cfg.accumulation} {'pipeline microbatches' if cfg.parallel.pp > 1 else 'accumulation'}, "
-            f"{cfg.train.precision}\n"
-            f"data: {len(run.train_data)} train samples, {s.steps_per_epoch} steps per epoch; "
-            f"remainder {remainder}" + _offload_note(run))
-
-
-def _offload_note(run: Run) -> str:
-    if not run.cfg.parallel.offload:
-        return ""
-    if run.mesh.device.type != "cuda":
-        return "\noffload: this run computes on the CPU already, so --offload has no effect"
-    return "\noffload: optimizer state (fp32 masters, Adam moments) kept in CPU memory"
 
 
 def _gather(mine: dict[str, int]) -> list[dict[str, int]]:

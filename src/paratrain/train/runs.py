@@ -290,12 +290,10 @@ def place_and_print(cfg: Config, torchrun: bool, job: Job | None = None) -> Conf
 
 
 def model_config(cfg: Config):
-    """The shape a checkpoint of this run must have (the U-Net's for --task heat2d)."""
-    if cfg.train.task == "heat2d":
-        from .task_heat2d import unet_config
+    """The shape a checkpoint of this run must have (its task's model)."""
+    from .task import task_for  # here: the tasks import the engines, and runs is read first
 
-        return unet_config(cfg)
-    return cfg.model
+    return task_for(cfg).model_config(cfg)
 
 
 def newest_complete(run_dir: Path, model_cfg, notes: list[str],
