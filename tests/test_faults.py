@@ -298,3 +298,50 @@ def test_export_overwrite_touches_only_plain_names_inside_the_directory(tmp_path
     hf.check_export_target(out, overwrite=True)
     hf._remove_shards(out)  # a plain name inside the directory is what --overwrite replaces
     assert not (out / "model-1.safetensors").exists() and all(v.exists() for v in victims)
+
+
+def test_a_lock_is_taken_over_by_a_restart_of_its_job_or_when_its_pid_was_reused(tmp_path):
+    """A requeued job (same torchrun run id, another node) takes over its own lock; a lock
+    whose pid now belongs to another process (a container restart) is stale; any other
+    live holder is refused."""
+    import json
+    import socket
+
+    from helpers import tiny_config
+
+    from paratrain.train.rundir import RunDirError
+
+    cfg = tiny_config(str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    lock = tmp_path / "run" / ".lock"
+    elsewhere = {"pid": 4242, "host": "node07", "since": 0.0, "job": "rdzv-1234"}
+    lock.write_text(json.dumps(elsewhere))
+    with pytest.raises(RunDirError, match="pid 4242 on node07"):
+        RunDirLock(cfg, job="rdzv-9999").acquire()
+    RunDirLock(cfg, job="rdzv-1234").acquire().release()  # the same job, restarted: taken over
+    reused = {"pid": os.getpid(), "host": socket.gethostname(), "since": 0.0, "start": "1"}
+    lock.write_text(json.dumps(reused))  # our pid, but not the process that wrote the lock
+    RunDirLock(cfg).acquire().release()
+    lock.write_text(json.dumps({**reused, "start": ""}))  # a live pid, no start recorded: in use
+    with pytest.raises(RunDirError, match="in use"):
+        RunDirLock(cfg).acquire()
+
+
+def test_a_torchrun_job_ended_by_sigterm_releases_its_lock(tmp_path, background):
+    """Slurm and Kubernetes stop a job with SIGTERM; rank 0 used to end through os._exit and
+    leave RUN_DIR/.lock, so the requeued job was refused until a human removed it."""
+    from test_launch import free_port
+
+    run = tmp_path / "run"
+    job = background([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                      "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                      f"localhost:{free_port()}", "-m", "paratrain", "train", *TINY[:-2],
+                      "--steps", "100000", "--run-dir", str(run)],
+                     cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)},
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_steps(job, run / "metrics.jsonl", 2)
+    assert (run / ".lock").is_file()
+    job.send_signal(signal.SIGTERM)
+    output = job.communicate(timeout=120)[0]
+    assert job.returncode != 0, output
+    assert not (run / ".lock").exists(), output[-3000:]

@@ -24,7 +24,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -33,6 +32,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from .errors import RunError
+from .proc import start_time
 from .watchdog import Watchdog
 
 
@@ -109,17 +109,7 @@ def job_identity(run_id: str, agent_pid: int) -> str:
     start time, so a pid reused after a reboot is another job."""
     if run_id and run_id != "none":
         return f"rdzv-{run_id}"
-    return f"agent-{socket.gethostname()}-{agent_pid}-{_start_time(agent_pid)}"
-
-
-def _start_time(pid: int) -> str:
-    """A process's start time in clock ticks since boot (field 22 of /proc/PID/stat), or ''
-    where /proc is not there."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[19]  # the name in parentheses may hold spaces
+    return f"agent-{socket.gethostname()}-{agent_pid}-{start_time(agent_pid)}"
 
 
 def init_world(spec: WorldSpec, threads: int = 1) -> None:

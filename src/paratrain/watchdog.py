@@ -74,6 +74,9 @@ class Watchdog:
         self._last_beat = 0.0
         self._state: dict = {}
         self._thread = threading.Thread(target=self._run, name="paratrain-watchdog", daemon=True)
+        self.cleanups: list[Callable[[], None]] = []
+        """Run before this process ends itself (its parent gone, SIGTERM, a hang named by the
+        caller through ``exit``): what a ``finally`` would do, which ``os._exit`` skips."""
 
     # ---- set-up (main thread) ------------------------------------------------------------
     def guard_parent(self, parent_pid: int, cleanup_dir: str | None) -> "Watchdog":
@@ -147,7 +150,16 @@ class Watchdog:
             for _ in range(3):  # again, after a peer's last write
                 shutil.rmtree(self._cleanup, ignore_errors=True)
                 time.sleep(0.1)
-        os._exit(128 + signal.SIGTERM)
+        self.exit(128 + signal.SIGTERM)
+
+    def exit(self, code: int) -> None:
+        """End this process now with ``code``, after its ``cleanups``."""
+        for cleanup in self.cleanups:
+            try:
+                cleanup()
+            except Exception:  # noqa: BLE001  (ending anyway: one failed clean-up stops no other)
+                pass
+        os._exit(code)
 
     def _sample(self) -> None:
         seqs = _sequence_numbers()

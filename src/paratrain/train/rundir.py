@@ -1,8 +1,10 @@
 """One run per run directory: a lock file, and no fresh run over another run's checkpoints.
 
-``RUN_DIR/.lock`` holds the pid and host of the launcher that owns the directory. A second
-run into it is refused with that owner named; a lock whose process is gone (on this host)
-is stale and taken over. The lock is taken before any rank starts, so a refused run costs
+``RUN_DIR/.lock`` holds the pid, its start time and the host of the launcher that owns the
+directory, and under torchrun the job's identity. A second run into it is refused with that
+owner named. A lock is stale and taken over when its process is gone from this host (or
+its pid now names another process, after a container restart), or when it was the same
+torchrun job's (a restart, or a requeue on another node). The lock is taken before any rank starts, so a refused run costs
 nothing, and while it is held the checkpoint check below cannot race with another run.
 """
 
@@ -17,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import RunError
+from ..proc import alive, start_time
 
 
 class RunDirError(RunError):
@@ -26,8 +29,10 @@ class RunDirError(RunError):
 class RunDirLock:
     """The lock on ``cfg.train.run_dir``; ``acquire`` also refuses to overwrite checkpoints."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, job: str = ""):
         self.cfg = cfg
+        self.job = job
+        """The torchrun job taking the lock (``launch.job_identity``); '' for the local launcher."""
         self.run_dir = Path(cfg.train.run_dir)
         self.path = self.run_dir / ".lock"
         self.held = False
@@ -47,7 +52,8 @@ class RunDirLock:
                 raise RunDirError(f"cannot write to the run directory {str(self.run_dir)!r}: "
                                   f"{exc.strerror}; choose a writable --run-dir") from None
             with os.fdopen(fd, "w") as f:
-                json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}, f)
+                json.dump({"pid": os.getpid(), "start": start_time(os.getpid()), "host": socket.gethostname(),
+                           "since": time.time(), "job": self.job}, f)
             self.held = True
             try:
                 check_checkpoints(self.cfg)
@@ -77,7 +83,8 @@ class RunDirLock:
             pid, host = int(owner["pid"]), owner["host"]
         except (OSError, ValueError, KeyError, TypeError):
             owner, pid, host = {}, 0, socket.gethostname()  # half-written by a dead process
-        if host == socket.gethostname() and not _alive(pid):
+        ours = self.job and owner.get("job") == self.job  # a restart of the job that took it
+        if ours or (host == socket.gethostname() and not alive(pid, str(owner.get("start", "")))):
             self.path.unlink(missing_ok=True)
             return
         since = time.strftime("%H:%M:%S", time.localtime(owner.get("since", 0)))
@@ -94,19 +101,7 @@ def in_use(run_dir: Path) -> bool:
         pid, host = int(owner["pid"]), owner["host"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return host != socket.gethostname() or _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return host != socket.gethostname() or alive(pid, str(owner.get("start", "")))
 
 
 def check_checkpoints(cfg) -> None:

@@ -24,19 +24,22 @@ def run_worker(cfg: Config, world: WorldSpec | None) -> None:
         train(cfg, Mesh.build(cfg.layout))
         dist.barrier()  # tear down together: no rank closes connections a peer still uses
         return
-    watchdog = Watchdog(world.rank, world.timeout_s, _die_named, cfg.parallel.max_time_s)
-    watchdog.guard_parent(os.getppid(), None).start()  # die with the torchrun agent
+    watchdog = Watchdog(world.rank, world.timeout_s, lambda report: _die_named(watchdog, report),
+                        cfg.parallel.max_time_s)
+    watchdog.guard_parent(os.getppid(), None).start()  # die with the torchrun agent, or on SIGTERM
     lock = None
     try:
         enter_world(world)
         watchdog.attach(dist.distributed_c10d._get_default_store())
         cfg, lock = _agree_on_run(cfg, world)
+        if lock is not None:  # every way out releases it, os._exit's too: a requeue must start
+            watchdog.cleanups.append(lock.release)
         train(cfg, Mesh.build(cfg.layout))
         dist.barrier()
     except BaseException:
         report = watchdog.hang_report()
         if report:
-            _die_named(report)
+            _die_named(watchdog, report)
         raise
     finally:
         watchdog.stop()
@@ -58,7 +61,7 @@ def _agree_on_run(cfg: Config, world: WorldSpec) -> tuple[Config, RunDirLock | N
         try:
             job = runs.Job(world.job, world.attempt) if world.job else None
             cfg = runs.place_and_print(cfg, torchrun=True, job=job)
-            lock = RunDirLock(cfg).acquire()
+            lock = RunDirLock(cfg, job=world.job).acquire()
             runs.record(cfg)
             decision = [(cfg, "")]
         except Exception as exc:  # the other ranks wait in the broadcast: tell them
@@ -108,7 +111,7 @@ def started_by_torchrun(env: Mapping[str, str]) -> bool:
     return True
 
 
-def _die_named(report: str) -> None:
+def _die_named(watchdog: Watchdog, report: str) -> None:
     """Under torchrun the agent ends the other ranks when one exits non-zero."""
     print(f"paratrain train: {report}", file=sys.stderr, flush=True)
-    os._exit(1)
+    watchdog.exit(1)
