@@ -8,6 +8,7 @@ others run in one spawned world or in-process.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -345,3 +346,47 @@ def test_a_torchrun_job_ended_by_sigterm_releases_its_lock(tmp_path, background)
     output = job.communicate(timeout=120)[0]
     assert job.returncode != 0, output
     assert not (run / ".lock").exists(), output[-3000:]
+
+
+def test_a_checkpoint_index_is_checksummed_confined_and_checked_field_by_field(tmp_path):
+    """meta.json is input: a changed digit, a file named outside the checkpoint, a negative
+    or fractional counter, or a dtype that is not the file's are each refused by name
+    before launch (they resumed 8 steps late, read other files, crashed after spawn, or
+    were cast silently)."""
+    import json
+
+    from test_runs import config, fake_checkpoint
+
+    from paratrain.train import checkpoint, publish
+
+    cfg = config()
+    path = fake_checkpoint(tmp_path, 20, cfg)
+    index = path / checkpoint.INDEX
+    good = json.loads(index.read_text())
+    checkpoint.verify(path, cfg.model)
+
+    def with_index(meta: dict, sealed: bool = True) -> None:
+        index.write_text(json.dumps(publish.seal(meta) if sealed else
+                                    {k: v for k, v in meta.items() if k != publish.SEAL}))
+
+    index.write_text(index.read_text().replace('"step": 20', '"step": 28', 1))
+    with pytest.raises(checkpoint.CheckpointError, match="changed after it was written"):
+        checkpoint.read_meta(path)
+    for bad, field in (({"step": -5}, "step"), ({"step": 2.5}, "step"), ({"step": True}, "step"),
+                       ({"data": {**good["data"], "samples_seen": -1}}, "data.samples_seen")):
+        with_index({**good, **bad}, sealed=False)  # an index from before the checksum, edited
+        with pytest.raises(checkpoint.CheckpointError, match=rf"{re.escape(field)} is .*not a count"):
+            checkpoint.read_meta(path)
+    (name, info), = good["files"].items()
+    for outside in ("../victim.safetensors", str(tmp_path / "victim.safetensors")):
+        slices = {k: {**v, "slices": [{**s, "file": outside} for s in v["slices"]]}
+                  for k, v in good["tensors"].items()}
+        with_index({**good, "files": {outside: info}, "tensors": slices})
+        with pytest.raises(checkpoint.CheckpointError, match="not a plain file name"):
+            checkpoint.read_meta(path)
+    key = next(iter(good["tensors"]))
+    with_index({**good, "tensors": {**good["tensors"], key: {**good["tensors"][key], "dtype": "bfloat16"}}})
+    with pytest.raises(checkpoint.CheckpointError, match="stores slice .* as F32, its index says bfloat16"):
+        checkpoint.verify(path, cfg.model)
+    with_index(good)
+    checkpoint.verify(path, cfg.model)  # the untouched index, resealed, still verifies

@@ -19,7 +19,7 @@ from distributed import run_world
 from paratrain.accounting import storage_bytes
 from paratrain.cli import main
 from paratrain.mesh import Mesh
-from paratrain.train import checkpoint, loop
+from paratrain.train import checkpoint, loop, publish
 from helpers import assert_same_run, tail, tiny_config, train_runs
 
 STEPS = 6
@@ -138,7 +138,7 @@ def test_incomplete_checkpoints_are_refused_before_launch(saved, tmp_path, capsy
     def drop_slice(d: Path) -> None:
         index = json.loads((d / "meta.json").read_text())
         index["tensors"][name]["slices"].pop()
-        (d / "meta.json").write_text(json.dumps(index))
+        (d / "meta.json").write_text(json.dumps(publish.seal(index)))  # sealed: the coverage check speaks
 
     cases = {"no-index": (lambda d: (d / "meta.json").unlink(), "its index meta.json is missing"),
              "no-slice": (drop_slice, f"the slices of tensor {name!r} do not cover it"),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..paths import is_plain_name
 from .gpt import GPTConfig
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -232,11 +233,6 @@ def read_weight_map(index: Path) -> dict[str, str]:
             raise HFModelError(f"{index}: shard {shard!r} is not a plain file name inside "
                                f"{index.parent}; an index may only name files beside it")
     return dict(weight_map)
-
-
-def is_plain_name(name: str) -> bool:
-    """A file name with no directory part: it can only name a file in the directory at hand."""
-    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 def load_weights(directory: str | Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.engine import MOMENTS
+from ..paths import is_plain_name
 from . import publish as P
 from . import slices as S
 from .shardio import CheckpointError, Reader, Tensors, coverage_gap, file_digest, read_header, save_file
@@ -47,6 +48,9 @@ KINDS = ("param", *MOMENTS)
 INDEX = "meta.json"
 STATE = "state.safetensors"  # the one file of a checkpoint written by ``write``
 DTYPES = ("float32", "bfloat16")
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64",
+                      "int32": "I32", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+"""Index dtype -> the name a safetensors header gives it."""
 
 
 # ---- saving ------------------------------------------------------------------------------------
@@ -169,20 +173,43 @@ def read_meta(directory: str | Path) -> dict:
                               f"e.g. RUN_DIR/checkpoints/step-N")
     try:
         meta = json.loads(path.read_text())
-        assert meta["format"] == FORMAT and isinstance(meta["step"], int)
+        assert meta["format"] == FORMAT
         assert isinstance(meta["tensors"], dict) and isinstance(meta["files"], dict)
         boxes = {k: (tuple(v["shape"]), [(tuple(s["offsets"]), tuple(s["extents"])) for s in v["slices"]])
                  for k, v in meta["tensors"].items()}
         assert all(s["file"] in meta["files"] for v in meta["tensors"].values() for s in v["slices"])
-    except (ValueError, KeyError, AssertionError, TypeError):
+    except (ValueError, KeyError, AssertionError, TypeError, UnicodeDecodeError):
         raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt or of an older format: "
                               f"{INDEX} is unreadable; resume from another checkpoint") from None
+    _check_index(meta, directory)
     for key, (shape, tiles) in boxes.items():
         gap = coverage_gap(shape, tiles)
         if gap:
             raise CheckpointError(f"checkpoint {str(directory)!r} is incomplete: the slices of tensor "
                                   f"{key!r} do not cover it ({gap}); resume from another checkpoint")
     return meta
+
+
+def _check_index(meta: dict, directory: str | Path) -> None:
+    """The index is input: its checksum (``publish.seal``; indexes written before it have
+    none) and every field a resume acts on, checked before any process starts."""
+    where = f"checkpoint {str(directory)!r}: {INDEX}"
+    sealed = meta.get(P.SEAL)
+    if sealed is not None and sealed != P.index_digest(meta):
+        raise CheckpointError(f"{where} was changed after it was written (its {P.SEAL} does not "
+                              f"match its content); resume from another checkpoint")
+    counters = {"step": meta["step"], "nonfinite.skipped": meta.get("nonfinite", {}).get("skipped", 0),
+                **{f"data.{k}": meta.get("data", {}).get(k, 0) for k in ("step", "samples_seen")}}
+    for name, value in counters.items():
+        if type(value) is not int or value < 0:
+            raise CheckpointError(f"{where}: {name} is {json.dumps(value)}, not a count (an "
+                                  f"integer >= 0); resume from another checkpoint")
+    for name, info in meta["files"].items():
+        if not is_plain_name(name):
+            raise CheckpointError(f"{where} names the file {name!r}, which is not a plain file "
+                                  f"name inside the checkpoint; an index may only name files beside it")
+        if not (isinstance(info, dict) and type(info.get("bytes")) is int and isinstance(info.get("sha256"), str)):
+            raise CheckpointError(f"{where}: the entry of {name} needs bytes and sha256")
 
 
 class ModelMismatch(CheckpointError):
@@ -267,6 +294,11 @@ def verify(directory: str | Path, model_cfg) -> tuple[dict, Mapping[str, torch.T
             if head is None or head["shape"] != s["extents"]:
                 raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt: {s['file']} lacks the "
                                       f"slice {s['key']!r} of tensor {key!r} its index lists")
+            stored = SAFETENSORS_DTYPES.get(entry["dtype"], head["dtype"])
+            if head["dtype"] != stored:  # else it would be cast silently as it is read
+                raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt: {s['file']} stores "
+                                      f"slice {s['key']!r} as {head['dtype']}, its index says "
+                                      f"{entry['dtype']}; resume from another checkpoint")
     return meta, Tensors(Path(directory), meta)
 
 

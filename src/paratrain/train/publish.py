@@ -11,6 +11,7 @@ puts it back if the process died before the new one took its place, and
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,13 +35,27 @@ def os_error(exc: OSError, directory: Path) -> str:
             f"space or choose a writable --run-dir")
 
 
+SEAL = "index_sha256"
+"""The index's own checksum, a field of it: SHA-256 of the rest, as canonical JSON."""
+
+
+def seal(index: dict) -> dict:
+    """``index`` with its checksum: a changed digit (step 20 -> 28) is then found."""
+    return {**index, SEAL: index_digest(index)}
+
+
+def index_digest(index: dict) -> str:
+    body = {k: v for k, v in index.items() if k != SEAL}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def commit(tmp: Path, directory: Path, index_name: str, index: dict) -> str:
     """Write the index last (atomically), then publish ``tmp`` as ``directory``; '' or
     the error."""
     old = directory.with_name(f".{directory.name}.old")
     try:
         part = tmp / f"{index_name}.part"
-        part.write_text(json.dumps(index, indent=1))
+        part.write_text(json.dumps(seal(index), indent=1))
         fsync(part)
         os.rename(part, tmp / index_name)  # the checkpoint is complete from here
         fsync(tmp)
