@@ -230,6 +230,8 @@ META_CASES = [  # (id, meta.json changes, words the message must hold)
     ("shard-no-sha", {"shards": [{"file": "tokens-00000.bin", "tokens": 10}]},
      "shards[0].sha256 is missing"),
     ("train-past-end", {"train_tokens": 11}, "do not fit the shards' 10 tokens"),
+    ("shard-outside", {"shards": [{"file": "../../etc/passwd", "tokens": 10, "sha256": "0"}]},
+     "shards[0].file is '../../etc/passwd', expected a file name beside meta.json"),
 ]
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..paths import is_plain_name
 from .prepare import FORMAT, META, DataError
 
 
@@ -89,7 +90,7 @@ def _check_fields(meta: object, file: Path) -> None:
     if not isinstance(meta.get("shards"), list) or not all(isinstance(x, dict) for x in meta["shards"]):
         raise wrong("shards", meta, "shards", "a list of objects")
     for i, shard in enumerate(meta["shards"]):
-        for field, ok, want in (("file", isinstance(shard.get("file"), str), "a file name"),
+        for field, ok, want in (("file", is_plain_name(shard.get("file")), "a file name beside meta.json"),
                                 ("tokens", _is_count(shard.get("tokens")), "a whole number >= 0"),
                                 ("sha256", isinstance(shard.get("sha256"), str), "a hex digest")):
             if not ok:
