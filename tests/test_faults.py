@@ -390,3 +390,56 @@ def test_a_checkpoint_index_is_checksummed_confined_and_checked_field_by_field(t
         checkpoint.verify(path, cfg.model)
     with_index(good)
     checkpoint.verify(path, cfg.model)  # the untouched index, resealed, still verifies
+
+
+def test_a_full_disk_outside_checkpoints_is_named_and_leaves_strict_records(tmp_path, monkeypatch):
+    """ENOSPC in the metrics append left a torn line, and in claim_records a 0-byte
+    .run.json.tmp, each with a raw traceback."""
+    import json
+
+    from paratrain.errors import RunError
+    from paratrain.train.metrics import MetricsWriter
+    from paratrain.train.rundir import claim_records
+
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    writer.write({"step": 1, "loss": 2.0})
+    real = writer._file
+
+    class Full:  # half the line reaches the disk, then the disk is full
+        def write(self, text):
+            real.write(text[:len(text) // 2])
+            real.flush()
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    writer._file = Full()
+    with pytest.raises(RunError, match=r"metrics.jsonl at step 2: No space left on device.*--resume auto"):
+        writer.write({"step": 2, "loss": 1.5})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1]  # strict
+    writer.write({"step": 3})  # nothing more is written, nothing raises twice
+    writer.close()
+
+    def full(self, target):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "replace", full)
+    with pytest.raises(RunError, match=r"run.json: No space left on device; free space"):
+        claim_records(tmp_path, "r1")
+    assert not list(tmp_path.glob(".run.json*"))
+
+
+def test_a_torn_non_utf8_metrics_tail_resumes_and_reports(tmp_path):
+    """A power loss can leave bytes that are not UTF-8 at the end of metrics.jsonl:
+    --resume auto (keep_records_until) and report crashed on them, a crash loop under
+    torchrun's restarts."""
+    from paratrain.report import read_metrics
+    from paratrain.train.metrics import keep_records_until
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n{"step": 3, "lo\xff\xfe')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    keep_records_until(path, 2)
+    assert path.read_bytes() == b'{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n'

@@ -22,7 +22,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"no metrics at {path}: pass the directory of a run "
                                 f"(e.g. runs/latest), or a metrics.jsonl file")
     records, skipped = [], 0
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():  # a torn tail may not be UTF-8
         try:
             record = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..accounting import storage_bytes
+from ..errors import RunError
 
 
 def state_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:
@@ -47,13 +48,48 @@ class MetricsWriter:
             self._file = open(path, "a" if resume_step is not None else "w")
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(strict(record), allow_nan=False) + "\n")
+        if self._file is None:
+            return
+        line = json.dumps(strict(record), allow_nan=False) + "\n"
+        end = self._file.tell()
+        try:
+            self._file.write(line)
             self._file.flush()
+        except OSError as exc:  # a full disk: no torn line is left, and the failure is named
+            self._file = _cut_back(self._file, self.path, end)
+            raise MetricsError(f"could not write {self.path} at step {record.get('step')}: "
+                               f"{exc.strerror or exc}; its records end at the step before. Free "
+                               f"space and continue with --resume auto") from None
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+class MetricsError(RunError):
+    """The metrics file could not be written (a full disk, a read-only file system)."""
+
+
+def _cut_back(file, path: Path, end: int):
+    """``file`` closed, and ``path`` cut back to ``end`` bytes (a partial line removed);
+    None, so that nothing more is written to it."""
+    try:
+        file.close()
+    except OSError:
+        pass  # the close's own flush of the torn line fails the same way
+    try:
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    except OSError:
+        pass
+    return None
+
+
+def read_lines(path: Path) -> list[str]:
+    """The lines of a records file whose tail may be torn (a power loss mid-write): bytes
+    that are not UTF-8 become U+FFFD, so a torn line fails to parse and is dropped by the
+    reader, instead of the whole file failing to decode."""
+    return path.read_text(errors="replace").splitlines(keepends=True)
 
 
 def keep_records_until(path: Path, step: int) -> None:
@@ -62,7 +98,7 @@ def keep_records_until(path: Path, step: int) -> None:
     each step must appear once. Atomic: the file is whole before or after."""
     if not path.is_file():
         return
-    lines = path.read_text().splitlines(keepends=True)
+    lines = read_lines(path)
     if path.suffix == ".csv":
         column = next(csv.reader(lines[:1]), ["step"]).index("step")
         kept = lines[:1] + [ln for ln in lines[1:] if _csv_step(ln, column) <= step]

@@ -159,8 +159,16 @@ def claim_records(run_dir: Path, run_id: str) -> None:
     it opens them): a later resume into the directory can tell whose records it would cut."""
     path = Path(run_dir) / RECORDS_OWNER
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"id": run_id}) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps({"id": run_id}) + "\n")
+        tmp.replace(path)
+    except OSError as exc:  # a full disk: no 0-byte file left behind, and the failure named
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise RunDirError(f"could not write {path}: {exc.strerror or exc}; free space in the "
+                          f"run directory, or choose another --run-dir") from None
 
 
 def records_owner(run_dir: Path) -> str | None:

@@ -43,7 +43,7 @@ from ..models import hf
 from ..optim import lr_at
 from . import checkpoint, publish
 from .config import Config, ConfigError
-from .metrics import json_record_step
+from .metrics import json_record_step, read_lines
 from .rundir import in_use, records_owner
 
 ROOT = Path("runs")
@@ -212,7 +212,7 @@ def _refuse_finished_records(run_dir: Path) -> None:
         steps = tomllib.loads(config.read_text())["train"]["steps"]
     except (tomllib.TOMLDecodeError, KeyError, OSError):
         return
-    logged = (json_record_step(line) for line in metrics.read_text().splitlines())
+    logged = (json_record_step(line) for line in read_lines(metrics))
     done = max((step for step in logged if step != math.inf), default=0)  # torn lines: inf
     if done >= steps:
         raise ConfigError(f"the run in {str(run_dir)!r} finished (its metrics.jsonl reaches step "
