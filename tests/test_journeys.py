@@ -3,6 +3,7 @@ tells them to type, and it must work as written."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -65,3 +66,33 @@ def test_a_whole_shape_without_kv_heads_plans_and_trains_as_multi_head_attention
     # a partial table still changes the default preset, as documented
     path.write_text("[model]\nd_model = 96\nn_heads = 6\n")
     assert load(str(path)).model.n_kv_heads == PRESETS["small"].n_kv_heads
+
+
+def test_export_from_another_directory_carries_the_datasets_tokenizer(tmp_path):
+    """Prepare, train and export with relative paths, the export run from elsewhere: the run
+    recorded its dataset relative to where it trained, so the export said "no tokenizer
+    carried"."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    tok = Tokenizer(tok_models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["the cat sat on the mat"] * 20, trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(work / "tokenizer.json"))
+    (work / "text.txt").write_text("the cat sat on the mat\n" * 400)
+    env = {**os.environ, "PYTHONPATH": SRC}
+    for cwd, argv in ((work, ["data", "prepare", "text.txt", "--tokenizer", "tokenizer.json", "--out", "data"]),
+                      (work, ["train", "--model", "tiny", "--data", "data", "--vocab-size", "259", "--steps", "2",
+                              "--save-every", "2", "--nproc", "2", "--run-dir", "run", "--seq-len", "32",
+                              "--no-progress"]),
+                      (elsewhere, ["export", "../work/run/checkpoints/step-2", "--to", "hf", "--out", "out"])):
+        done = subprocess.run([sys.executable, "-m", "paratrain", *argv], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "no tokenizer carried" not in done.stdout + done.stderr
+    assert (elsewhere / "out" / "tokenizer.json").is_file()
+    assert json.loads((elsewhere / "out" / "config.json").read_text())["eos_token_id"] == 2

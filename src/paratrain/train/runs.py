@@ -64,6 +64,7 @@ def place(cfg: Config, torchrun: bool, now: float | None = None,
     ``job``: the torchrun job this is an attempt of; a restart continues the run its first
     attempt started, whatever ``runs/latest`` points at by then."""
     _check_metrics_path(cfg.train.metrics)
+    cfg = absolute_paths(cfg)
     mode = resume_mode(cfg.train.resume, torchrun)
     # A checkpoint named through runs/latest: resolved now, before latest moves to a new run.
     given = "" if mode in RESUME_CHOICES else os.path.realpath(mode)
@@ -130,6 +131,16 @@ def _auto(cfg: Config, run_dir: Path, owned: bool, given: str,
         _refuse_finished_records(run_dir)
     notes.append(f"no complete checkpoint in {where}: " + (f"resuming {given}" if given else "starting fresh"))
     return run_dir, given
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """``cfg`` with the files it reads (a dataset, a corpus, a Hugging Face model directory)
+    named by absolute path: the run's config.toml and its checkpoints keep them, and
+    ``export`` or a resume run from another directory must find the same files."""
+    data = cfg.data
+    absolute = {k: os.path.abspath(v) for k in ("data", "corpus") if (v := getattr(data, k))}
+    preset = os.path.abspath(cfg.model_preset) if hf.is_model_dir(cfg.model_preset) else cfg.model_preset
+    return dataclasses.replace(cfg, data=dataclasses.replace(data, **absolute), model_preset=preset)
 
 
 JOBS = ROOT / ".jobs"
