@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from paratrain.cli import main
@@ -96,3 +97,36 @@ def test_export_from_another_directory_carries_the_datasets_tokenizer(tmp_path):
     assert "no tokenizer carried" not in done.stdout + done.stderr
     assert (elsewhere / "out" / "tokenizer.json").is_file()
     assert json.loads((elsewhere / "out" / "config.json").read_text())["eos_token_id"] == 2
+
+
+def test_compression_that_never_starts_within_the_run_is_warned():
+    from paratrain.train.preflight import advice
+
+    late = load(None, {"preset": "tiny", "compress": "int8", "steps": 5}).validate()
+    assert any("--compress int8 never starts: compression begins after 20 optimizer steps" in n
+               for n in advice(late))
+    early = load(None, {"preset": "tiny", "compress": "int8", "steps": 5, "compress_start": 1}).validate()
+    assert not any("never starts" in n for n in advice(early))
+
+
+@pytest.mark.timeout(400)
+def test_the_readme_two_node_example_compresses(tmp_path):
+    """It ran 5 steps with compression starting after 20: it compressed nothing."""
+    import re
+
+    from test_cluster import TOOL, _skip_reason
+
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("python scripts/cluster.py"))
+    argv = shlex.split(line.split("#")[0])[2:]  # after `python scripts/cluster.py`
+    tag = f"j{os.getpid() % 100000}"
+    done = subprocess.run([sys.executable, str(TOOL), "--tag", tag, *argv, "--run-dir", str(tmp_path / "run"),
+                           "--no-progress"], env={**os.environ, "PYTHONPATH": SRC},
+                          capture_output=True, text=True, timeout=360)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["comm_ratio"] > 1, last
+    assert not re.search("never starts", done.stderr)

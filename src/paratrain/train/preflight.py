@@ -158,6 +158,12 @@ def advice(cfg: Config) -> list[str]:
     if t.steps <= o.warmup_steps:
         notes.append(f"steps={t.steps} is not above warmup_steps={o.warmup_steps}: the learning "
                      f"rate only warms up and never decays; lower --warmup-steps or raise --steps")
+    start = cfg.compress_spec.start
+    if cfg.parallel.compress != "none" and start >= t.steps:
+        why = " (the default: the larger of --warmup-steps and 10% of --steps)" if cfg.parallel.compress_start < 0 else ""
+        notes.append(f"--compress {cfg.parallel.compress} never starts: compression begins after "
+                     f"{start} optimizer steps{why}, and the run takes {t.steps}; set "
+                     f"--compress-start below {t.steps} (e.g. 1)")
     return notes + _tokenizer_advice(cfg)
 
 
