@@ -69,7 +69,9 @@ def alive(pid: int) -> bool:
 
 
 def leftovers(tmp: Path) -> list[str]:
-    return [p.name for p in tmp.iterdir() if p.name.startswith(("paratrain-", "pytorch-errorfile"))]
+    """The launcher's files (its scratch directory in the run directory, or the system's
+    temporary one) and torch's error files, anywhere under ``tmp``."""
+    return [p.name for p in tmp.rglob("*") if p.name.startswith(("paratrain-", ".launch-", "pytorch-errorfile"))]
 
 
 # ---- hangs and dead ranks --------------------------------------------------------------------
@@ -443,3 +445,20 @@ def test_a_torn_non_utf8_metrics_tail_resumes_and_reports(tmp_path):
     assert [r["step"] for r in read_metrics(path)] == [1, 2]
     keep_records_until(path, 2)
     assert path.read_bytes() == b'{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n'
+
+
+def test_the_launchers_scratch_lives_in_the_run_directory_and_its_loss_is_named(tmp_path, background):
+    """It lived in the system's temporary directory: a cleaner that removed it ended the run
+    with a bare "[Errno 2] No such file or directory"."""
+    import shutil
+
+    run = tmp_path / "run"
+    proc = start(background, tmp_path, run, "--steps", "100000", "--timeout-s", "30")
+    wait_for_steps(proc, run / "metrics.jsonl", 2)
+    scratch = list(run.glob(".launch-*"))
+    assert len(scratch) == 1 and not list(tmp_path.glob("paratrain-*"))  # the run owns it
+    shutil.rmtree(scratch[0])
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert f"the launcher's scratch directory {scratch[0]} was removed while the run was going" in err, err
+    assert "Traceback" not in err and "Errno 2" not in err, err

@@ -138,7 +138,8 @@ def _run_train(args: argparse.Namespace) -> int:
         with RunDirLock(cfg):
             runs.record(cfg)
             spawn(run_worker, cfg.parallel.nproc, cfg, None, backend=cfg.parallel.backend,
-                  timeout_s=cfg.parallel.max_time_s or None, collective_timeout_s=cfg.parallel.timeout_s)
+                  timeout_s=cfg.parallel.max_time_s or None, collective_timeout_s=cfg.parallel.timeout_s,
+                  scratch=cfg.train.run_dir)  # the run owns its launcher's files: no /tmp to lose
     except RankFailed as exc:
         print(f"paratrain train: {exc}", file=sys.stderr)
         return 1

@@ -197,19 +197,22 @@ def _hung(result_dir: str, rank: int, report: str) -> None:
 
 
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "auto",
-          timeout_s: float | None = 600.0, collective_timeout_s: float = 300.0) -> list[Any]:
+          timeout_s: float | None = 600.0, collective_timeout_s: float = 300.0,
+          scratch: str | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` fresh processes joined in one world; return their
     results in rank order. ``fn`` must be importable by name (a module-level function).
 
     ``timeout_s`` bounds the whole world (None: no bound); ``collective_timeout_s`` bounds
-    how long any one collective waits for a peer."""
+    how long any one collective waits for a peer. The rendezvous and the ranks' results
+    live in a directory made under ``scratch`` (``paratrain train``: the run directory, which
+    the run owns) or, by default, the system's temporary directory, and are removed after."""
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     backend = pick_backend(backend)
     if backend == "nccl" and nproc > torch.cuda.device_count():
         raise ValueError(f"nccl needs one GPU per process: {nproc} processes, "
                          f"{torch.cuda.device_count()} GPUs; lower --nproc or use gloo")
-    workdir = tempfile.mkdtemp(prefix="paratrain-")
+    workdir = tempfile.mkdtemp(prefix=".launch-" if scratch else "paratrain-", dir=scratch)
     try:
         # A file rendezvous needs no free port, so concurrent worlds cannot collide.
         init_method = "file://" + os.path.join(workdir, "rendezvous")
@@ -240,6 +243,12 @@ def _join(ctx: mp.ProcessContext, timeout_s: float | None, workdir: str) -> None
             if not running:
                 break
             mp_connection.wait(running, timeout=0.2)
+            if not os.path.isdir(workdir):  # a temporary-file cleaner, or a hand
+                _kill(ctx)
+                raise RankFailed(f"the launcher's scratch directory {workdir} was removed while the "
+                                 f"run was going, and with it the ranks' rendezvous and results; "
+                                 f"the run was ended (its checkpoints are kept: --resume auto "
+                                 f"continues it)")
             # A recorded failure counts at once: its rank may take a while to exit (a peer
             # it waits for in teardown is stopped).
             if (any(p.exitcode not in (None, 0) for p in procs) or _any_failure(workdir)
