@@ -56,6 +56,8 @@ CASES = [
     ("val-fraction-1.5", ["train", "--val-fraction", "1.5"], {}, {}, "data.val_fraction"),
     ("plan-gpus-0", ["plan", "--model", "llama3-8b", "--gpus", "0"], {}, {}, "--gpus"),
     ("plan-nodes-0", ["plan", "--model", "llama3-8b", "--nodes", "0"], {}, {}, "--nodes"),
+    ("plan-gpus-1e9", ["plan", "--model", "llama3-8b", "--gpus", "1000000000"], {}, {},
+     "--gpus 1,000,000,000 is more than the 1,048,576 GPUs plan searches"),
     ("plan-global-batch-0", ["plan", "--model", "llama3-8b", "--global-batch", "0"], {}, {},
      "--global-batch"),
     ("plan-seq-len-0", ["plan", "--model", "llama3-8b", "--seq-len", "0"], {}, {}, "--seq-len"),

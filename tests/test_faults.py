@@ -462,3 +462,52 @@ def test_the_launchers_scratch_lives_in_the_run_directory_and_its_loss_is_named(
     assert proc.returncode == 1, err
     assert f"the launcher's scratch directory {scratch[0]} was removed while the run was going" in err, err
     assert "Traceback" not in err and "Errno 2" not in err, err
+
+
+def test_a_failed_run_names_its_last_checkpoint_and_a_resume_command_that_works(tmp_path, background):
+    """A killed run said neither which checkpoint is the last complete one nor how to go on;
+    --keep-last 2 keeps the disk from filling with the rest."""
+    import shlex
+
+    run = tmp_path / "run"
+    proc = start(background, tmp_path, run, "--steps", "100000", "--save-every", "2", "--keep-last", "2",
+                 "--timeout-s", "30")
+    wait_for_steps(proc, run / "metrics.jsonl", 7)
+    os.kill(rank_pids(proc.pid)[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    published = sorted(p.name for p in (run / "checkpoints").glob("step-*") if (p / "meta.json").is_file())
+    assert 1 <= len(published) <= 2, published  # --keep-last 2
+    newest = max(published, key=lambda n: int(n[5:]))
+    assert f"last complete checkpoint: {run / 'checkpoints' / newest}; continue with `" in err, err
+    command = shlex.split(err.split("continue with `")[1].split("`")[0])
+    step = int(newest[5:])
+    done = subprocess.run([sys.executable, "-m", *command[:1], *command[1:], "--steps", str(step + 2),
+                           "--no-progress"], env={**os.environ, "TMPDIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming {run / 'checkpoints' / newest} (step {step})" in done.stdout, done.stdout[-2000:]
+
+
+def test_a_nonfinite_message_says_which_of_loss_and_norm_was_not_finite():
+    from paratrain.train.nonfinite import NonFiniteGuard
+
+    guard = NonFiniteGuard("stop", 0)
+    norm = guard.check({"loss": 5.545, "grad_norm": float("nan"), "step": 3, "nonfinite_ranks": []}, "")
+    assert str(norm).startswith("non-finite grad norm nan (the loss 5.545 is finite) at step 3"), norm
+    both = guard.check({"loss": float("nan"), "grad_norm": float("inf"), "step": 3, "nonfinite_ranks": [1]}, "")
+    assert str(both).startswith("non-finite loss nan and grad norm inf at step 3 on rank 1"), both
+
+
+def test_a_rank_that_fails_after_a_killed_one_is_not_said_to_fail_first(tmp_path):
+    from types import SimpleNamespace
+
+    from paratrain.launch import _failure_report
+
+    (tmp_path / "error1.txt").write_text("12.5\nConnectionResetError: peer gone\n")
+    (tmp_path / "joining0").touch()
+    (tmp_path / "joining1").touch()
+    procs = [SimpleNamespace(exitcode=-9, pid=1), SimpleNamespace(exitcode=1, pid=2)]
+    report = _failure_report(procs, str(tmp_path))
+    assert report.startswith("rank 0 was killed by SIGKILL"), report
+    assert "failed first" not in report and "rank 1 then failed" in report, report

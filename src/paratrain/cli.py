@@ -142,6 +142,7 @@ def _run_train(args: argparse.Namespace) -> int:
                   scratch=cfg.train.run_dir)  # the run owns its launcher's files: no /tmp to lose
     except RankFailed as exc:
         print(f"paratrain train: {exc}", file=sys.stderr)
+        print(f"paratrain train: {runs.how_to_resume(cfg)}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)

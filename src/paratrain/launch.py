@@ -283,7 +283,7 @@ def _failure_report(procs: list, workdir: str) -> str:
     lines += [f"rank {rank} never reached the process group's rendezvous (stuck before it, "
               f"in its imports or start-up?)" for rank, p in enumerate(procs)
               if p.exitcode is None and not os.path.exists(os.path.join(workdir, f"joining{rank}"))]
-    first = _first_failure(workdir)
+    first = _first_failure(workdir, after_a_loss=bool(lines))
     if first:
         lines.append(first)
     if not lines:
@@ -315,8 +315,10 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _first_failure(workdir: str) -> str | None:
-    """The traceback of the rank that failed first, naming the ranks that followed."""
+def _first_failure(workdir: str, after_a_loss: bool = False) -> str | None:
+    """The traceback of the rank that failed first, naming the ranks that followed.
+    ``after_a_loss``: a rank was killed, stopped or vanished before (it could not record
+    itself), so this one failed after it, not first."""
     failures = []
     for name in os.listdir(workdir):
         if name.startswith("error") and name.endswith(".txt"):
@@ -332,7 +334,8 @@ def _first_failure(workdir: str) -> str | None:
         return f"ranks {sorted([rank, *same])} failed:\n{tb}"
     others = [r for _, r, _ in failures[1:]]
     after = f" (then ranks {others} failed, having lost their peer)" if others else ""
-    return f"rank {rank} failed first{after}:\n{tb}"
+    when = "then failed (having lost that rank?)" if after_a_loss else "failed first"
+    return f"rank {rank} {when}{after}:\n{tb}"
 
 
 def _kill(ctx: mp.ProcessContext) -> None:

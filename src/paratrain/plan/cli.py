@@ -98,6 +98,9 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
         return local_cluster(args.gpus or calibration.cores, calibration)
     per_node = args.gpus_per_node or DEFAULT_GPUS_PER_NODE
     gpus = args.gpus or (args.nodes or 1) * per_node
+    if gpus > MAX_GPUS:  # the search grows with the divisors: minutes, then a failure
+        raise ValueError(f"--gpus {gpus:,} is more than the {MAX_GPUS:,} GPUs plan searches (the "
+                         f"largest training runs use ~10^5); give the job's GPU count")
     if args.gpus and args.nodes and args.gpus != args.nodes * per_node:
         raise ValueError(f"--gpus {args.gpus} disagrees with --nodes {args.nodes} x "
                          f"--gpus-per-node {per_node}")
@@ -112,6 +115,9 @@ def build_training(args: argparse.Namespace, model: ModelSpec, cluster: Cluster)
     precision = args.precision or ("fp32" if cluster.kind == "local" else "bf16")
     return Training(batch, seq, precision, args.optimizer)
 
+
+MAX_GPUS = 2**20
+"""The largest cluster plan searches: above any built, below where a search takes minutes."""
 
 POSITIVE_ARGS = ("gpus", "nodes", "gpus_per_node", "global_batch", "seq_len", "top",
                  "intra_bw", "inter_bw")

@@ -23,6 +23,7 @@ from .config import Config
 from .metrics import MetricsWriter, comm_metrics, state_bytes, summary
 from .nonfinite import NonFiniteGuard, culprits
 from .rundir import claim_records, run_record
+from .runs import keep_newest
 from .task import Run, task_for
 
 
@@ -170,6 +171,8 @@ def _save(run: Run, step: int, skipped: int) -> None:
     checkpoint.save(directory, step, run.engine, run.task.model_config(cfg), cfg.describe_layout(),
                     run_meta=run_meta)
     run.last_checkpoint = str(directory)
+    if cfg.train.keep_last and run.is_logger:  # after the new one is published, whole
+        keep_newest(Path(cfg.train.run_dir), cfg.train.keep_last)
 
 
 def _save_timeline(run: Run) -> None:

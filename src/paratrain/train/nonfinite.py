@@ -48,9 +48,17 @@ class NonFiniteGuard:
         ranks = record["nonfinite_ranks"]
         where = (f"on rank {', '.join(map(str, ranks))}" if ranks else
                  "(every rank's own loss was finite: the gradient norm overflowed)")
-        what = f"loss {record['loss']}, grad norm {record['grad_norm']}"
+        what = _what(record["loss"], record["grad_norm"])
         ckpt = last_checkpoint or "none (pass --save-every N to keep some)"
         fix = ("lower --lr, or pass --on-nonfinite skip" if self.policy == "stop" else
                f"it is the {self.skips + 1}th non-finite step, over --max-skips {self.max_skips}; lower --lr")
         return NonFiniteError(f"non-finite {what} at step {record['step']} {where}; its update was not "
                              f"applied. Last good checkpoint: {ckpt}. {fix[0].upper()}{fix[1:]}")
+
+
+def _what(loss: float, norm: float) -> str:
+    """'loss nan and grad norm nan', or the one that is not finite with the other's value."""
+    values = {"loss": loss, "grad norm": norm}
+    bad = [f"{name} {value}" for name, value in values.items() if not math.isfinite(value)]
+    good = [f"the {name} {value:.4g} is finite" for name, value in values.items() if math.isfinite(value)]
+    return " and ".join(bad) + (f" ({good[0]})" if good else "")

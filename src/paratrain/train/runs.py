@@ -31,6 +31,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import time
 import tomllib
 from pathlib import Path
@@ -325,6 +326,34 @@ def newest_complete(run_dir: Path, model_cfg, notes: list[str],
             continue
         return path, meta["step"]
     return None, 0
+
+
+def keep_newest(run_dir: Path, n: int) -> list[Path]:
+    """Remove all but the newest ``n`` published checkpoints of ``run_dir`` (``--keep-last``);
+    the removed ones."""
+    published = sorted((p for p in checkpoints(run_dir) if (p / checkpoint.INDEX).is_file()), key=step_of)
+    old = published[:-n] if n > 0 else []
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
+
+
+def newest_published(run_dir: Path) -> Path | None:
+    """The newest checkpoint of ``run_dir`` whose index was written (publishing is atomic,
+    so it is whole unless damaged later), without reading its tensors."""
+    published = [p for p in checkpoints(run_dir) if (p / checkpoint.INDEX).is_file()]
+    return max(published, key=step_of, default=None)
+
+
+def how_to_resume(cfg: Config) -> str:
+    """What a failed run leaves to go on from: its newest checkpoint and the command."""
+    run_dir = Path(cfg.train.run_dir)
+    newest = newest_published(run_dir)
+    if newest is None:
+        return (f"no checkpoint was written in {run_dir}" + ("" if cfg.train.save_every else
+                " (pass --save-every N to keep some)"))
+    return (f"last complete checkpoint: {newest}; continue with `paratrain train --config "
+            f"{run_dir / 'config.toml'} --run-dir {run_dir} --resume auto`")
 
 
 def checkpoints(run_dir: Path) -> list[Path]:

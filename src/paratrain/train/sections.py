@@ -149,6 +149,9 @@ class TrainConfig:
     save_every: int = 0
     """Save a layout-independent checkpoint to RUN_DIR/checkpoints/step-N every this many
     steps and after the last (0: never)."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints of the run, removing older ones after each save
+    (0: keep all), so that a long run does not fill its disk."""
     resume: str = ""
     """auto: the newest complete checkpoint of the run directory, or a fresh start if there is
     none; none: start fresh; or a checkpoint directory, written under any layout (same model
