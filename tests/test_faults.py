@@ -511,3 +511,28 @@ def test_a_rank_that_fails_after_a_killed_one_is_not_said_to_fail_first(tmp_path
     report = _failure_report(procs, str(tmp_path))
     assert report.startswith("rank 0 was killed by SIGKILL"), report
     assert "failed first" not in report and "rank 1 then failed" in report, report
+
+
+def test_a_token_id_beyond_the_vocabulary_is_named_with_its_shard_and_position(tmp_path):
+    """A damaged shard crashed at the step that read it with a 70-line IndexError naming
+    neither the dataset, the shard nor `data verify` (and again after every restart)."""
+    import numpy as np
+
+    from paratrain.data.dataset import load_split
+    from paratrain.data.prepare import prepare
+    from paratrain.train.data import Samples, TokenIdError
+
+    (tmp_path / "text.txt").write_text("the cat sat on the mat\n" * 200)
+    prepare([str(tmp_path / "text.txt")], "bytes", str(tmp_path / "data"))
+    shard = next((tmp_path / "data").glob("*.bin"))
+    tokens = np.memmap(shard, dtype=np.uint16, mode="r+")
+    tokens[1000] = 999  # a flipped bit's worth of damage
+    tokens.flush()
+    train, _, _ = load_split(tmp_path / "data")
+    samples = Samples(train, 32, vocab_size=256, source=str(tmp_path / "data"))
+    samples.batch([0, 1])  # clean samples read as before
+    with pytest.raises(TokenIdError) as info:
+        samples.batch([30, 31])  # tokens 960..1024 hold the damage
+    message = str(info.value)
+    assert f"{shard.name} at token 1,000 holds token id 999, beyond the model's vocabulary of 256" in message
+    assert f"paratrain data verify {tmp_path / 'data'}" in message

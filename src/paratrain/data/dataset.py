@@ -150,6 +150,12 @@ class TokenStream:
             lo = end
         return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
+    def where(self, position: int) -> str:
+        """The shard file and offset of token ``position`` of this stream."""
+        at = position + self.start
+        shard = bisect_right(self.offsets, at) - 1
+        return f"{Path(self.maps[shard].filename).name} at token {at - self.offsets[shard]:,}"
+
 
 def load_split(path: str | Path) -> tuple[TokenStream, TokenStream, DatasetMeta]:
     """Training and validation token streams of a prepared dataset."""

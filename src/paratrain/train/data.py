@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..data.dataset import TokenStream, load_split
+from ..errors import RunError
 from ..models.gpt import IGNORE_INDEX
 
 PAD = -1  # sample index of a padding row: its targets are all masked
@@ -55,6 +56,11 @@ class Samples:
     shards (``data/dataset.py``)."""
     seq_len: int
     """Tokens per sample."""
+    vocab_size: int = 0
+    """The model's vocabulary: a token id at or past it (a damaged shard) is named where it
+    was read, instead of failing as an IndexError deep in the embedding (0: not checked)."""
+    source: str = ""
+    """What the tokens are, for that message (the dataset's directory)."""
 
     def __len__(self) -> int:
         return max(0, (len(self.tokens) - 1) // self.seq_len)
@@ -69,9 +75,25 @@ class Samples:
                 rows.append(torch.as_tensor(np.asarray(
                     self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1], dtype=np.int64)))
         window = torch.stack(rows)
+        if self.vocab_size and int(window.max()) >= self.vocab_size:
+            raise self._out_of_vocabulary(window, indices)
         targets = window[:, 1:].clone()
         targets[torch.tensor(indices) == PAD] = IGNORE_INDEX
         return window[:, :-1].to(device), targets.to(device)
+
+    def _out_of_vocabulary(self, window: torch.Tensor, indices: list[int]) -> "TokenIdError":
+        row, col = (int(x) for x in (window >= self.vocab_size).nonzero()[0])
+        position = indices[row] * self.seq_len + col
+        where = (self.tokens.where(position) if isinstance(self.tokens, TokenStream)
+                 else f"token {position:,}")
+        return TokenIdError(f"{self.source or 'the corpus'}: {where} holds token id "
+                            f"{int(window[row, col])}, beyond the model's vocabulary of "
+                            f"{self.vocab_size}: the data is damaged (`paratrain data verify "
+                            f"{self.source}` checks every shard) or was prepared with another tokenizer")
+
+
+class TokenIdError(RunError):
+    """A token id the model's vocabulary does not have: damaged data."""
 
 
 @dataclass

@@ -33,11 +33,12 @@ class LanguageModel:
         meta = checkpoint.read_meta(cfg.train.resume) if cfg.train.resume else {}
         engine, start_step = build_engine(cfg, mesh)
         train_tokens, val_tokens = D.load_tokens(cfg.data)
-        train_data = D.Samples(train_tokens, cfg.data.seq_len)
+        source, vocab = cfg.data.data or cfg.data.corpus, cfg.model.vocab_size
+        train_data = D.Samples(train_tokens, cfg.data.seq_len, vocab, source)
         sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch,
                                        dp_rank=mesh.coord(DP), dp_size=mesh.size(DP),
                                        seed=cfg.train.seed, remainder=cfg.data.remainder)
-        return Run(cfg, mesh, self, engine, train_data, D.Samples(val_tokens, cfg.data.seq_len),
+        return Run(cfg, mesh, self, engine, train_data, D.Samples(val_tokens, cfg.data.seq_len, vocab, source),
                    sampler, start_step, continued_run_id(meta), cfg.train.resume,
                    checkpoint.skipped_steps(meta))
 
