@@ -92,7 +92,7 @@ def test_export_from_another_directory_carries_the_datasets_tokenizer(tmp_path):
                               "--no-progress"]),
                       (elsewhere, ["export", "../work/run/checkpoints/step-2", "--to", "hf", "--out", "out"])):
         done = subprocess.run([sys.executable, "-m", "paratrain", *argv], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "no tokenizer carried" not in done.stdout + done.stderr
     assert (elsewhere / "out" / "tokenizer.json").is_file()

@@ -212,7 +212,8 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "auto",
     if backend == "nccl" and nproc > torch.cuda.device_count():
         raise ValueError(f"nccl needs one GPU per process: {nproc} processes, "
                          f"{torch.cuda.device_count()} GPUs; lower --nproc or use gloo")
-    workdir = tempfile.mkdtemp(prefix=".launch-" if scratch else "paratrain-", dir=scratch)
+    # Absolute: the rendezvous is a file:// URL, where a relative path would read as a host.
+    workdir = os.path.abspath(tempfile.mkdtemp(prefix=".launch-" if scratch else "paratrain-", dir=scratch))
     try:
         # A file rendezvous needs no free port, so concurrent worlds cannot collide.
         init_method = "file://" + os.path.join(workdir, "rendezvous")
