@@ -130,3 +130,31 @@ def test_the_readme_two_node_example_compresses(tmp_path):
     last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["comm_ratio"] > 1, last
     assert not re.search("never starts", done.stderr)
+
+
+def test_the_output_says_what_it_shows(tmp_path, capsys, monkeypatch):
+    """Help, plot and report as a new user met them: the heat2d flags looked like language-
+    model ones, the small preset's defaults were shown under --model DIR, plan --optimizer
+    had no help, the report was titled 'runs/latest' and CPU memory did not say it was RSS."""
+    from paratrain.cli import build_parser
+    from paratrain.report import read_metrics
+
+    helps = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0].choices["plan"]._actions}
+    assert helps["optimizer"] and "sgd" in helps["optimizer"]
+    train_help = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    assert "heat2d (read only with --task heat2d" in train_help
+    assert "a Hugging Face --model DIR fixes all but max_seq_len" in train_help
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "paratrain", "train", "--model", "tiny", "--steps", "2",
+                           "--nproc", "1", "--seq-len", "32", "--run-dir", str(run), "--no-progress",
+                           "--log-every", "1"], env={**os.environ, "PYTHONPATH": SRC},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert read_metrics(run)[-1]["peak_mem_is"] == "cpu_max_rss"
+    (tmp_path / "latest").symlink_to(run)
+    from paratrain import report
+
+    titles, draw = [], report.draw
+    monkeypatch.setattr(report, "draw", lambda records, out, title: (titles.append(title), draw(records, out, title))[1])
+    assert main(["report", str(tmp_path / "latest")]) == 0
+    assert titles == ["run"] and (run / "report.png").is_file()  # the run's name, not 'latest'

@@ -95,6 +95,10 @@ def _parse(kind: type):
     return parse
 
 
+SECTION_TITLES = {"heat2d": "heat2d (read only with --task heat2d: the U-Net and its generated fields)"}
+"""Help titles of the config sections whose name does not say when they apply."""
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model under any layout",
                        description="Train a GPT with several processes. With no arguments: the "
@@ -104,10 +108,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", dest="preset", default=argparse.SUPPRESS, metavar="PRESET|DIR",
                    help=f"model preset ({', '.join(sorted(PRESETS))}; default: {DEFAULT_PRESET}) or "
                         f"a local Hugging Face Llama/Mistral/Qwen2 directory, whose weights are loaded")
-    fields = add_dataclass_flags(p, GPTConfig, f"model (override the preset; defaults: "
-                                 f"{DEFAULT_PRESET})", PRESETS[DEFAULT_PRESET])
+    fields = add_dataclass_flags(p, GPTConfig, f"model (override the preset's fields; the defaults "
+                                 f"shown are the {DEFAULT_PRESET} preset's; a Hugging Face --model "
+                                 f"DIR fixes all but max_seq_len and init_std)", PRESETS[DEFAULT_PRESET])
     for title, cls in SECTIONS.items():
-        fields += add_dataclass_flags(p, cls, title)
+        fields += add_dataclass_flags(p, cls, SECTION_TITLES.get(title, title))
     p.set_defaults(func=_run_train, config_fields=["preset", *fields])
 
 

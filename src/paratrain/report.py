@@ -74,11 +74,15 @@ def draw(records: list[dict[str, Any]], out: Path, title: str) -> Path:
     # past the end of a shorter list, or leave the added ranks out).
     for rank in range(max((len(r["peak_mem_bytes"]) for r in mem), default=0)):
         have = [r for r in mem if len(r["peak_mem_bytes"]) > rank]
+        # Samples every --log-every steps of a peak so far: points, not a line that
+        # suggests growth between them.
         ax.plot([r["step"] for r in have], [r["peak_mem_bytes"][rank] / 2**20 for r in have],
-                label=f"rank {rank}")
+                "o:", label=f"rank {rank}")
     if mem:
         ax.legend(fontsize="small")
-    ax.set(title="peak memory per rank (MiB)", xlabel="step")
+    kind = {"cpu_max_rss": "peak resident set", "cuda_max_allocated": "peak allocated"}.get(
+        mem[-1].get("peak_mem_is", "") if mem else "", "peak memory")
+    ax.set(title=f"{kind} per rank so far (MiB)", xlabel="step")
     ax = axes[1][1]
     ax.plot(steps, [r["lr"] for r in records])
     ax.set(title="learning rate", xlabel="step")
@@ -107,6 +111,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     records = read_metrics(run_dir)
     home = run_dir.parent if run_dir.is_file() else run_dir
-    out = draw(records, out or home / "report.png", str(run_dir))
+    # runs/latest is a link: the title names the run it points at
+    out = draw(records, out or home / "report.png", home.resolve().name)
     print(f"report        {out} ({len(records)} steps)")
     return 0

@@ -60,8 +60,8 @@ def add_parser(subparsers) -> None:
     cl.add_argument("--calibrate", action="store_true",
                     help="first measure this machine (matmul rates, eager-model efficiency, "
                          "AdamW rate, α and β of gloo's collectives with 2 and 4 processes; "
-                         "under a minute) and write the calibration file --cluster local "
-                         "reads")
+                         "a few minutes on 2 cores, with progress) and write the calibration "
+                         "file --cluster local reads")
     tr = p.add_argument_group("training")
     tr.add_argument("--global-batch", type=int,
                     help="sequences per step (default: ~4M tokens on GPUs, 8K locally)")
@@ -70,7 +70,9 @@ def add_parser(subparsers) -> None:
     tr.add_argument("--micro-batch", default="search", help="sequences per microbatch, or search")
     tr.add_argument("--precision", choices=PRECISIONS,
                     help="default bf16 on GPUs, fp32 for --cluster local")
-    tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                    help="whose state is counted: adam (AdamW: an fp32 master copy and two "
+                         "fp32 moments per parameter) or sgd (SGD with momentum: one); default adam")
     tr.add_argument("--recompute", choices=(*RECOMPUTE, "search"), default="search")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, metavar="N", help=f"plans to show (default {DEFAULT_TOP})")

@@ -168,6 +168,11 @@ def peak_flops(device: torch.device, precision: str, world: int) -> float | None
     return rate * min(world, calibration.cores) if rate else None
 
 
+def peak_memory_kind(device: torch.device) -> str:
+    """What ``peak_memory_bytes`` measures on ``device``, as the metrics name it."""
+    return "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss"
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """This process's peak memory: allocated device memory on a GPU; on CPU the peak
     resident set (Linux reports KiB), which includes the allocator's retained heap."""

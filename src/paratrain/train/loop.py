@@ -114,6 +114,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
             result.val_losses.append((step + 1, val_loss))
         if last or (step + 1) % cfg.train.log_every == 0:  # same steps on every rank: collective
             record["peak_mem_bytes"] = _gather_peak_memory(mesh)
+            record["peak_mem_is"] = logs.peak_memory_kind(mesh.device)
         stop = guard.check(record, run.last_checkpoint) if "nonfinite_ranks" in record else None
         for sink in [writer, *sinks]:
             sink.write(record)
