@@ -158,3 +158,21 @@ def test_the_output_says_what_it_shows(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(report, "draw", lambda records, out, title: (titles.append(title), draw(records, out, title))[1])
     assert main(["report", str(tmp_path / "latest")]) == 0
     assert titles == ["run"] and (run / "report.png").is_file()  # the run's name, not 'latest'
+
+
+def test_quiet_prints_nothing_but_warnings_and_a_library_user_can_capture_the_rest(tmp_path, caplog, monkeypatch):
+    import logging
+
+    run = subprocess.run([sys.executable, "-m", "paratrain", "train", "--model", "tiny", "--steps", "2",
+                          "--nproc", "2", "--seq-len", "32", "--run-dir", str(tmp_path / "q"), "--quiet"],
+                         env={**os.environ, "PYTHONPATH": SRC}, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == "", run.stdout
+    assert "warning: steps=2 is not above warmup_steps=20" in run.stderr  # warnings stay
+    assert (tmp_path / "q" / "metrics.jsonl").read_text().count("\n") == 2
+    from paratrain.train import runs
+
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.INFO, logger="paratrain"):
+        runs.place_and_print(load(None, {"preset": "tiny"}).validate(), torchrun=False)
+    assert any(r.getMessage().startswith("run directory runs/") for r in caplog.records)

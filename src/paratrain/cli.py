@@ -14,6 +14,7 @@ import time
 from functools import lru_cache
 
 from . import __version__
+from . import console
 from .errors import RunError
 from .layout import LayoutError
 from .models.gpt import PRESETS, GPTConfig
@@ -22,6 +23,7 @@ from .models.hf import HFModelError
 from .train import schema
 from .train.config import SECTIONS, Config, ConfigError
 
+log = console.get(__name__)
 DEFAULT_PRESET = Config.model_preset
 """The model ``paratrain train`` builds when no preset is named."""
 
@@ -126,6 +128,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     overrides = {k: getattr(args, k) for k in args.config_fields if hasattr(args, k)}
     cfg = config_mod.load(args.config, overrides)
+    console.configure(cfg.train.quiet)
     if started_by_torchrun(os.environ):  # this process is one rank of torchrun's world
         world = torchrun_world(cfg.parallel.backend, cfg.parallel.timeout_s)
         cfg = _preflight(_torchrun_config(cfg, world.world_size), torchrun=True,
@@ -151,7 +154,7 @@ def _run_train(args: argparse.Namespace) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(f"wall time     {time.perf_counter() - start:.1f} s with process start-up and teardown")
+    log.info(f"wall time     {time.perf_counter() - start:.1f} s with process start-up and teardown")
     return 0
 
 
@@ -179,7 +182,7 @@ def _preflight(cfg: Config, *, torchrun: bool, report: bool, local_ranks: int) -
     preflight.check_data(cfg)
     preflight.check_weights(cfg)
     for note in preflight.advice(cfg) if report else ():
-        print(f"paratrain train: warning: {note}", file=sys.stderr)
+        log.warning(f"paratrain train: warning: {note}")
     return cfg
 
 

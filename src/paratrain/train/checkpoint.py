@@ -37,12 +37,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import console
 from ..parallel.engine import MOMENTS
 from ..paths import is_plain_name
 from . import publish as P
 from . import slices as S
 from .shardio import CheckpointError, Reader, Tensors, coverage_gap, file_digest, read_header, save_file
 
+log = console.get(__name__)
 FORMAT = 3
 KINDS = ("param", *MOMENTS)
 INDEX = "meta.json"
@@ -361,8 +363,8 @@ def load_into(engine, directory: str | Path, model_cfg) -> int:
     _raise_first(error, f"loading {str(directory)!r} failed: ")
     why = compressors.load_state(saved, dist.group.WORLD)  # all ranks restore, or none
     if why and any(k.startswith("compress/") for k in meta["tensors"]) and dist.get_rank() == 0:
-        print(f"paratrain train: gradient compression starts fresh: {why}; the resumed run "
-              "is not an exact continuation of the saved one", flush=True)
+        log.warning(f"paratrain train: gradient compression starts fresh: {why}; the resumed run "
+                    "is not an exact continuation of the saved one")
     S.after_load(engine)
     return meta["step"]
 

@@ -19,6 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
+from .. import console
+
+log = console.get(__name__)
+
 SINKS = ("csv", "tensorboard", "wandb")
 CSV_COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens", "tokens_per_s",
                "step_time_s", "mfu", "peak_mem_bytes_max", "param_bytes", "grad_bytes",
@@ -201,7 +205,7 @@ class Progress:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
         elif self.enabled and (record["step"] % self.every == 0 or record["step"] == self.total):
-            print(log_line(record, self.total), flush=True)
+            log.info(log_line(record, self.total))
 
     def close(self) -> None:
         if self.bar is not None:

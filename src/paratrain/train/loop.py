@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import console
 from ..layout import PP
 from ..mesh import Mesh
 from ..optim import lr_at
@@ -25,6 +26,8 @@ from .nonfinite import NonFiniteGuard, culprits
 from .rundir import claim_records, run_record
 from .runs import keep_newest
 from .task import Run, task_for
+
+log = console.get(__name__)
 
 
 @dataclass
@@ -85,9 +88,9 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
         claim_records(Path(cfg.train.run_dir), run.run_id)
     sinks = _sinks(run, resumed_at) if run.is_logger else []
     if run.is_logger:
-        print(run.task.describe(run), flush=True)
-    progress = logs.Progress(cfg.train.steps, run.start_step, run.is_logger and cfg.train.progress,
-                             cfg.train.log_every)
+        log.info(run.task.describe(run))
+    progress = logs.Progress(cfg.train.steps, run.start_step,
+                             run.is_logger and cfg.train.progress and not cfg.train.quiet, cfg.train.log_every)
     profiler = logs.Profiler(logs.ProfileWindow.parse(cfg.train.profile, cfg.train.steps),
                              Path(cfg.train.run_dir), mesh.rank, mesh.device)
     flops = run.task.flops_per_unit(cfg)
@@ -125,7 +128,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
             _save(run, step + 1, guard.skips)
         trace = profiler.after(step + 1)
         if trace is not None and run.is_logger:
-            print(f"profile       {trace} (and one file per rank)", flush=True)
+            log.info(f"profile       {trace} (and one file per rank)")
         progress.update(record)
     progress.close()
     for sink in [writer, *sinks]:
@@ -140,8 +143,8 @@ def finish(cfg: Config, engine, records: list[dict], result: RunResult, start: f
     """The closing summary on the logging rank; the final parameters when asked for
     (collective: every rank calls this)."""
     if is_logger:
-        print(summary(records, result.state_bytes, time.perf_counter() - start), flush=True)
-        print(f"metrics       {cfg.metrics_path}", flush=True)
+        log.info(summary(records, result.state_bytes, time.perf_counter() - start))
+        log.info(f"metrics       {cfg.metrics_path}")
     if keep_params:
         result.params = {k: v.cpu() for k, v in engine.full_state_dict().items()}
     return result
@@ -184,8 +187,8 @@ def _save_timeline(run: Run) -> None:
     if run.is_logger:
         path = Path(run.cfg.train.run_dir) / "timeline.json"
         timeline.save(path)
-        print(f"timeline      {path} (measured bubble {timeline.bubble():.1%}; "
-              f"`paratrain trace --run {path}` draws it)", flush=True)
+        log.info(f"timeline      {path} (measured bubble {timeline.bubble():.1%}; "
+              f"`paratrain trace --run {path}` draws it)")
 
 
 def _gather(mine: dict[str, int]) -> list[dict[str, int]]:

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import __version__
+from .. import __version__, console
 from ..models import hf
 from ..optim import lr_at
 from . import checkpoint, publish
@@ -47,6 +47,7 @@ from .config import Config, ConfigError
 from .metrics import json_record_step, read_lines
 from .rundir import in_use, records_owner
 
+log = console.get(__name__)
 ROOT = Path("runs")
 LATEST = "latest"
 RESUME_CHOICES = ("auto", "none")
@@ -296,8 +297,8 @@ def place_and_print(cfg: Config, torchrun: bool, job: Job | None = None) -> Conf
     """``place``, with its notes and the run directory printed."""
     cfg, notes = place(cfg, torchrun, job=job)
     for note in notes:
-        print(f"paratrain train: {note}", flush=True)
-    print(f"run directory {cfg.train.run_dir}", flush=True)
+        log.info(f"paratrain train: {note}")
+    log.info(f"run directory {cfg.train.run_dir}")
     return cfg
 
 

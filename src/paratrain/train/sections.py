@@ -149,6 +149,9 @@ class TrainConfig:
     save_every: int = 0
     """Save a layout-independent checkpoint to RUN_DIR/checkpoints/step-N every this many
     steps and after the last (0: never)."""
+    quiet: bool = False
+    """Print only warnings and errors: no run description, progress, summary or notes
+    (the metrics are written as always)."""
     keep_last: int = 0
     """Keep only the newest N checkpoints of the run, removing older ones after each save
     (0: keep all), so that a long run does not fill its disk."""

@@ -8,6 +8,7 @@ from typing import Mapping
 
 import torch.distributed as dist
 
+from .. import console
 from ..launch import WorldSpec, enter_world
 from ..mesh import Mesh
 from ..watchdog import Watchdog
@@ -20,6 +21,7 @@ def run_worker(cfg: Config, world: WorldSpec | None) -> None:
     """Train on this rank. ``world`` is given when torchrun started the process (the group
     is then joined here, with a watchdog, and global rank 0 locks the run directory); the
     local launcher has already done all that."""
+    console.configure(cfg.train.quiet)  # a spawned rank starts with logging unconfigured
     if world is None:
         train(cfg, Mesh.build(cfg.layout))
         dist.barrier()  # tear down together: no rank closes connections a peer still uses
