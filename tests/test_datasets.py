@@ -13,7 +13,7 @@ import pytest
 from distributed import run_world
 from paratrain.data.dataset import load_split, read_meta, verify
 from paratrain.data.prepare import DataError, prepare
-from paratrain.train.data import DistributedSampler
+from paratrain.train.data import PAD, DistributedSampler
 
 DOCS = [f"Document {i}: the quick brown fox jumps over the lazy dog {i % 7} times. " * (1 + i % 5)
         for i in range(120)]
@@ -164,6 +164,23 @@ def test_every_sample_once_per_epoch_across_ranks():
         seen = [i for step in range(epoch * ranks[0].steps_per_epoch, (epoch + 1) * ranks[0].steps_per_epoch)
                 for s in ranks for i in s.local_indices(step) if i >= 0]
         assert sorted(seen) == list(range(n))
+
+
+@pytest.mark.parametrize("remainder", ["drop", "pad"])
+def test_an_epoch_boundary_where_the_samples_divide_the_global_batch(remainder):
+    """A blind spot of the suite: n a multiple of the global batch. No step is padding, the
+    epoch ends exactly at n / batch steps, each epoch reads every sample once, and the next
+    epoch is another order (an off-by-one gave an all-PAD step, or repeated the epoch)."""
+    n, batch = 1000, 40
+    ranks = [DistributedSampler(n, batch, dp_rank=r, dp_size=2, seed=3, remainder=remainder) for r in range(2)]
+    assert ranks[0].steps_per_epoch == n // batch and ranks[0].dropped_per_epoch == 0
+    orders = []
+    for epoch in range(3):
+        steps = range(epoch * (n // batch), (epoch + 1) * (n // batch))
+        seen = [i for step in steps for s in ranks for i in s.local_indices(step)]
+        assert PAD not in seen and sorted(seen) == list(range(n)), epoch
+        orders.append(seen)
+    assert orders[0] != orders[1] != orders[2]
 
 
 def test_a_dataset_beyond_the_models_vocabulary_is_refused_before_launch(inputs, tmp_path):
