@@ -59,7 +59,8 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
                  param_dtype: torch.dtype | None = None, offload: bool = False,
                  track_peak: bool = False, tp: TensorParallel | None = None,
                  pp_group: ProcessGroup | None = None, reshard_after_forward: bool = True,
-                 compress: "str | CompressSpec" = "none", plan: StepPlan | None = None):
+                 compress: "str | CompressSpec" = "none", plan: StepPlan | None = None,
+                 ring_collectives: bool | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
@@ -85,8 +86,10 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         for unit, compressor in zip(self.units, self.compressors.items):
             unit.compressor = compressor if self.compressors.spec.method != "none" else None
         # gloo's native reduce-scatter and all-gather are slower than its all-reduce and
-        # than a ring on send/recv (see `paratrain bench comm`); NCCL's are not.
-        self._gloo = dist.get_backend(group) == "gloo"
+        # than a ring on send/recv (see `paratrain bench comm`); NCCL's are not. False runs
+        # NCCL's path (native reduce-scatter and all-gather) on any backend: the suite runs
+        # it on gloo, so the code GPUs run is code the tests run.
+        self._gloo = dist.get_backend(group) == "gloo" if ring_collectives is None else ring_collectives
         self._sync = True
         self._in_flight: list[Unit] = []
         # Units in the order the first forward ran them (registration order need not be
