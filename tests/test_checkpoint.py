@@ -88,3 +88,18 @@ def test_a_run_directory_given_to_resume_names_resume_auto(tmp_path):
         checkpoint.read_meta(run)
     with pytest.raises(checkpoint.CheckpointError, match=r"give the directory .* wrote"):
         checkpoint.read_meta(tmp_path / "elsewhere")
+
+
+@pytest.mark.timeout(600)
+def test_a_vocabulary_padded_by_tensor_parallelism_resumes_under_another_layout(tmp_path):
+    """A blind spot: tp2 pads a 259-token vocabulary to 260 rows, the last rank holding the
+    padding row. Its checkpoint stores the 259 real rows only, and a resume on one process
+    continues the run exactly."""
+    vocab = dict(vocab_size=259)
+    run_world(train_runs, 2, {"tp2": resume_config(str(tmp_path / "tp2"), 2, tp=2, dp=1, save_every=3, **vocab)})
+    ckpt = tmp_path / "tp2" / "checkpoints" / "step-3"
+    meta = checkpoint.read_meta(ckpt)
+    assert meta["tensors"]["param/tok_embeddings.weight"]["shape"][0] == 259
+    runs = run_world(train_runs, 1, {"ref": resume_config(str(tmp_path / "ref"), 1, **vocab),
+                                     "b": resume_config(str(tmp_path / "b"), 1, str(ckpt), **vocab)})[0]
+    assert_same_run(tail(runs["b"]), tail(runs["ref"], since=3), what="tp2 -> one process, vocabulary 259")
