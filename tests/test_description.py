@@ -113,7 +113,7 @@ def _parity(tmp: str) -> dict:
     errors = {}
     for name, overrides in LAYOUTS.items():
         cfg = tiny_config(tmp, nproc=2, seq_len=SEQ, micro_batch=2, **overrides)
-        engine = parallelize(copy.deepcopy(plain), Mesh.build(cfg.layout), cfg)
+        engine = parallelize(copy.deepcopy(plain), Mesh.build(cfg.layout), cfg.parallel_options())
         loss = engine.forward_backward(batches, 1 / tokens)
         got = full_grads(engine)
         errors[name] = max([abs(loss.total.item() - want_loss.item()) / want_loss.item()]

@@ -41,7 +41,7 @@ def _compare(tmp: str) -> dict:
         cfg = tiny_config(tmp, dp=2, nproc=2, micro_batch=2, **overrides)
         mesh = Mesh.build(cfg.layout)
         torch.manual_seed(0)
-        engine = parallelize(GPT(cfg.model), mesh, cfg)
+        engine = parallelize(GPT(cfg.model), mesh, cfg.parallel_options())
         samples = D.Samples(D.load_tokens(cfg.data)[0], cfg.data.seq_len)
         rank = mesh.coord("dp")
         batches = [samples.batch([rank * 4 + 2 * i, rank * 4 + 2 * i + 1]) for i in range(2)]

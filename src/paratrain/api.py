@@ -83,7 +83,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
     built with ``meta=True`` gets this rank's share of the initial weights, read or drawn
     piece by piece (train/materialize.py): no rank ever holds the whole model."""
     meta = has_meta(model)
-    engine = _parallelize(model, mesh, cfg)
+    engine = _parallelize(model, mesh, cfg.parallel_options())
     if meta:
         fill(engine, initial_source(cfg))
     return engine

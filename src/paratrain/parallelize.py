@@ -7,7 +7,8 @@ Impossible combinations are rejected up front by ``Config.validate``.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,13 +24,41 @@ from .parallel.recompute import apply_recompute
 from .parallel.step import StepPlan
 from .parallel.tensor import apply_tensor_parallel
 from .parallel.zero import ZeroDataParallel
-from .train.config import Config
-from .train.materialize import allocate
+from .parallel.zero.flat import allocate
+from .comm.compress import CompressSpec
 from .layout import CP, DP, DP_CP, PP, TP
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
-    """Parallelize ``model`` (already on ``mesh.device``) for the layout in ``cfg``; returns
+@dataclass(frozen=True)
+class ParallelOptions:
+    """What ``parallelize`` reads of a run (``Config.parallel_options()`` makes it): the
+    layout and its strategies, the precision and recompute policies, and the shape of the
+    activations a pipeline passes between stages."""
+
+    parallel: object
+    """The ``[parallel]`` section (``train.sections.ParallelConfig``)."""
+    optim: object
+    """The ``[optim]`` section (``train.sections.OptimConfig``): the engine owns the optimizer."""
+    compress: CompressSpec
+    """Data-parallel gradient compression, resolved (``Config.compress_spec``)."""
+    precision: str = "fp32"
+    """fp32, or bf16 (autocast over fp32 weights; bf16 weights with fp32 masters under ZeRO)."""
+    recompute: str = "none"
+    """Activation recomputation of the blocks."""
+    seq_len: int = 128
+    """Tokens per sequence (before context parallelism cuts it)."""
+    micro_batch: int = 1
+    """Sequences per microbatch."""
+    d_model: int = 128
+    """Width of the residual stream (the activation a pipeline stage sends)."""
+    reshard_after_forward: bool = True
+    """ZeRO-3: free gathered parameters after forward (True), or keep them to backward."""
+    timeline: bool = False
+    """Record a pipeline's schedule as it runs."""
+
+
+def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Module:
+    """Parallelize ``model`` (already on ``mesh.device``) for the layout in ``opts``; returns
     an engine (see parallel/engine.py) that owns the optimizer too. Under pipeline
     parallelism ``engine.module`` is the ``nn.ModuleList`` of this rank's chunks.
 
@@ -39,7 +68,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
     A model built on the meta device is cut as it is, and only this rank's share gets
     storage (zeros; ZeRO-3 units their shards): fill it with ``train.materialize.fill``.
     """
-    p = cfg.parallel
+    p = opts.parallel
     desc = describe(model)
     tp = (apply_tensor_parallel(model, mesh.group(TP), sequence_parallel=p.sp, description=desc)
           if p.tp > 1 else None)
@@ -52,20 +81,20 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
         pp_group = mesh.group(PP)
     blocks = ([b for chunk in model for b in chunk.blocks()] if p.pp > 1
               else model.get_submodule(desc.blocks))
-    apply_recompute(blocks, cfg.train.recompute, core=desc.attention_core)
+    apply_recompute(blocks, opts.recompute, core=desc.attention_core)
     group = mesh.group(DP_CP)
-    plan = step_plan(model, mesh, cfg)
-    compress = replace(cfg.compress_spec, place=place(mesh))
+    plan = step_plan(model, mesh, opts)
+    compress = dataclasses.replace(opts.compress, place=place(mesh))
     if p.zero:  # lays out its flat units from meta parameters itself
-        dtype = torch.bfloat16 if cfg.train.precision == "bf16" else None
+        dtype = torch.bfloat16 if opts.precision == "bf16" else None
         plan.act_dtype = dtype or plan.act_dtype
-        return ZeroDataParallel(model, group, p.zero, cfg.optim, param_dtype=dtype,
+        return ZeroDataParallel(model, group, p.zero, opts.optim, param_dtype=dtype,
                                 offload=p.offload, tp=tp, pp_group=pp_group,
-                                reshard_after_forward=cfg.reshard_after_forward, compress=compress,
+                                reshard_after_forward=opts.reshard_after_forward, compress=compress,
                                 plan=plan)
     allocate(model, mesh.device)
     dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=compress)
-    return ReplicatedEngine(dp, cfg.optim, tp, pp_group, plan=plan)
+    return ReplicatedEngine(dp, opts.optim, tp, pp_group, plan=plan)
 
 
 def place(mesh: Mesh) -> str:
@@ -75,16 +104,16 @@ def place(mesh: Mesh) -> str:
     return ".".join(f"{axis}{mesh.coord(axis)}of{mesh.size(axis)}" for axis in (DP, TP, PP, CP))
 
 
-def step_plan(model: nn.Module, mesh: Mesh, cfg: Config) -> StepPlan:
+def step_plan(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> StepPlan:
     """What every step of the run shares (see parallel/step.py). Under pipeline parallelism
     ``model`` is the module list of this rank's chunks."""
-    p = cfg.parallel
-    local_seq = cfg.data.seq_len // p.cp  # context parallelism: this rank's share
+    p = opts.parallel
+    local_seq = opts.seq_len // p.cp  # context parallelism: this rank's share
     stream_seq = local_seq // p.tp if p.sp else local_seq  # SP cuts the stream between stages
     device = mesh.device
     return StepPlan(
         chunks=list(model) if p.pp > 1 else [model], device=device,
-        act_shape=(cfg.micro_batch, stream_seq, cfg.model.d_model),
+        act_shape=(opts.micro_batch, stream_seq, opts.d_model),
         act_dtype=next(model.parameters()).dtype,
         schedule=p.schedule if p.pp > 1 else "1f1b",
         pp_group=mesh.group(PP) if p.pp > 1 else None,
@@ -93,5 +122,5 @@ def step_plan(model: nn.Module, mesh: Mesh, cfg: Config) -> StepPlan:
         positions=torch.arange(local_seq, device=device) if p.sp else None,
         average_over=mesh.size(DP_CP),
         # bf16 over fp32 weights needs autocast; ZeRO holds bf16 weights (fp32 masters).
-        autocast_bf16=cfg.train.precision == "bf16" and not p.zero,
-        recorder=Recorder(rank=mesh.coord(PP)) if cfg.train.timeline and p.pp > 1 else None)
+        autocast_bf16=opts.precision == "bf16" and not p.zero,
+        recorder=Recorder(rank=mesh.coord(PP)) if opts.timeline and p.pp > 1 else None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .. import rules
 from ..comm import compress
@@ -24,6 +24,9 @@ from ..models.gpt import PRESETS, GPTConfig, parse_rope_scaling, preset
 from . import schema
 from .heat2d import Heat2DConfig
 from .sections import DataConfig, OptimConfig, ParallelConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from ..parallelize import ParallelOptions
 
 ConfigError = schema.ConfigError  # defined with the checks that raise it; imported from here
 
@@ -73,6 +76,15 @@ class Config:
         """ZeRO-3's choice (``parallel.reshard_after_forward``) resolved for this layout."""
         choice = self.parallel.reshard_after_forward
         return self.parallel.pp == 1 if choice == "auto" else choice == "yes"
+
+    def parallel_options(self) -> "ParallelOptions":
+        """What ``parallelize`` reads of this run (and nothing else of it)."""
+        from ..parallelize import ParallelOptions
+
+        t = self.train
+        return ParallelOptions(self.parallel, self.optim, self.compress_spec, t.precision, t.recompute,
+                               self.data.seq_len, self.micro_batch, self.model.d_model,
+                               self.reshard_after_forward, t.timeline)
 
     @property
     def compress_spec(self) -> compress.CompressSpec:

@@ -25,7 +25,6 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from ..parallel.zero.flat import adopt
 from . import slices as S
 
 
@@ -67,19 +66,6 @@ def has_meta(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def allocate(module: nn.Module, device: torch.device) -> None:
-    """Give every meta parameter of ``module`` zeroed storage on ``device``, keeping the
-    ``Parameter`` objects (tensor parallelism and the optimizer key them). Zeros, not
-    garbage: vocabulary padding rows lie outside every source and must stay zero."""
-    for p in module.parameters():
-        if p.is_meta:
-            adopt(p, torch.zeros(p.shape, dtype=p.dtype, device=device))
-    for name, b in module.named_buffers():
-        if b.is_meta:
-            raise ValueError(f"buffer {name} has no storage: compute it on the device before "
-                             f"parallelizing a model built on meta (GPT.init_buffers)")
-
-
 @torch.no_grad()
 def fill(engine, source: Source) -> None:
     """Fill every parameter piece this rank holds from ``source``; every rank calls it."""

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..mesh import Mesh
 from ..parallel.engine import Engine
 from . import data as D
-from .config import Config
+
+if TYPE_CHECKING:  # the config asks the tasks to validate it: no import back
+    from .config import Config
 
 TASKS = {"lm": "task_lm", "heat2d": "task_heat2d"}
 """``train.task`` -> the module (in this package) that defines its ``Task``."""

@@ -16,6 +16,8 @@ computes, whatever the grid (even blocks of unequal size).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..comm import collectives as C
@@ -29,10 +31,13 @@ from ..parallel.step import StepPlan
 from ..parallel.zero import ZeroDataParallel
 from . import checkpoint
 from . import data as D
-from .config import Config, ConfigError
+from .schema import ConfigError
 from .heat2d import Fields, make_fields
 from .rundir import continued_run_id
 from .task import Run
+
+if TYPE_CHECKING:  # the config asks this task to validate it: no import back
+    from .config import Config
 
 NORM_GROUPS = 4
 

@@ -102,7 +102,7 @@ def build_engine(cfg: Config, mesh: Mesh) -> tuple[Engine, int]:
     model is built without storage; each rank materialises only its share
     (train/materialize.py), from the checkpoint it resumes, else the Hugging Face weights
     or the seeded initialiser."""
-    engine = parallelize(build_model(cfg, mesh.device, meta=True), mesh, cfg)
+    engine = parallelize(build_model(cfg, mesh.device, meta=True), mesh, cfg.parallel_options())
     if cfg.train.resume:  # each rank reads the slices of its own shards (train/checkpoint.py)
         return engine, checkpoint.load_into(engine, cfg.train.resume, cfg.model)
     fill(engine, initial_source(cfg))

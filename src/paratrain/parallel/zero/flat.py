@@ -166,3 +166,16 @@ def group_units(model: nn.Module, unit_modules: list[tuple[str, list[nn.Module]]
     if missing:
         raise ValueError(f"parameters {missing} belong to no ZeRO unit")
     return units
+
+
+def allocate(module: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter of ``module`` zeroed storage on ``device``, keeping the
+    ``Parameter`` objects (tensor parallelism and the optimizer key them). Zeros, not
+    garbage: vocabulary padding rows lie outside every source and must stay zero."""
+    for p in module.parameters():
+        if p.is_meta:
+            adopt(p, torch.zeros(p.shape, dtype=p.dtype, device=device))
+    for name, b in module.named_buffers():
+        if b.is_meta:
+            raise ValueError(f"buffer {name} has no storage: compute it on the device before "
+                             f"parallelizing a model built on meta (GPT.init_buffers)")
