@@ -16,8 +16,8 @@ action says:
   as NCCL groups do; the tables are checked deadlock-free under that rule).
 * On gloo each receive is posted ``receives_ahead`` computations before the table places
   it, alone in its batch (``posting.posting_order``). A receive posted after its data
-  arrived waits for gloo's thread to be scheduled: on a busy machine a scheduler slice
-  (3.4 ms measured on 2 cores, against 0.19 ms posted in time), and in GPipe the
+  arrived waits for gloo's thread to be scheduled: on a busy machine a scheduler slice,
+  many times a receive posted in time (measured: docs/pipeline.md), and in GPipe the
   downstream rank, slower by the head, posts every receive late. Early receives cannot
   deadlock on gloo, where each operation completes on its own and a computation waits for
   its own input only; NCCL queues a receive on the stream its sends use, where an early
