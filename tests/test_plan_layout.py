@@ -74,7 +74,10 @@ def test_compare_puts_layouts_side_by_side(capsys):
     out = capsys.readouterr().out
     assert "REJECTED" in out and "rejected:\n  3: does not fit" in out
     rows = {line.split("  ")[0]: line for line in out.splitlines()}
-    assert len(rows["step s"].split()) == 5  # label + three values
+    assert len(rows["step, s"].split()) == 5  # label + three values
+    table = [line for line in out.splitlines() if line.startswith(("layout", "status", "mem", "time", "step"))]
+    assert table and max(map(len, table)) <= 100, table  # columns numbered, layouts in a legend
+    assert rows["time compute, s"] and rows["#2"].startswith("#2  dp64 tp1 pp1 cp1 zero3")  # a legend
 
 
 def test_evaluate_candidate_reports_every_broken_rule():

@@ -237,11 +237,14 @@ def layout_report(evaluations: list, result: SearchResult, model: ModelSpec,
                              + [f"{ev.time.step:.4g}", f"{ev.tokens_per_s:,.0f}",
                                 f"{ev.mfu:.1%}"]])]
         return "\n".join(lines)
+    # Columns are numbered and the layouts listed above the table: five layouts' labels as
+    # column heads made it 230 characters wide.
+    legend = [f"#{i}  {_eval_label(ev)}" for i, ev in enumerate(evaluations, 1)]
     rows = [["layout"], ["status"], ["rank"]]
     rows += [[f"mem {k}"] for k in MEMORY_PARTS] + [["mem total"]]
-    rows += [[f"time {k}"] for k in TIME_PARTS] + [["step s"], ["tokens/s"], ["MFU"]]
-    for ev in evaluations:
-        col = [_eval_label(ev), "fits" if ev.fits else "REJECTED",
+    rows += [[f"time {k}, s"] for k in TIME_PARTS] + [["step, s"], ["tokens/s"], ["MFU"]]
+    for i, ev in enumerate(evaluations, 1):
+        col = [f"#{i}", "fits" if ev.fits else "REJECTED",
                f"#{ev.rank} of {ev.ranked}" if ev.rank else "-"]
         if ev.memory is None:
             col += ["-"] * (len(rows) - 3)
@@ -255,7 +258,7 @@ def layout_report(evaluations: list, result: SearchResult, model: ModelSpec,
     text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
     why = [f"  {i}: {'; '.join(ev.problems)}" for i, ev in enumerate(evaluations, 1)
            if not ev.fits]
-    return "\n".join([header(model, training, cluster), "", text]
+    return "\n".join([header(model, training, cluster), ""] + legend + ["", text]
                      + (["", "rejected:"] + why if why else []))
 
 
