@@ -245,3 +245,17 @@ def strict_json(path: Path) -> list[dict]:
         raise AssertionError(f"{path} holds {token}, which strict JSON rejects")
 
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def tiny_bpe(path: Path) -> Path:
+    """A byte-level BPE tokenizer of 200 tokens (<unk>, <s>, </s> special), trained here on
+    one sentence and saved as ``path`` (a tokenizer.json): no download, under a second."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
+
+    tok = Tokenizer(tok_models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["the cat sat on the mat"] * 20, trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return path

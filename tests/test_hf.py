@@ -190,16 +190,11 @@ def test_a_qwen2_directory_trains_with_parity_under_each_strategy(models, tmp_pa
 
 def _with_tokenizer(root: Path, model_dir: str) -> Path:
     """A copy of ``model_dir`` with a tokenizer trained here, its config and a generation config."""
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
+    from helpers import tiny_bpe
 
     src = root / "with-tokenizer"
     shutil.copytree(model_dir, src)
-    tok = Tokenizer(tok_models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(["the cat sat on the mat"] * 20, trainers.BpeTrainer(
-        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(src / "tokenizer.json"))
+    tiny_bpe(src / "tokenizer.json")
     (src / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
     transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, max_new_tokens=5).save_pretrained(src)

@@ -73,17 +73,12 @@ def test_export_from_another_directory_carries_the_datasets_tokenizer(tmp_path):
     """Prepare, train and export with relative paths, the export run from elsewhere: the run
     recorded its dataset relative to where it trained, so the export said "no tokenizer
     carried"."""
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers, trainers
+    from helpers import tiny_bpe
 
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
     work.mkdir()
     elsewhere.mkdir()
-    tok = Tokenizer(tok_models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(["the cat sat on the mat"] * 20, trainers.BpeTrainer(
-        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(work / "tokenizer.json"))
+    tiny_bpe(work / "tokenizer.json")
     (work / "text.txt").write_text("the cat sat on the mat\n" * 400)
     env = {**os.environ, "PYTHONPATH": SRC}
     for cwd, argv in ((work, ["data", "prepare", "text.txt", "--tokenizer", "tokenizer.json", "--out", "data"]),
