@@ -121,7 +121,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     from .launch import RankFailed, spawn, torchrun_world
     from .train import config as config_mod
-    from .train import runs
+    from .train import runs, saved
     from .train.checkpoint import verify
     from .train.rundir import RunDirLock
     from .train.worker import run_worker, started_by_torchrun
@@ -150,7 +150,7 @@ def _run_train(args: argparse.Namespace) -> int:
                   scratch=cfg.train.run_dir)  # the run owns its launcher's files: no /tmp to lose
     except RankFailed as exc:
         print(f"paratrain train: {exc}", file=sys.stderr)
-        print(f"paratrain train: {runs.how_to_resume(cfg)}", file=sys.stderr)
+        print(f"paratrain train: {saved.how_to_resume(cfg)}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -143,7 +143,7 @@ def _dataset_companions(dataset: str) -> Companions:
 
 def _checkpoints_hint(source: Path) -> str:
     """A run directory was given: name its newest checkpoint, which is what exports."""
-    from .train.runs import checkpoints, step_of
+    from .train.saved import checkpoints, step_of
 
     steps = [p for p in checkpoints(source) if (p / "meta.json").is_file()]
     newest = max(steps, key=step_of, default=None)

@@ -24,7 +24,7 @@ from .config import Config
 from .metrics import MetricsWriter, comm_metrics, state_bytes, summary
 from .nonfinite import NonFiniteGuard, culprits
 from .rundir import claim_records, run_record
-from .runs import keep_newest
+from .saved import keep_newest
 from .task import Run, task_for
 
 log = console.get(__name__)

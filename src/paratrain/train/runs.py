@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import re
-import shutil
 import time
 import tomllib
 from pathlib import Path
@@ -42,10 +41,11 @@ import torch
 from .. import __version__, console
 from ..models import hf
 from ..optim import lr_at
-from . import checkpoint, publish
+from . import checkpoint
 from .config import Config, ConfigError
 from .metrics import json_record_step, read_lines
 from .rundir import in_use, records_owner
+from .saved import checkpoints, newest_complete, step_of
 
 log = console.get(__name__)
 ROOT = Path("runs")
@@ -307,64 +307,6 @@ def model_config(cfg: Config):
     from .task import task_for  # here: the tasks import the engines, and runs is read first
 
     return task_for(cfg).model_config(cfg)
-
-
-def newest_complete(run_dir: Path, model_cfg, notes: list[str],
-                    foreign: list | None = None) -> tuple[Path | None, int]:
-    """The newest checkpoint of ``run_dir`` that verifies, and its step; each newer one that
-    does not is named in ``notes``, and added to ``foreign`` when it is complete but of
-    another model. (None, 0) when there is none."""
-    if (Path(run_dir) / "checkpoints").is_dir() and not in_use(run_dir):  # not a live run's save
-        folder = Path(run_dir) / "checkpoints"
-        notes += publish.recover_replaced(folder) + publish.remove_unpublished(folder)
-    for path in sorted(checkpoints(run_dir), key=step_of, reverse=True):
-        try:
-            meta, _ = checkpoint.verify(path, model_cfg)
-        except checkpoint.CheckpointError as exc:
-            notes.append(f"skipping {path.name}: {exc}")
-            if foreign is not None and isinstance(exc, checkpoint.ModelMismatch):
-                foreign.append(exc)
-            continue
-        return path, meta["step"]
-    return None, 0
-
-
-def keep_newest(run_dir: Path, n: int) -> list[Path]:
-    """Remove all but the newest ``n`` published checkpoints of ``run_dir`` (``--keep-last``);
-    the removed ones."""
-    published = sorted((p for p in checkpoints(run_dir) if (p / checkpoint.INDEX).is_file()), key=step_of)
-    old = published[:-n] if n > 0 else []
-    for path in old:
-        shutil.rmtree(path, ignore_errors=True)
-    return old
-
-
-def newest_published(run_dir: Path) -> Path | None:
-    """The newest checkpoint of ``run_dir`` whose index was written (publishing is atomic,
-    so it is whole unless damaged later), without reading its tensors."""
-    published = [p for p in checkpoints(run_dir) if (p / checkpoint.INDEX).is_file()]
-    return max(published, key=step_of, default=None)
-
-
-def how_to_resume(cfg: Config) -> str:
-    """What a failed run leaves to go on from: its newest checkpoint and the command."""
-    run_dir = Path(cfg.train.run_dir)
-    newest = newest_published(run_dir)
-    if newest is None:
-        return (f"no checkpoint was written in {run_dir}" + ("" if cfg.train.save_every else
-                " (pass --save-every N to keep some)"))
-    return (f"last complete checkpoint: {newest}; continue with `paratrain train --config "
-            f"{run_dir / 'config.toml'} --run-dir {run_dir} --resume auto`")
-
-
-def checkpoints(run_dir: Path) -> list[Path]:
-    folder = Path(run_dir) / "checkpoints"
-    return [p for p in folder.glob("step-*") if step_of(p) >= 0] if folder.is_dir() else []
-
-
-def step_of(path: Path) -> int:
-    match = re.fullmatch(r"step-(\d+)", path.name)
-    return int(match.group(1)) if match else -1
 
 
 def default_name(cfg: Config) -> str:
