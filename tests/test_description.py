@@ -14,6 +14,7 @@ from distributed import run_world
 from helpers import rel_error, tiny_config
 from paratrain.mesh import Mesh
 from paratrain.models.description import ModelDescription
+from paratrain.models.shape import ModelShape
 from paratrain.models.gpt import CausalAttention, CrossEntropySum, GPTConfig, RMSNorm, apply_rope, rope_tables
 from paratrain.parallelize import parallelize
 
@@ -73,8 +74,9 @@ class OtherLM(nn.Module):
 
     def description(self) -> ModelDescription:
         return ModelDescription(
-            n_heads=HEADS, n_kv_heads=KV, head_dim=D // HEADS, d_model=D, ffn=FFN, n_layers=LAYERS,
-            vocab_size=VOCAB, blocks="trunk", embedding="embed", final_norm="final", head="lm_head",
+            shape=ModelShape(n_layers=LAYERS, d_model=D, n_heads=HEADS, n_kv_heads=KV,
+                             ffn_hidden=FFN, vocab_size=VOCAB, max_seq_len=SEQ),
+            blocks="trunk", embedding="embed", final_norm="final", head="lm_head",
             loss="criterion", attention="mixer", attention_core="mixer.inner", q="mixer.query",
             k="mixer.key", v="mixer.value", o="mixer.proj", mlp="ff", mlp_in=("ff.gate", "ff.up"),
             mlp_out="ff.down")
@@ -139,6 +141,7 @@ def test_a_description_that_does_not_match_the_model_is_refused():
     _check_shapes(model, model.description())
     for field, wrong, match in (("n_kv_heads", KV // 2, r"n_kv_heads x head_dim = .* trunk.0.mixer.key"),
                                 ("vocab_size", VOCAB + 1, "vocab_size = .* embed has")):
-        desc = dataclasses.replace(model.description(), **{field: wrong})
+        desc = model.description()
+        desc = dataclasses.replace(desc, shape=dataclasses.replace(desc.shape, **{field: wrong}))
         with pytest.raises(ValueError, match=match):
             _check_shapes(model, desc)

@@ -136,7 +136,7 @@ def test_zero3_gather_choice_is_read_and_written_for_train():
 
 
 def test_framework_limits_narrow_the_search():
-    model = ModelSpec("m", 10, 2048, 16, 16, 8192, 32000)
+    model = ModelSpec(10, 2048, 16, 16, 8192, 32000, name="m")
     result = search(model, Training(64, 2048), Cluster(A100, 16), context_parallel=False,
                     uneven_stages=False, sequence_parallel=False)
     assert {p.cand.cp for p in result.plans} == {1}
@@ -160,13 +160,13 @@ def test_plans_written_for_train_are_ones_train_runs(tmp_path, capsys):
 
     from paratrain.plan.export import refusal
 
-    model, training = ModelSpec("m24", 24, 3072, 24, 24, 12288, 32000), Training(96, 2048)
+    model, training = ModelSpec(24, 3072, 24, 24, 12288, 32000, name="m24"), Training(96, 2048)
     result = search(model, training, Cluster(gpu_preset("h100-80g"), 48))
     assert {p.cand.tp for p in result.plans if p.cand.tp > 1 and not p.cand.sp} == {3, 6}
     assert all("sequence parallelism" not in (refusal(p.cand, model, training) or "")
                for p in result.plans)
     assert "tied embeddings" in refusal(result.plans[0].cand.but(pp=2, shard_group=0), ModelSpec(
-        "tied", 24, 3072, 24, 24, 12288, 32000, tie_embeddings=True), training)
+        24, 3072, 24, 24, 12288, 32000, tie_embeddings=True, name="tied"), training)
     out = tmp_path / "plan.toml"
     assert plan("--model", "gpt3-175b", "--gpus", "1024", "--out", str(out)) == 2
     assert "tie_embeddings = false" in capsys.readouterr().err and not out.exists()

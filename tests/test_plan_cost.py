@@ -51,15 +51,15 @@ def test_bloom_layout_predicts_its_published_step_time():
                      schedule="1f1b", recompute="full")
     # BLOOM split 70 blocks + 2 embedding units into 12 stages of 6: the middle stages
     # run 6 blocks each, as the stages of a 72-block model do.
-    model = ModelSpec("bloom-72", 72, 14336, 112, 112, 4 * 14336, 250880, tie_embeddings=True,
-                      gated_mlp=False, bias=True, norm="layernorm")
+    model = ModelSpec(72, 14336, 112, 112, 4 * 14336, 250880, tie_embeddings=True,
+                      gated_mlp=False, bias=True, norm="layernorm", name="bloom-72")
     predicted = step_time(model, Training(2048, 2048), cluster, cand).step
     assert 0.75 * 104.70 < predicted < 104.70
 
 
 @pytest.mark.parametrize("p,m,v", [(4, 8, 1), (8, 32, 1), (8, 32, 4), (2, 1, 1)])
 def test_bubble_share_of_the_step_equals_the_formula(p, m, v):
-    model = ModelSpec("m", 32, 1024, 16, 16, 4096, 32000)
+    model = ModelSpec(32, 1024, 16, 16, 4096, 32000, name="m")
     cluster = Cluster(gpu_preset("h100-80g"), p)
     cand = Candidate(1, 1, p, 1, 0, 1, m, "interleaved" if v > 1 else "1f1b", v)
     t = step_time(model, Training(m, 1024), cluster, cand)
@@ -69,7 +69,7 @@ def test_bubble_share_of_the_step_equals_the_formula(p, m, v):
 
 
 def test_tp_all_reduce_is_the_ring_formula():
-    model = ModelSpec("m", 4, 4096, 32, 32, 16384, 32000)
+    model = ModelSpec(4, 4096, 32, 32, 16384, 32000, name="m")
     training = Training(8, 2048, tp_backward_overlap=False)  # every collective in turn
     gpu = gpu_preset("h100-80g")
     cluster = Cluster(gpu, 8)
@@ -91,7 +91,7 @@ def test_tp_backward_overlap_hides_the_input_gradient_reduction(sp):
     from paratrain.plan.flops import layer_matmuls
     from paratrain.plan.overlap import exposed
 
-    model, gpu = ModelSpec("m", 4, 4096, 32, 32, 16384, 32000), gpu_preset("h100-80g")
+    model, gpu = ModelSpec(4, 4096, 32, 32, 16384, 32000, name="m"), gpu_preset("h100-80g")
     cluster, cand = Cluster(gpu, 8), Candidate(1, 8, 1, 1, 0, 1, 8, sequence_parallel=sp)
     plain, overlapped = (step_time(model, Training(8, 2048, tp_backward_overlap=o), cluster,
                                    cand).tp for o in (False, True))

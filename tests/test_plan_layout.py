@@ -85,7 +85,7 @@ def test_evaluate_candidate_reports_every_broken_rule():
     ev = evaluate_candidate(PRESETS["llama3-8b"], Training(30, 8192), cluster,
                             Candidate(1, 16, 1, 1, 0, 7, 4))
     text = " ".join(ev.problems)
-    assert "spans nodes" in text and "micro batch 7" in text and ev.time is not None
+    assert "spans nodes" in text and "micro_batch=7" in text and ev.time is not None
 
 
 def test_a_layout_that_cannot_be_costed_says_why_once():

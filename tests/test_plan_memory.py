@@ -51,8 +51,8 @@ def test_bytes_per_param():
 
 
 # A standard GPT block: the one Korthikanti et al. count (GELU MLP 4h, dropout, MHA).
-GPT_BLOCK = ModelSpec("gpt", 96, 12288, 96, 96, 4 * 12288, 51200, dropout=True,
-                      gated_mlp=False, bias=True, norm="layernorm")
+GPT_BLOCK = ModelSpec(96, 12288, 96, 96, 4 * 12288, 51200, dropout=True,
+                      gated_mlp=False, bias=True, norm="layernorm", name="gpt")
 
 
 def test_korthikanti_published_forms():
@@ -80,7 +80,7 @@ def test_general_activation_count_reduces_to_korthikanti(t, sp, recompute):
 
 def test_grouped_kv_and_no_dropout_store_less():
     llama = PRESETS["llama3-70b"]
-    mha = ModelSpec("mha", 80, 8192, 64, 64, 28672, 128256)
+    mha = ModelSpec(80, 8192, 64, 64, 28672, 128256, name="mha")
     assert layer_activation_bytes(llama, 4096, 1, 8, True, "none") < \
         layer_activation_bytes(mha, 4096, 1, 8, True, "none")
     assert layer_activation_bytes(llama, 4096, 1, 1, False, "none", elem=4) > \

@@ -106,9 +106,9 @@ def test_unknown_preset_and_missing_files(tmp_path):
 def test_bad_shapes_are_refused():
     from paratrain.plan.models import ModelSpec
     with pytest.raises(ValueError, match="divisible"):
-        ModelSpec("x", 2, 100, 3, 3, 400, 10)
+        ModelSpec(2, 100, 3, 3, 400, 10, name="x")
     with pytest.raises(ValueError, match="multiple"):
-        ModelSpec("x", 2, 96, 6, 4, 400, 10)
+        ModelSpec(2, 96, 6, 4, 400, 10, name="x")
 
 
 MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,

@@ -17,7 +17,7 @@ def _assert_valid(result, model, training, cluster):
         assert c.n_gpus == cluster.n_gpus
         assert c.tp <= cluster.node_size
         assert training.global_batch == c.dp * c.micro_batch * c.microbatches
-        rules.check_split(rules.Shape(model.n_heads, model.n_kv_heads, model.n_layers, model.ffn_hidden),
+        rules.check_split(model,
                           rules.Split(c.tp, c.cp, c.pp, c.virtual_stages, training.seq_len))
         assert plan.memory.total <= cluster.memory_limit
         if c.schedule == "interleaved":
@@ -99,7 +99,7 @@ def test_uneven_stages_plan_published_layouts():
 
 
 def test_too_many_stages_reject_with_the_layout_message():
-    model = ModelSpec("small", 6, 192, 6, 2, 512, 256, 128)
+    model = ModelSpec(6, 192, 6, 2, 512, 256, 128, name="small")
     result = search(model, Training(64, 128), Cluster(gpu_preset("h100-80g"), 64, 8))
     assert any("layers cannot be split" in r for r in result.rejected)
     assert all(p.cand.pp <= 6 + 2 for p in result.plans)  # the ends may hold no block
@@ -107,7 +107,7 @@ def test_too_many_stages_reject_with_the_layout_message():
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])
 def test_small_model_on_a_few_gpus(gpus):
-    model, training = ModelSpec("small", 6, 192, 6, 2, 512, 256, 128), Training(16, 128)
+    model, training = ModelSpec(6, 192, 6, 2, 512, 256, 128, name="small"), Training(16, 128)
     cluster = Cluster(gpu_preset("h100-80g"), gpus)
     result = search(model, training, cluster)
     assert result.plans

@@ -13,21 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layout import LayoutError
+from .models.shape import ModelShape
 from .stages import PipelineSplitError, check_pipeline_split
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the rules need to know of a model."""
-
-    n_heads: int
-    """Attention (query) heads."""
-    n_kv_heads: int
-    """Key/value heads."""
-    n_layers: int
-    """Transformer blocks."""
-    ffn: int
-    """Hidden width of the MLP."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +69,26 @@ def pipeline_split(n_layers: int, pp: int, virtual_stages: int = 1) -> None:
         raise LayoutError(str(err)) from None
 
 
+def batch(global_batch: int, dp: int, micro_batch: int = 1) -> None:
+    """Each data-parallel replica takes an equal share of the global batch, in whole
+    micro-batches (gradient accumulation runs share / micro_batch of them)."""
+    if global_batch % dp:
+        raise LayoutError(f"global_batch={global_batch} is not divisible by dp={dp}; "
+                          f"use a multiple of {dp}")
+    if (global_batch // dp) % micro_batch:
+        raise LayoutError(f"each rank gets {global_batch // dp} sequences per step, not a "
+                          f"multiple of micro_batch={micro_batch}")
+
+
+def interleaved_microbatches(microbatches: int, pp: int) -> None:
+    """The interleaved schedule runs microbatches in groups of pp (Megatron's rule)."""
+    if pp > 1 and microbatches % pp:
+        fix = max(pp, microbatches // pp * pp)
+        raise LayoutError(f"interleaved 1F1B runs microbatches in groups of pp={pp}, but "
+                          f"microbatches={microbatches} is not a multiple of {pp}; use "
+                          f"--microbatches {fix} or {fix + pp}")
+
+
 def virtual_stages(v: int, schedule: str) -> None:
     """Several chunks per pipeline rank only make sense for the interleaved schedule."""
     if v > 1 and schedule != "interleaved":
@@ -129,11 +136,11 @@ def sequence_parallel(sp: bool, tp: int, cp: int, seq_len: int) -> None:
                           f"tp={tp}; use a seq_len divisible by {tp * cp}")
 
 
-def check_split(shape: Shape, split: Split) -> None:
+def check_split(shape: ModelShape, split: Split) -> None:
     """Every rule about cutting a model of ``shape`` over ``split``."""
     t = split.tp
     heads(shape.n_heads, shape.n_kv_heads, t)
-    mlp_width(shape.ffn, t)
+    mlp_width(shape.ffn_hidden, t)
     pipeline_split(shape.n_layers, split.pp, split.virtual_stages)
     context(split.cp, split.cp_method, split.seq_len, shape.n_heads // t,
             max(shape.n_kv_heads // t, 1))

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from .shape import ModelShape
+
 Style = Literal["colwise", "colwise_kv", "rowwise", "vocab_embedding", "vocab_head"]
 """How one module is split over the tensor-parallel group:
 
@@ -33,22 +35,11 @@ Style = Literal["colwise", "colwise_kv", "rowwise", "vocab_embedding", "vocab_he
 
 @dataclass(frozen=True)
 class ModelDescription:
-    """A decoder-only transformer's layout, as module paths and shape numbers."""
+    """A decoder-only transformer's layout: its shape and the module paths of its parts."""
 
-    n_heads: int
-    """Attention (query) heads."""
-    n_kv_heads: int
-    """Key/value heads."""
-    head_dim: int
-    """Width of one head."""
-    d_model: int
-    """Width of the residual stream (the activation passed between pipeline stages)."""
-    ffn: int
-    """Hidden width of the MLP."""
-    n_layers: int
-    """Transformer blocks."""
-    vocab_size: int
-    """Tokens in the vocabulary (before any padding for tensor parallelism)."""
+    shape: ModelShape
+    """The numbers the rules and the splits need (heads, KV heads, MLP width, layers,
+    vocabulary before any padding for tensor parallelism): the shape the planner reads."""
     blocks: str = "layers"
     """The module list of transformer blocks."""
     embedding: str = "tok_embeddings"
@@ -101,9 +92,7 @@ class ModelDescription:
 
 def gpt_description(cfg) -> ModelDescription:
     """paratrain's GPT (models/gpt.py) with its config ``cfg``."""
-    return ModelDescription(n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                            d_model=cfg.d_model, ffn=cfg.ffn_dim, n_layers=cfg.n_layers,
-                            vocab_size=cfg.vocab_size)
+    return ModelDescription(shape=cfg.shape)
 
 
 def describe(model) -> ModelDescription:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .shape import ModelShape, default_ffn
+
 IGNORE_INDEX = -100
 
 
@@ -35,7 +37,8 @@ class GPTConfig:
     n_kv_heads: int = 0
     """Key/value heads (grouped-query attention); 0 means one per query head."""
     ffn_hidden: int = 0
-    """Hidden width of the SwiGLU MLP; 0 means 8/3 * d_model rounded up to a multiple of 32."""
+    """Hidden width of the SwiGLU MLP; 0 means ``shape.default_ffn``: 8/3 * d_model rounded
+    up to a multiple of 32."""
     max_seq_len: int = 256
     """Longest sequence the rotary tables cover."""
     rope_theta: float = 10000.0
@@ -73,15 +76,20 @@ class GPTConfig:
 
     @property
     def ffn_dim(self) -> int:
-        return self.ffn_hidden or 32 * math.ceil(8 * self.d_model / 3 / 32)
+        return self.ffn_hidden or default_ffn(self.d_model)
+
+    @property
+    def shape(self) -> ModelShape:
+        """This model's shape, in the vocabulary the planner and the rules read (with the
+        key/value heads and MLP width resolved)."""
+        return ModelShape(n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads,
+                          n_kv_heads=self.kv_heads, ffn_hidden=self.ffn_dim,
+                          vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
+                          tie_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias)
 
     def num_params(self) -> int:
         """Parameter count (tied embeddings counted once)."""
-        d, kv = self.d_model, self.kv_heads * self.head_dim
-        per_layer = 2 * d + d * d + 2 * d * kv + d * d + 3 * d * self.ffn_dim
-        per_layer += (d + 2 * kv) if self.qkv_bias else 0
-        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + embed + d
+        return self.shape.num_params()
 
 
 PRESETS: dict[str, GPTConfig] = {

@@ -22,138 +22,33 @@ from pathlib import Path
 import torch
 
 from ..paths import is_plain_name
+from . import hf_config as hf_config_json
 from .gpt import GPTConfig
+from .hf_config import (TRAINED, HFModelError, architecture, read_shape, rope_parameters,  # noqa: F401
+                        rope_scaling, sliding_window, trainable)
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-
-class HFModelError(ValueError):
-    """A model directory paratrain cannot train; the message says why and what is supported."""
+SUPPORTED = tuple(TRAINED.values())
 
 
 def is_model_dir(name: str) -> bool:
     return Path(name).is_dir() and (Path(name) / "config.json").is_file()
 
 
-def architecture(raw: dict) -> str:
-    archs = raw.get("architectures") or [_MODEL_TYPES.get(raw.get("model_type", ""), raw.get("model_type", "?"))]
-    return archs[0]
-
-
-REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-"""config.json fields a model's shape needs (the others have transformers' defaults)."""
-
-
 def read_config(directory: str | Path) -> GPTConfig:
-    """The GPTConfig of a Hugging Face model directory; HFModelError for anything else."""
+    """The GPTConfig of a Hugging Face model directory; HFModelError for anything else.
+    The shape comes from the one config.json reader (``models/hf_config.py``), which the
+    planner reads too."""
     path = Path(directory) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise HFModelError(f"{path}: unreadable ({exc})") from None
-    if not isinstance(raw, dict):
-        raise HFModelError(f"{path}: expected a JSON object of model settings, got "
-                           f"{type(raw).__name__}")
-    arch = architecture(raw)
-    if arch not in SUPPORTED:
-        raise HFModelError(f"{directory}: architecture {arch} is not supported; paratrain trains "
-                           f"{', '.join(SUPPORTED)} (dense decoders). Mixture-of-experts, "
-                           f"encoder-decoder and other families are refused")
-    missing = [k for k in REQUIRED if k not in raw]
-    if missing:
-        raise HFModelError(f"{path}: {', '.join(missing)} missing; a {arch} config.json gives "
-                           f"{', '.join(REQUIRED)}")
-    _check_types(raw, path)
-    for flag in ("mlp_bias",):
-        if raw.get(flag):
-            raise HFModelError(f"{directory}: {flag}=true is not supported (no MLP biases)")
-    if arch == "LlamaForCausalLM" and raw.get("attention_bias"):
-        raise HFModelError(f"{directory}: attention_bias=true puts a bias on the output "
-                           f"projection, which paratrain's row-parallel layer does not carry")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise HFModelError(f"{directory}: hidden_act={raw['hidden_act']!r}; only silu (SwiGLU)")
-    rope = raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10000.0),
-                                          **(raw.get("rope_scaling") or {})}
-    d, heads = raw["hidden_size"], raw["num_attention_heads"]
-    if raw.get("head_dim") not in (None, d // heads):
-        raise HFModelError(f"{directory}: head_dim={raw['head_dim']} differs from hidden_size / "
-                           f"num_attention_heads = {d // heads}, which paratrain assumes")
-    try:
-        return GPTConfig(
-            vocab_size=raw["vocab_size"], d_model=d, n_layers=raw["num_hidden_layers"], n_heads=heads,
-            n_kv_heads=raw.get("num_key_value_heads") or heads, ffn_hidden=raw["intermediate_size"],
-            max_seq_len=raw.get("max_position_embeddings", 2048), rope_theta=float(rope.get("rope_theta", 10000.0)),
-            norm_eps=raw.get("rms_norm_eps", 1e-6), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM", rope_scaling=_rope_scaling(rope, directory),
-            sliding_window=_sliding_window(raw, arch, directory))
-    except ValueError as exc:  # GPTConfig's own checks, in its own field names
-        raise HFModelError(f"{directory}: config.json describes a shape paratrain cannot build: "
-                           f"{exc} (d_model is hidden_size, n_heads num_attention_heads, "
-                           f"n_kv_heads num_key_value_heads)") from None
-
-
-INTS = (*REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings")
-FLOATS = ("rope_theta", "rms_norm_eps")
-
-
-def _check_types(raw: dict, path: Path) -> None:
-    """A value of the wrong kind (``"hidden_size": "64"``) is named with its field; it used
-    to surface as Python's own TypeError, naming neither the field nor the file."""
-    for key in ("rope_parameters", "rope_scaling"):
-        if raw.get(key) is not None and not isinstance(raw[key], dict):
-            raise HFModelError(f"{path}: {key} must be a JSON object (or null), got "
-                               f"{json.dumps(raw[key])}; correct it in config.json")
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    fields = [(k, raw.get(k), int) for k in INTS] + [(k, raw.get(k), float) for k in FLOATS]
-    fields += [(f"rope_parameters.{k}", rope.get(k), float) for k in ("rope_theta", *LLAMA3_ROPE)]
-    for key, value, kind in fields:
-        if value is None:
-            continue  # absent (or null): transformers' default applies
-        ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
-        if isinstance(value, bool) or not ok or value <= 0:
-            want = "a positive integer" if kind is int else "a positive number"
-            raise HFModelError(f"{path}: {key} must be {want}, got {json.dumps(value)}; "
-                               f"correct it in config.json")
-
-
-LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-"""The fields of Llama-3's rope scaling."""
-
-
-def _rope_scaling(rope: dict, directory) -> str:
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return ""
-    if kind != "llama3":
-        raise HFModelError(f"{directory}: rope_type {kind!r} is not supported (default or llama3)")
-    missing = [k for k in LLAMA3_ROPE if k not in rope]
-    if missing:
-        raise HFModelError(f"{directory}: rope_type llama3 needs {', '.join(LLAMA3_ROPE)} in "
-                           f"rope_scaling (or rope_parameters); {', '.join(missing)} missing")
-    return (f"llama3:{rope['factor']}:{rope['low_freq_factor']}:{rope['high_freq_factor']}:"
-            f"{rope['original_max_position_embeddings']}")
-
-
-def _sliding_window(raw: dict, arch: str, directory) -> int:
-    """The attention window of every layer (0: none). Qwen2 slides only with
-    use_sliding_window, and then from layer max_window_layers on (its ``layer_types``);
-    paratrain gives every layer the same attention, so a mix is refused."""
-    window = int(raw.get("sliding_window") or 0)
-    if arch != "Qwen2ForCausalLM":
-        return window
-    first = raw.get("max_window_layers", 28) if raw.get("use_sliding_window") else raw["num_hidden_layers"]
-    types = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
-                                       for i in range(raw["num_hidden_layers"])]
-    kinds = set(types)
-    if kinds == {"full_attention"} or not window:
-        return 0
-    if kinds == {"sliding_attention"}:
-        return window
-    raise HFModelError(f"{directory}: Qwen2 slides its attention window on some layers only "
-                       f"(use_sliding_window with max_window_layers={first}); paratrain gives "
-                       f"every layer the same attention: set max_window_layers to 0 (every "
-                       f"layer slides) or use_sliding_window to false")
+    raw = hf_config_json.load(path)
+    trainable(raw, path)
+    shape = read_shape(raw, path)
+    return GPTConfig(
+        vocab_size=shape.vocab_size, d_model=shape.d_model, n_layers=shape.n_layers,
+        n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, ffn_hidden=shape.ffn_hidden,
+        max_seq_len=shape.max_seq_len, tie_embeddings=shape.tie_embeddings, qkv_bias=shape.qkv_bias,
+        rope_theta=float(rope_parameters(raw).get("rope_theta", 10000.0)),
+        norm_eps=raw.get("rms_norm_eps", 1e-6), rope_scaling=rope_scaling(raw, path.parent),
+        sliding_window=sliding_window(raw, path.parent))
 
 
 # ---- weights ------------------------------------------------------------------------------
@@ -354,7 +249,7 @@ def hf_config(cfg: GPTConfig, dtype: torch.dtype = torch.float32) -> dict:
         rope = {"rope_theta": cfg.rope_theta, "rope_type": "llama3", "factor": float(factor),
                 "low_freq_factor": float(low), "high_freq_factor": float(high),
                 "original_max_position_embeddings": int(original)}
-    raw = {"architectures": [arch], "model_type": {v: k for k, v in _MODEL_TYPES.items()}[arch],
+    raw = {"architectures": [arch], "model_type": {v: k for k, v in TRAINED.items()}[arch],
            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
            "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,

@@ -269,8 +269,8 @@ class TensorParallel:
 def _check_model(model: nn.Module, desc: ModelDescription, t: int) -> None:
     if isinstance(model.get_submodule(desc.embedding), VocabParallelEmbedding):
         raise ValueError("apply_tensor_parallel was already applied to this model")
-    rules.heads(desc.n_heads, desc.n_kv_heads, t)
-    rules.mlp_width(desc.ffn, t)
+    rules.heads(desc.shape.n_heads, desc.shape.n_kv_heads, t)
+    rules.mlp_width(desc.shape.ffn_hidden, t)
     _check_shapes(model, desc)
 
 
@@ -278,18 +278,18 @@ def _check_shapes(model: nn.Module, desc: ModelDescription) -> None:
     """The description's numbers against the model's first block and its embedding: a
     wrong count of KV heads, say, would otherwise pair query heads with the wrong ones."""
     block = model.get_submodule(desc.blocks)[0]
-    wanted = {desc.q: (desc.n_heads * desc.head_dim, "n_heads x head_dim"),
-              desc.k: (desc.n_kv_heads * desc.head_dim, "n_kv_heads x head_dim"),
-              desc.v: (desc.n_kv_heads * desc.head_dim, "n_kv_heads x head_dim"),
-              **{path: (desc.ffn, "ffn") for path in desc.mlp_in}}
+    wanted = {desc.q: (desc.shape.n_heads * desc.shape.head_dim, "n_heads x head_dim"),
+              desc.k: (desc.shape.n_kv_heads * desc.shape.head_dim, "n_kv_heads x head_dim"),
+              desc.v: (desc.shape.n_kv_heads * desc.shape.head_dim, "n_kv_heads x head_dim"),
+              **{path: (desc.shape.ffn_hidden, "ffn") for path in desc.mlp_in}}
     for path, (rows, fields) in wanted.items():
         got = block.get_submodule(path).weight.shape[0]
         if got != rows:
             raise ValueError(f"the model description says {fields} = {rows} for {desc.blocks}.0."
                              f"{path}, whose weight has {got} rows: describe the model as it is built")
     vocab = model.get_submodule(desc.embedding).weight.shape[0]
-    if vocab != desc.vocab_size:
-        raise ValueError(f"the model description says vocab_size = {desc.vocab_size}, but "
+    if vocab != desc.shape.vocab_size:
+        raise ValueError(f"the model description says vocab_size = {desc.shape.vocab_size}, but "
                          f"{desc.embedding} has {vocab} rows: describe the model as it is built")
 
 
@@ -310,14 +310,14 @@ def _parallel_module(module: nn.Module, style: Style, tp: TensorParallel, region
     group, t = tp.group, C.size(tp.group)
     if style == "vocab_embedding":
         new = VocabParallelEmbedding(module, group, regions)
-        return new, [(new.weight, ShardSpec(0, desc.vocab_size))]
+        return new, [(new.weight, ShardSpec(0, desc.shape.vocab_size))]
     if style == "vocab_head":
-        new = ColumnParallelLinear(module, group, padded_out=padded_size(desc.vocab_size, t))
-        return new, [(new.weight, ShardSpec(0, desc.vocab_size))]
+        new = ColumnParallelLinear(module, group, padded_out=padded_size(desc.shape.vocab_size, t))
+        return new, [(new.weight, ShardSpec(0, desc.shape.vocab_size))]
     if style == "rowwise":
         new = RowParallelLinear(module, group)
         return new, [(new.weight, ShardSpec(1, new.full_in_features))]
-    num, shard, copies = (_kv_split(desc.n_kv_heads, t, C.rank(group)) if style == "colwise_kv"
+    num, shard, copies = (_kv_split(desc.shape.n_kv_heads, t, C.rank(group)) if style == "colwise_kv"
                           else (None, None, 1))
     new = ColumnParallelLinear(module, group, num, shard)
     spec = ShardSpec(0, new.full_out_features, copies)  # a bias is cut like its weight's rows
@@ -363,7 +363,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, sequence_par
         tp.specs.pop(head.weight)
         head.weight = model.get_submodule(desc.embedding).weight
     _hook_region(head, [head], tp, regions, exit=False)  # the loss reads vocabulary shards
-    model.set_submodule(desc.loss, VocabParallelCrossEntropy(tp_group, desc.vocab_size))
+    model.set_submodule(desc.loss, VocabParallelCrossEntropy(tp_group, desc.shape.vocab_size))
     for block in model.get_submodule(desc.blocks):
         _apply_plan(block, desc.block_plan(), tp, regions, desc)
         for region, columns in desc.block_regions():

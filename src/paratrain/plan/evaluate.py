@@ -23,7 +23,7 @@ from .hardware import Cluster
 from .memory import Memory, rank_memory
 from .models import ModelSpec
 from .results import SearchResult, rank_key
-from .search import _virtual_stages, divisors, layout_problems
+from .search import _holds, _virtual_stages, divisors, layout_problems
 
 _SIZE = re.compile(r"(dp|tp|pp|cp)(\d+)(\+sp)?(?:/(ring|ulysses))?")
 _ALIASES = {"sel": "selective", "no": "none", "off": "none"}
@@ -297,7 +297,7 @@ def evaluate(spec: LayoutSpec, model: ModelSpec, training: Training, cluster: Cl
     c, batch = best.cand, training.global_batch
     if best.time is None:
         best.unranked = "it cannot be costed"
-    elif batch % c.dp or (batch // c.dp) % c.micro_batch:
+    elif not _holds(rules.batch, batch, c.dp, c.micro_batch):
         # costed at the sequences it can run, which are not the batch the others run
         ran = c.dp * c.micro_batch * c.microbatches
         best.unranked = (f"costed at {ran} sequences per step (dp{c.dp} x mb{c.micro_batch} x "

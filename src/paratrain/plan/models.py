@@ -1,131 +1,46 @@
 """Model shapes the planner reasons about: presets, TOML configs, Hugging Face config.json.
 
-A ``ModelSpec`` is a decoder-only transformer described by the numbers that set its
-memory and FLOPs. The field names follow paratrain's ``GPTConfig``; the extra fields
-(``gated_mlp``, ``bias``, ``norm``, ``learned_pos``, ``dropout``) cover GPT-3, GPT-2,
-GPT-NeoX and BLOOM style blocks, which differ from paratrain's Llama-style block.
+A ``ModelSpec`` is a ``ModelShape`` (``models/shape.py``: the shape vocabulary train and
+plan share, including the fields for GPT-3, GPT-2, GPT-NeoX and BLOOM style blocks) with
+its name and the per-stage counts the planner needs.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
 from ..models import CUSTOM, shape_base
-from ..stages import head_costs, stage_layer_counts
+from ..models.shape import ModelShape, default_ffn
 from .keys import cached_hash
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """Shape of a decoder-only transformer."""
+class ModelSpec(ModelShape):
+    """A model the planner reasons about: its shape (``ModelShape``, every field shared
+    with ``GPTConfig``), its name, and the per-stage counts of a pipeline cut."""
 
     def __hash__(self) -> int:  # a search cache key: hashed once (plan/keys.py)
         return cached_hash(self)
 
-    name: str
+    name: str = field(default="", kw_only=True)
     """Preset name or the file it came from."""
-    n_layers: int
-    """Transformer blocks."""
-    d_model: int
-    """Hidden size h."""
-    n_heads: int
-    """Attention (query) heads a."""
-    n_kv_heads: int
-    """Key/value heads (equal to n_heads without grouped-query attention)."""
-    ffn_hidden: int
-    """Hidden width of the MLP."""
-    vocab_size: int
-    """Vocabulary size V."""
-    max_seq_len: int = 2048
-    """Context length the model was trained with (the default sequence length)."""
-    tie_embeddings: bool = False
-    """Output projection shares the token embedding matrix."""
-    gated_mlp: bool = True
-    """SwiGLU MLP (gate, up, down: 3 matrices) instead of a GELU MLP (up, down)."""
-    bias: bool = False
-    """Linear layers and norms carry biases (GPT-2/3, NeoX, BLOOM)."""
-    norm: str = "rmsnorm"
-    """``rmsnorm`` (weight only) or ``layernorm`` (weight and bias)."""
-    learned_pos: bool = False
-    """Learned absolute position embeddings (max_seq_len x d_model) instead of RoPE/ALiBi."""
-    dropout: bool = False
-    """Trained with dropout (its masks are stored activations)."""
-    qkv_bias: bool = False
-    """Biases on the query, key and value projections only (Qwen2, ``GPTConfig.qkv_bias``);
-    ``bias`` already includes them."""
-    preset: str = field(default="", compare=False)
+    preset: str = field(default="", compare=False, kw_only=True)
     """The ``paratrain train`` preset this model was read as (a train config's ``preset``,
     or the Hugging Face directory of a ``config.json``), written back by ``--out`` so that
     train builds it, and loads its weights; "" for a shape given field by field."""
-    carried: tuple[tuple[str, object], ...] = field(default=(), compare=False)
+    carried: tuple[tuple[str, object], ...] = field(default=(), compare=False, kw_only=True)
     """``GPTConfig`` settings read from a train config that change neither memory nor time
     (rope_theta, ...): not modelled, but written back by ``--out`` so that the exported
     config trains the same model."""
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"{self.name}: d_model={self.d_model} is not divisible by "
-                             f"n_heads={self.n_heads}")
-        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
-            raise ValueError(f"{self.name}: n_heads={self.n_heads} must be a multiple of "
-                             f"n_kv_heads={self.n_kv_heads}")
-        if self.norm not in ("rmsnorm", "layernorm"):
-            raise ValueError(f"{self.name}: norm must be 'rmsnorm' or 'layernorm'")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    def kv_heads_per_rank(self, tp: int) -> int:
-        """KV heads each TP rank holds: split when there are at least tp, else one replica."""
-        return max(self.n_kv_heads // tp, 1)
-
-    # ---- parameter counts ----------------------------------------------------------------
-    def _norm_params(self) -> int:
-        return self.d_model * (2 if self.norm == "layernorm" else 1)
-
-    @lru_cache(maxsize=64)  # noqa: B019 - specs are few, frozen and hashable
-    def layer_params(self, tp: int = 1) -> int:
-        """Parameters of one block on one TP rank (norms and row-parallel biases replicated)."""
-        h, f = self.d_model, self.ffn_hidden
-        kv = self.kv_heads_per_rank(tp) * self.head_dim
-        mlp_in = 2 if self.gated_mlp else 1
-        weights = h * h // tp * 2 + 2 * h * kv + (mlp_in + 1) * h * f // tp
-        biases = (h // tp + 2 * kv + h + mlp_in * f // tp + h) if self.bias else self.qkv_bias_params(tp)
-        return weights + biases + 2 * self._norm_params()
-
-    def qkv_bias_params(self, tp: int = 1) -> int:
-        """The query, key and value biases of one block on one TP rank (split like their
-        weights' rows); 0 without ``qkv_bias``."""
-        return self.d_model // tp + 2 * self.kv_heads_per_rank(tp) * self.head_dim if self.qkv_bias else 0
-
-    def embedding_params(self, tp: int = 1) -> int:
-        """Vocab-parallel token embedding (plus replicated position embeddings)."""
-        pos = self.max_seq_len * self.d_model if self.learned_pos else 0
-        return self.vocab_size * self.d_model // tp + pos
-
-    def head_params(self, tp: int = 1, own_copy: bool = False) -> int:
-        """Final norm and output projection; a tied projection costs nothing unless this
-        rank keeps ``own_copy`` (the last pipeline stage, away from the embedding)."""
-        proj = self.vocab_size * self.d_model // tp
-        return self._norm_params() + (proj if own_copy or not self.tie_embeddings else 0)
 
     def stage_layers(self, pp: int, stage: int, v: int = 1) -> int:
         """Blocks one rank of pipeline ``stage`` holds: evenly when pp x v divides the
         layers, else balanced with the embedding and head counted (``paratrain.stages``,
         the rule ``train`` cuts by)."""
         return self.stage_layer_counts(pp, v)[stage]
-
-    @lru_cache(maxsize=1024)  # noqa: B019 - specs are few, frozen and hashable
-    def stage_layer_counts(self, pp: int, v: int = 1) -> tuple[int, ...]:
-        """``stage_layers`` of every pipeline rank."""
-        pos = self.max_seq_len * self.d_model if self.learned_pos else 0
-        embed, head = head_costs(self.vocab_size, self.d_model, self.layer_params(1), pos)
-        return stage_layer_counts(self.n_layers, pp, v, embed, head)
 
     @lru_cache(maxsize=1024)  # noqa: B019 - the search asks for the same stages often
     def stage_params(self, tp: int, pp: int, stage: int, v: int = 1) -> int:
@@ -136,10 +51,6 @@ class ModelSpec:
         if stage == pp - 1:
             n += self.head_params(tp, own_copy=pp > 1 and self.tie_embeddings)
         return n
-
-    def num_params(self) -> int:
-        """Total parameters, tied embeddings counted once."""
-        return self.stage_params(1, 1, 0)
 
     def gpt_fields(self, seq_len: int = 0) -> dict:
         """The ``GPTConfig`` fields of paratrain's model with this shape."""
@@ -153,13 +64,13 @@ class ModelSpec:
 
 _GPT_STYLE = dict(gated_mlp=False, bias=True, norm="layernorm")
 PRESETS: dict[str, ModelSpec] = {
-    "gpt3-175b": ModelSpec("gpt3-175b", 96, 12288, 96, 96, 4 * 12288, 50257, 2048,
-                           tie_embeddings=True, learned_pos=True, dropout=True, **_GPT_STYLE),
-    "bloom-176b": ModelSpec("bloom-176b", 70, 14336, 112, 112, 4 * 14336, 250880, 2048,
-                            tie_embeddings=True, **_GPT_STYLE),
-    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-    "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+    "gpt3-175b": ModelSpec(96, 12288, 96, 96, 4 * 12288, 50257, 2048,
+                           tie_embeddings=True, learned_pos=True, dropout=True, **_GPT_STYLE, name="gpt3-175b"),
+    "bloom-176b": ModelSpec(70, 14336, 112, 112, 4 * 14336, 250880, 2048,
+                            tie_embeddings=True, **_GPT_STYLE, name="bloom-176b"),
+    "llama3-8b": ModelSpec(32, 4096, 32, 8, 14336, 128256, 8192, name="llama3-8b"),
+    "llama3-70b": ModelSpec(80, 8192, 64, 8, 28672, 128256, 8192, name="llama3-70b"),
+    "llama3-405b": ModelSpec(126, 16384, 128, 8, 53248, 128256, 8192, name="llama3-405b"),
 }
 LOCAL_PRESETS = ("tiny", "small")
 """paratrain's own GPTs, read from ``paratrain.models.gpt.PRESETS`` when asked for (that
@@ -170,12 +81,13 @@ so a config written by ``plan --out`` keeps the name."""
 
 
 def from_gpt_config(cfg, name: str) -> ModelSpec:
-    """The spec of paratrain's Llama-style GPT built from a ``GPTConfig`` (duck-typed)."""
-    return ModelSpec(name, cfg.n_layers, cfg.d_model, cfg.n_heads,
-                     cfg.n_kv_heads or cfg.n_heads,
-                     cfg.ffn_hidden or 32 * math.ceil(8 * cfg.d_model / 3 / 32),
-                     cfg.vocab_size, cfg.max_seq_len, tie_embeddings=cfg.tie_embeddings,
-                     qkv_bias=getattr(cfg, "qkv_bias", False))
+    """The spec of paratrain's GPT built from a ``GPTConfig``: its ``shape``, named."""
+    return of_shape(cfg.shape, name)
+
+
+def of_shape(shape: ModelShape, name: str, **extra) -> ModelSpec:
+    """``shape`` as a ``ModelSpec`` named ``name`` (``extra``: its preset, carried fields)."""
+    return ModelSpec(**{f.name: getattr(shape, f.name) for f in fields(ModelShape)}, name=name, **extra)
 
 
 def _local_preset(name: str) -> ModelSpec | None:
@@ -260,7 +172,7 @@ def from_toml(path: str | Path) -> ModelSpec:
               **{k: v for k, v in table.items() if k in known}}
     check_values(path, values, zero_ok=("n_kv_heads", "ffn_hidden"))
     values["n_kv_heads"] = values["n_kv_heads"] or values["n_heads"]
-    values["ffn_hidden"] = values["ffn_hidden"] or 32 * math.ceil(8 * values["d_model"] / 3 / 32)
+    values["ffn_hidden"] = values["ffn_hidden"] or default_ffn(values["d_model"])
     return ModelSpec(name=path.name, **values, preset=preset, carried=carried)
 
 

@@ -164,18 +164,19 @@ def layout_problems(model: ModelSpec, training: Training, cluster: Cluster,
     elif cand.hsdp and cluster.kind == "local":
         problems.append(f"hsdp{cand.shard_group}: hybrid sharding is planned for GPU clusters "
                         f"only; paratrain's runtime (--cluster local) does not run it")
-    if training.global_batch % cand.dp:
-        problems.append(f"dp={cand.dp} does not divide the global batch {training.global_batch}")
-    elif (training.global_batch // cand.dp) % cand.micro_batch:
-        problems.append(f"micro batch {cand.micro_batch} does not divide the "
-                        f"{training.global_batch // cand.dp} sequences per replica")
+    try:
+        rules.batch(training.global_batch, cand.dp, cand.micro_batch)
+    except LayoutError as err:
+        problems.append(str(err))
     try:
         _check_model(model, training.seq_len, cand, cand.virtual_stages)
     except LayoutError as err:
         problems.append(str(err))
-    if cand.schedule == "interleaved" and cand.pp > 1 and cand.microbatches % cand.pp:
-        problems.append(f"interleaved needs microbatches divisible by pp: {cand.microbatches} "
-                        f"% pp={cand.pp} != 0 (Megatron's rule)")
+    if cand.schedule == "interleaved":
+        try:
+            rules.interleaved_microbatches(cand.microbatches, cand.pp)
+        except LayoutError as err:
+            problems.append(str(err))
     return problems
 
 
@@ -195,7 +196,7 @@ def _shapes(problem: _Problem, result: SearchResult):
                 if tp > node:
                     result.reject(f"tp={tp} spans nodes of {node} GPUs", label,
                                   "tensor parallelism is kept inside a node")
-                elif batch % dp:
+                elif not _holds(rules.batch, batch, dp):
                     result.reject(f"dp={dp} does not divide the global batch", label,
                                   f"global batch {batch} % dp={dp} != 0")
                 elif not problem.uneven_stages and problem.model.n_layers % pp:
@@ -226,10 +227,18 @@ def _valid(problem: _Problem, cand: Candidate, v: int, label: str,
     return True
 
 
+def _holds(rule, *args) -> bool:
+    """Whether ``rules.<rule>(*args)`` accepts (the search tallies refusals in its own words)."""
+    try:
+        rule(*args)
+    except LayoutError:
+        return False
+    return True
+
+
 def _check_model(model: ModelSpec, seq_len: int, cand: Candidate, v: int) -> None:
     """``rules.check_split`` and SP's split: the rules ``train`` and the strategies apply."""
-    rules.check_split(rules.Shape(model.n_heads, model.n_kv_heads, model.n_layers, model.ffn_hidden),
-                      rules.Split(cand.tp, cand.cp, cand.pp, v, seq_len, cand.cp_method))
+    rules.check_split(model, rules.Split(cand.tp, cand.cp, cand.pp, v, seq_len, cand.cp_method))
     rules.sequence_parallel(cand.sp, cand.tp, cand.cp, seq_len)
 
 
@@ -319,7 +328,7 @@ def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...]
         trial = Candidate(cand.dp, cand.tp, cand.pp, cand.cp, cand.zero, mb, m, cand.schedule,
                           cand.virtual_stages, cand.recompute, cand.sequence_parallel,
                           cand.shard_group, cand.cp_method, cand.reshard_after_forward)
-        if trial.schedule == "interleaved" and m % trial.pp:
+        if trial.schedule == "interleaved" and not _holds(rules.interleaved_microbatches, m, trial.pp):
             result.reject("interleaved needs microbatches divisible by pp", trial.describe(),
                           lambda m=m, p=trial.pp: f"{m} microbatches % pp={p} != 0 (Megatron's rule)")
             continue

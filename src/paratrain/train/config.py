@@ -145,8 +145,7 @@ class Config:
                               f"{'a pipeline' if p.pp > 1 else 'ZeRO'} cannot split; train it "
                               f"with --pp 1 --zero 0 (dp, tp and cp split it)")
         try:
-            rules.check_split(rules.Shape(m.n_heads, m.kv_heads, m.n_layers, m.ffn_dim),
-                              rules.Split(p.tp, p.cp, p.pp, p.virtual_stages, self.data.seq_len,
+            rules.check_split(m.shape, rules.Split(p.tp, p.cp, p.pp, p.virtual_stages, self.data.seq_len,
                                           p.cp_method))
             rules.sequence_parallel(p.sp, p.tp, p.cp, self.data.seq_len)
             rules.tied_embeddings(m.tie_embeddings, p.pp, p.zero)
@@ -199,18 +198,20 @@ class Config:
 
     def _check_batch(self) -> None:
         t, dp = self.train, self.parallel.dp
-        if t.global_batch % dp:
-            raise ConfigError(f"global_batch={t.global_batch} is not divisible by dp={dp}; "
-                              f"use a multiple of {dp}")
+        try:
+            rules.batch(t.global_batch, dp)
+        except LayoutError as exc:
+            raise ConfigError(str(exc)) from None
         share, m = t.global_batch // dp, self.parallel.microbatches
         if m and not t.micro_batch and share % m:  # the micro-batch is derived from them
             fits = [d for d in range(1, share + 1) if share % d == 0]
             raise ConfigError(f"microbatches={m} does not divide the {share} sequences each rank "
                               f"gets per step (global_batch={t.global_batch} / dp={dp}); use one of "
                               f"{', '.join(map(str, fits))}, or change --global-batch")
-        if (t.global_batch // dp) % self.micro_batch:
-            raise ConfigError(f"each rank gets {t.global_batch // dp} sequences per step, not a "
-                              f"multiple of micro_batch={self.micro_batch}")
+        try:
+            rules.batch(t.global_batch, dp, self.micro_batch)
+        except LayoutError as exc:
+            raise ConfigError(str(exc)) from None
         if m and m != self.accumulation:
             raise ConfigError(f"microbatches={m} but global_batch / (dp x micro_batch) = "
                               f"{self.accumulation}; leave microbatches at 0 or make them agree")

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import rules
 from ..data.dataset import TokenStream, load_split
 from ..errors import RunError
 from ..models.gpt import IGNORE_INDEX
@@ -122,8 +123,7 @@ class DistributedSampler:
     """drop or pad."""
 
     def __post_init__(self) -> None:
-        if self.global_batch % self.dp_size:
-            raise ValueError(f"global_batch={self.global_batch} is not divisible by dp={self.dp_size}")
+        rules.batch(self.global_batch, self.dp_size)  # a LayoutError (ValueError) naming the fix
         if self.steps_per_epoch == 0:
             raise ValueError(f"the data has {self.num_samples} samples, fewer than one global batch "
                              f"of {self.global_batch}; use a larger corpus or a smaller batch")

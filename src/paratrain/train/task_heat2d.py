@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import rules
 from ..comm import collectives as C
 from ..layout import DOMAIN_AXES, DP, DP_DOM, LayoutError
 from ..mesh import Mesh
@@ -98,9 +99,10 @@ def check_grid(size: int, parts: int, ucfg: UNetConfig, axis: str = "height") ->
 
 def _check_batch(cfg: Config) -> None:
     t, dp, h = cfg.train, cfg.parallel.dp, cfg.heat2d
-    if t.global_batch % dp or (t.global_batch // dp) % cfg.micro_batch:
-        raise ConfigError(f"global_batch={t.global_batch} must split over dp={dp} into "
-                          f"micro-batches of {cfg.micro_batch}")
+    try:
+        rules.batch(t.global_batch, dp, cfg.micro_batch)
+    except LayoutError as exc:
+        raise ConfigError(str(exc)) from None
     if h.heat_samples - max(1, h.heat_samples // 8) < t.global_batch:
         raise ConfigError(f"heat_samples={h.heat_samples} leave fewer training samples than one "
                           f"global batch of {t.global_batch}; raise --heat-samples")

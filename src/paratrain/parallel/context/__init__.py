@@ -52,6 +52,6 @@ def apply_context_parallel(model: nn.Module, cp_group: ProcessGroup, method: str
     desc = description or describe(model)
     for block in model.get_submodule(desc.blocks):
         if method == "ulysses":  # fail at set-up, not in the first forward
-            heads = [block.get_submodule(path).weight.shape[0] // desc.head_dim for path in (desc.q, desc.k)]
+            heads = [block.get_submodule(path).weight.shape[0] // desc.shape.head_dim for path in (desc.q, desc.k)]
             check_heads(*heads, C.size(cp_group))
         block.set_submodule(desc.attention_core, METHODS[method](cp_group))

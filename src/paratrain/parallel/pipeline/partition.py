@@ -105,19 +105,16 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: in
     c * pp_size + pp_rank). The model is consumed: parameters of other ranks' stages are
     released (their storage freed) and only the returned chunks remain usable."""
     desc = description or describe(model)
-    rules.pipeline_split(desc.n_layers, pp_size, virtual_stages)
+    rules.pipeline_split(desc.shape.n_layers, pp_size, virtual_stages)
     tied = model.get_submodule(desc.head).weight is model.get_submodule(desc.embedding).weight
     rules.tied_embeddings(tied, pp_size, zero=0)
     if not 0 <= pp_rank < pp_size:
         raise LayoutError(f"pp_rank={pp_rank} is outside a pipeline of {pp_size} ranks")
     num_stages = pp_size * virtual_stages
     if layer_costs is None and not embed_cost and not head_cost:  # train's rule (stages.py)
-        d, kv = desc.d_model, desc.n_kv_heads * desc.head_dim
-        block = 2 * d + 2 * d * d + 2 * d * kv + 3 * d * desc.ffn
-        runs = pipeline_split(desc.n_layers, pp_size, virtual_stages,
-                              *head_costs(desc.vocab_size, d, block))
+        runs = desc.shape.stage_runs(pp_size, virtual_stages)
     else:
-        runs = split_layers(desc.n_layers, num_stages, layer_costs, embed_cost, head_cost)
+        runs = split_layers(desc.shape.n_layers, num_stages, layer_costs, embed_cost, head_cost)
     chunks = [PipelineChunk(model, desc, s, num_stages, runs[s])
               for s in range(pp_rank, num_stages, pp_size)]
     _release_others(model, chunks)

@@ -30,6 +30,7 @@ import re
 from bisect import bisect_left
 from dataclasses import dataclass
 
+from ... import rules
 from ...layout import LayoutError
 from .timeline import theoretical_bubble
 
@@ -125,12 +126,10 @@ def check(kind: str, stages: int, microbatches: int, chunks: int = 1) -> None:
         if chunks < 2:
             raise ScheduleError("interleaved 1F1B needs --virtual-stages >= 2 (with one chunk "
                                 "per rank it is plain 1F1B: use --schedule 1f1b)")
-        if microbatches % stages:
-            fix = max(stages, microbatches // stages * stages)
-            raise ScheduleError(
-                f"interleaved 1F1B runs microbatches in groups of pp={stages}, but "
-                f"microbatches={microbatches} is not a multiple of {stages}; use "
-                f"--microbatches {fix} or {fix + stages}")
+        try:
+            rules.interleaved_microbatches(microbatches, stages)
+        except LayoutError as exc:
+            raise ScheduleError(str(exc)) from None
 
 
 def notes(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[str]:
