@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from distributed import run_world
 from paratrain.comm import compress as Z
-from paratrain.comm.compressor_set import CompressorSet
+from paratrain.comm.reducer import GradReducer
 from paratrain.comm.int8 import INT8_BLOCK
 from paratrain.comm.powersgd import PowerSGD
 from paratrain.train.config import ConfigError
@@ -53,10 +53,10 @@ def _restore_into_other_tensors(group) -> tuple:
     or another ZeRO stage) starts fresh. Returns (why same, why other, residual kept)."""
     spec = Z.CompressSpec("topk", fraction=0.5, place="here")
     names = [["layers.1.w", "layers.1.b", "layers.1.c", "layers.1.d"]]
-    donor = CompressorSet(spec, [(VIEWS, NUMEL)], names=names)
+    donor = GradReducer(spec, [(VIEWS, NUMEL)], names=names)
     _average(donor[0], _grads(0))
-    same = CompressorSet(spec, [(VIEWS, NUMEL)], names=names)
-    other = CompressorSet(spec, [(VIEWS, NUMEL)], names=[[n.replace("1", "2") for n in names[0]]])
+    same = GradReducer(spec, [(VIEWS, NUMEL)], names=names)
+    other = GradReducer(spec, [(VIEWS, NUMEL)], names=[[n.replace("1", "2") for n in names[0]]])
     why_same, why_other = (c.load_state(donor.local_state(), group) for c in (same, other))
     return why_same, why_other is not None, other[0].residual.abs().max().item()
 
@@ -140,7 +140,7 @@ def compressor_checks() -> dict[str, float]:
         out[f"{text}_cleared"] = all(bool(t.isfinite().all()) for t in plain._state_tensors())
     # Saved state is restored on every rank or on none: here rank 3 finds none of its own.
     spec = Z.CompressSpec("topk", fraction=0.5, place="here")
-    donor, fresh = CompressorSet(spec, [(VIEWS, NUMEL)]), CompressorSet(spec, [(VIEWS, NUMEL)])
+    donor, fresh = GradReducer(spec, [(VIEWS, NUMEL)]), GradReducer(spec, [(VIEWS, NUMEL)])
     _average(donor[0], _grads(0))
     why = fresh.load_state({} if dist.get_rank() == 3 else donor.local_state(), group)
     out["partial_restore"] = (why is not None, fresh[0].reductions, fresh[0].residual.abs().max().item())

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from distributed import run_world
 from paratrain.comm import collectives as C
+from paratrain.comm.compress import all_reduce_bytes
 from paratrain.models.gpt import GPT, PRESETS
 from paratrain.models.unet import UNet, UNetConfig
 from paratrain.parallel.zero import ZeroDataParallel
@@ -207,6 +208,8 @@ def against_torch_sharded_optimizers() -> dict:
             opt.step()
             run["theirs"]["losses"].append(loss.item())
         run["ours"]["params"] = ours.full_state_dict()
+        run["ours"]["bytes"] = (*ours.reducer.pop_bytes(), sum(  # what all-reduces would send
+            all_reduce_bytes(u.flat.padded * u.grad_shard.element_size(), 2) for u in ours.units))
         run["theirs"]["params"] = peer_tensors(theirs, grads=False)
         out[f"zero{stage}" + (" native" if native else "")] = run
     out.update(bf16_against_single_process(base))
@@ -269,6 +272,17 @@ def bf16_against_single_process(base: GPT, steps: int = 4, lr: float = 3e-3) -> 
 @pytest.fixture(scope="module")
 def oracles():
     return run_world(against_torch_sharded_optimizers, 2)
+
+
+@pytest.mark.parametrize("path", ["", " native"])
+def test_the_reducer_counts_the_bytes_zero_sends(oracles, path):
+    """Three steps of plain reductions: all-reduces on gloo's path send what all-reduces
+    would, native reduce-scatters half of it (the comm_bytes and comm_ratio metrics)."""
+    for rank_result in oracles:
+        for stage in STAGES:
+            sent, dense, per_step = rank_result[f"zero{stage}{path}"]["ours"]["bytes"]
+            assert dense == 3 * per_step > 0, (stage, dense, per_step)
+            assert sent == (dense // 2 if path else dense), (stage, path, sent, dense)
 
 
 @pytest.mark.parametrize("path", ["", " native"])

@@ -18,6 +18,7 @@ from .models.description import describe
 from .parallel.context import apply_context_parallel
 from .parallel.data import DataParallel
 from .parallel.engine import ReplicatedEngine
+from .parallel.local_update import LocalUpdateEngine
 from .parallel.pipeline import split_model
 from .parallel.pipeline import Recorder
 from .parallel.recompute import apply_recompute
@@ -93,8 +94,10 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
                                 reshard_after_forward=opts.reshard_after_forward, compress=compress,
                                 plan=plan)
     allocate(model, mesh.device)
-    dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=compress)
-    return ReplicatedEngine(dp, opts.optim, tp, pp_group, plan=plan)
+    dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=compress, defer=compress.update)
+    # --compress METHOD:update averages AdamW's updates, not gradients: an engine of its own.
+    engine = LocalUpdateEngine if compress.update else ReplicatedEngine
+    return engine(dp, opts.optim, tp, pp_group, plan=plan)
 
 
 def place(mesh: Mesh) -> str:

@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup
 
 from ..comm import collectives as C
 from ..comm.compress import CompressSpec, parse
-from ..comm.compressor_set import CompressorSet
+from ..comm.reducer import GradReducer
 from .hooks import weakly
 
 
@@ -38,10 +38,10 @@ class Bucket:
     """Start of each parameter's gradient in ``buffer``, by ``param``."""
     ready: set[torch.Tensor] = field(default_factory=set)
     """The parameters whose gradient this backward pass has produced."""
+    index: int = 0
+    """Its place among the buckets (the reducer keeps each bucket's state by it)."""
     work: object | None = None
-    """Handle of the in-flight all-reduce, if launched."""
-    compressor: object | None = None
-    """How the bucket is averaged and what state that keeps (comm/compress.py)."""
+    """The in-flight average (a ``Pending``), if launched."""
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
@@ -65,7 +65,7 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
             p.grad = buffer[offset:offset + p.numel()].view_as(p)
             offsets[p] = offset
             offset += p.numel()
-        buckets.append(Bucket(group, buffer, offsets))
+        buckets.append(Bucket(group, buffer, offsets, index=len(buckets)))
     return buckets
 
 
@@ -78,7 +78,8 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group: ProcessGroup, bucket_mb: float = 4.0,
-                 broadcast_from_first: bool = True, compress: "str | CompressSpec" = "none"):
+                 broadcast_from_first: bool = True, compress: "str | CompressSpec" = "none",
+                 defer: bool = False):
         super().__init__()
         self.module = module
         self.group = group
@@ -89,17 +90,16 @@ class DataParallel(nn.Module):
                     C.broadcast(tensor, src=0, group=group)
         self.buckets = make_buckets(params[::-1], max(1, int(bucket_mb * 2**20)))
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        # One compressor per bucket (comm/compress.py); "none" is the plain average.
         self.name_of = {p: n for n, p in module.named_parameters()}
-        """Each parameter's name in the module (compression state is keyed by names)."""
-        self.compressors = CompressorSet(parse(compress), [
+        """Each parameter's name in the module (reduction state is keyed by names)."""
+        self.reducer = GradReducer(parse(compress), [
             ([(b.offsets[p], p.shape) for p in b.params], b.buffer.numel()) for b in self.buckets],
-            device=self.buckets[0].buffer.device if self.buckets else None,
+            group, device=self.buckets[0].buffer.device if self.buckets else None,
             names=[[self.name_of[p] for p in b.params] for b in self.buckets])
-        for bucket, compressor in zip(self.buckets, self.compressors.items):
-            bucket.compressor = compressor
-        # Averaging AdamW's updates (``:update``), the engine reduces after its step.
-        self.deferred = self.compressors.spec.update
+        """How each bucket is averaged, and what that keeps between steps (comm/reducer.py)."""
+        self.deferred = defer
+        """Backward reduces nothing: the engine reduces after its step (``:update``,
+        parallel/local_update.py)."""
         self._sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(weakly(self, DataParallel._on_grad_ready))
                        for p in params]
@@ -141,7 +141,7 @@ class DataParallel(nn.Module):
     def start_grad_sync(self, bucket: Bucket) -> None:
         """Launch the asynchronous average of one bucket over the data-parallel group."""
         if bucket.work is None:
-            bucket.work = bucket.compressor.reduce(bucket.buffer, self.group)
+            bucket.work = self.reducer.average(bucket.index, bucket.buffer)
 
     def finish_grad_sync(self) -> None:
         """Launch any bucket not yet launched (e.g. holding unused parameters), then wait

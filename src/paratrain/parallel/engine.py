@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..optim import MOMENTS, adam_step_count, build_adamw, clip_grad_norm_, set_lr
+from ..comm.reducer import GradReducer
 from .data import DataParallel
-from .local_update import LocalUpdate
 from .step import Batch, ScheduledStep, StepLoss, StepPlan
 from .tensor import TensorParallel
 
@@ -26,12 +26,16 @@ __all__ = ["MOMENTS", "Engine", "ReplicatedEngine", "merge_stages", "plain_name"
 
 
 class Engine(Protocol):
-    """What the training loop needs of a parallel model and its optimizer."""
+    """What the training loop needs of a parallel model and its optimizer: the step
+    (forward-backward, clip, step) and the state (tensors, checkpoints). How gradients are
+    averaged, and what that keeps, is the ``reducer``'s."""
 
     module: nn.Module
     """The (parallelized) model: under pipeline parallelism, the list of this rank's chunks."""
     plan: StepPlan
     """What every step shares (parallel/step.py)."""
+    reducer: GradReducer
+    """The data-parallel reduction: bytes sent, the undo of a skipped step, its own state."""
 
     def forward_backward(self, batches: Sequence[Batch], loss_scale: float,
                          training: bool = True) -> StepLoss:
@@ -52,14 +56,6 @@ class Engine(Protocol):
     def step(self, lr: float) -> None:
         """Optimizer step at ``lr`` (and whatever it implies, e.g. ZeRO's all-gather)."""
 
-    def pop_comm_bytes(self) -> tuple[int, int]:
-        """Gradient bytes sent since the last call, and what plain all-reduces would send."""
-
-    def forget_nonfinite(self) -> None:
-        """A step whose gradients were not finite is skipped: undo what it did to state that
-        outlives the step (the compressors' residuals and PowerSGD's Q: restored where
-        ``CompressSpec.undoable``, else cleared of NaN and inf)."""
-
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """{"params", "grads", "optim"}: this rank's tensors, for exact accounting."""
 
@@ -68,6 +64,14 @@ class Engine(Protocol):
 
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Install this rank's share of full moments after ``step`` steps."""
+
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """This rank's own state besides parameters and moments (the reducer's), which
+        checkpoints keep per rank."""
+
+    def load_rank_state(self, saved: dict[str, torch.Tensor]) -> str | None:
+        """Install ``rank_state`` from a checkpoint on every rank or on none (collective);
+        the reason it was not, or None."""
 
 
 class ReplicatedEngine(ScheduledStep, nn.Module):
@@ -80,8 +84,7 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         self.module = dp.module
         self.plan = plan or StepPlan.single(dp.module)
         self.optimizer = build_adamw([p for p in dp.module.parameters() if p.requires_grad], optim_cfg)
-        # --compress METHOD:update averages AdamW's updates, not gradients (local_update.py).
-        self.local = LocalUpdate(dp, self.optimizer) if dp.compressors.spec.update else None
+        self.reducer = dp.reducer
 
     def forward(self, *args, **kwargs):
         return self.dp(*args, **kwargs)
@@ -98,8 +101,6 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         self.dp.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        if self.local is not None:  # each rank's own gradient, one factor for all (DGC)
-            return self.local.clip_(self._norm(0.0), max_norm)
         return self._norm(max_norm)
 
     def _norm(self, max_norm: float) -> torch.Tensor:
@@ -114,25 +115,14 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         return clip_grad_norm_(owned, max_norm, groups=(self.tp.group, *stages), scale=grads)
 
     def step(self, lr: float) -> None:
-        if self.local is not None:
-            return self.local.step(lr)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
-
-    def pop_comm_bytes(self) -> tuple[int, int]:
-        """Gradient bytes this rank sent since the last call, and what uncompressed
-        all-reduces would have sent."""
-        return self.dp.compressors.pop_bytes()
-
-    def forget_nonfinite(self) -> None:
-        self.dp.compressors.undo_step()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.module.parameters())
         optim = [v for state in self.optimizer.state.values() for v in state.values()
                  if isinstance(v, torch.Tensor) and v.dim() > 0]  # skip Adam's 0-d step counters
-        origin = self.local.origin if self.local is not None else []
-        return {"params": params, "grads": [p.grad for p in params], "optim": optim + origin}
+        return {"params": params, "grads": [p.grad for p in params], "optim": optim}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         if self.tp is not None:
@@ -143,13 +133,20 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
 
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Install this rank's share of full moments (from any layout) after ``step`` steps."""
-        self.dp.compressors.load_state(moments.get("compress", {}), dist.group.WORLD)
+        self.load_rank_state(moments.get("compress", {}))
         for name, p in self.module.named_parameters():
             state = {"step": adam_step_count(self.optimizer, step, p.device)}
             for key in MOMENTS:
                 full = moments[key][plain_name(name)].to(p.device)
                 state[key] = self.tp.local_shard(p, full) if self.tp is not None else full.clone()
             self.optimizer.state[p] = state
+
+
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        return self.reducer.local_state()
+
+    def load_rank_state(self, saved: dict[str, torch.Tensor]) -> str | None:
+        return self.reducer.load_state(saved, dist.group.WORLD)
 
 
 def plain_name(name: str) -> str:

@@ -355,13 +355,12 @@ def load_into(engine, directory: str | Path, model_cfg) -> int:
     _check_files_once(directory, meta)
     S.prepare_optimizer_state(engine, meta["step"] - skipped_steps(meta))  # Adam's own count
     error, saved = "", {}
-    compressors = engine.compressors if hasattr(engine, "units") else engine.dp.compressors
     try:
-        saved = _read_pieces(engine, compressors, directory, meta)
+        saved = _read_pieces(engine, directory, meta)
     except Exception as exc:  # noqa: BLE001  every rank must hear of it, or the others wait
         error = f"{type(exc).__name__}: {exc} (on rank {dist.get_rank()})"  # in the first collective
     _raise_first(error, f"loading {str(directory)!r} failed: ")
-    why = compressors.load_state(saved, dist.group.WORLD)  # all ranks restore, or none
+    why = engine.load_rank_state(saved)  # all ranks restore, or none
     if why and any(k.startswith("compress/") for k in meta["tensors"]) and dist.get_rank() == 0:
         log.warning(f"paratrain train: gradient compression starts fresh: {why}; the resumed run "
                     "is not an exact continuation of the saved one")
@@ -369,14 +368,14 @@ def load_into(engine, directory: str | Path, model_cfg) -> int:
     return meta["step"]
 
 
-def _read_pieces(engine, compressors, directory: str | Path, meta: dict) -> dict[str, torch.Tensor]:
+def _read_pieces(engine, directory: str | Path, meta: dict) -> dict[str, torch.Tensor]:
     """This rank's boxes of every tensor; returns the gradient-compression state saved
     for this rank's place (installed once every rank has read its own)."""
     saved = {}
     with Reader(Path(directory), meta) as reader:
         for piece in S.engine_pieces(engine, for_save=False):
             reader.fill(piece)
-        for key, value in compressors.local_state().items():
+        for key, value in engine.rank_state().items():
             entry = meta["tensors"].get(f"compress/{key}")
             if entry is not None and tuple(entry["shape"]) == tuple(value.shape):
                 saved[key] = torch.empty_like(value)

@@ -67,7 +67,7 @@ def optimizer_step(run: Run, step: int, microbatches: list, count: int) -> dict[
     lr = lr_at(step, cfg.train.steps, cfg.optim)
     record = {"loss": loss_sum / count, "grad_norm": norm, "lr": lr, "tokens": count}
     if not (math.isfinite(loss_sum) and math.isfinite(norm)):
-        engine.forget_nonfinite()  # so a skipped step's NaN does not poison the next ones
+        engine.reducer.undo_step()  # so a skipped step's NaN does not poison the next ones
         return {**record, "nonfinite_ranks": culprits(loss.local)}  # no update: the loop decides
     engine.step(lr)
     return record

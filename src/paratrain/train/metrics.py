@@ -25,11 +25,8 @@ def state_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:
 def comm_metrics(engine) -> dict[str, float]:
     """This step's data-parallel bytes sent by this rank (``comm_bytes``: gradients, or
     AdamW's updates under ``:update``) and the compression ratio against uncompressed
-    all-reduces (``comm_ratio``), for engines that count them."""
-    pop = getattr(engine, "pop_comm_bytes", None)
-    if pop is None:
-        return {}
-    sent, dense = pop()
+    all-reduces (``comm_ratio``; ZeRO's reduce-scatters count as all-reduces)."""
+    sent, dense = engine.reducer.pop_bytes()
     return {"comm_bytes": sent, "comm_ratio": dense / sent if sent else 1.0}
 
 

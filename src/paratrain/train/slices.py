@@ -140,7 +140,7 @@ def box_pieces(key: str, local_shape: tuple[int, ...], place: Placement, start: 
 def replicated_pieces(engine, for_save: bool) -> list[Piece]:
     """Pieces of a ReplicatedEngine (DDP, optionally TP and pipeline stages)."""
     if for_save and C.rank(engine.dp.group) != 0:
-        return _compress_pieces(engine.dp.compressors)
+        return _rank_pieces(engine)
     pieces = []
     for name, p in engine.module.named_parameters():
         place = placement(p, engine.tp)
@@ -152,7 +152,7 @@ def replicated_pieces(engine, for_save: bool) -> list[Piece]:
             flat = source.reshape(-1) if source is not None else None
             pieces += box_pieces(f"{kind}/{plain_name(name)}", tuple(p.shape), place, 0, p.numel(),
                                  flat, p.dtype if kind == "param" else torch.float32)
-    return pieces + (_compress_pieces(engine.dp.compressors) if for_save else [])
+    return pieces + (_rank_pieces(engine) if for_save else [])
 
 
 def zero_pieces(engine, for_save: bool) -> list[Piece]:
@@ -190,14 +190,15 @@ def zero_pieces(engine, for_save: bool) -> list[Piece]:
                 source = moment[lo - start - a:hi - start - a] if moment is not None else None
                 pieces += box_pieces(f"{kind}/{key}", tuple(p.shape), place, lo - offset, hi - offset,
                                      source, torch.float32)
-    return pieces + (_compress_pieces(engine.compressors) if for_save else [])
+    return pieces + (_rank_pieces(engine) if for_save else [])
 
 
-def _compress_pieces(compressors) -> list[Piece]:
-    """This rank's gradient-compression state (error-feedback residuals, PowerSGD's Q):
-    each rank's own, stored whole under 'compress/METHOD/PLACE/...' (CompressorSet.local_state)."""
+def _rank_pieces(engine) -> list[Piece]:
+    """This rank's own state (the reducer's error-feedback residuals, PowerSGD's Q; the
+    Adam moments of ``:update``), stored whole under 'compress/METHOD/PLACE/...'
+    (``Engine.rank_state``)."""
     return [Piece(f"compress/{k}", tuple(v.shape), (0,) * v.dim(), v.detach(), tuple(v.shape), v.dtype)
-            for k, v in compressors.local_state().items()]
+            for k, v in engine.rank_state().items()]
 
 
 def engine_pieces(engine, for_save: bool) -> list[Piece]:

@@ -39,9 +39,9 @@ from torch.distributed import ProcessGroup
 
 from ...accounting import storage_bytes
 from ...comm import collectives as C
-from ...comm.compress import CompressSpec, all_reduce_bytes, check
-from ...comm.compressor_set import CompressorSet
-from ...comm.ring import ring_all_gather
+from ...comm.backend import gather_shards
+from ...comm.compress import CompressSpec, check
+from ...comm.reducer import GradReducer
 from ...optim import adam_step_count
 from ..engine import MOMENTS, merge_stages, plain_name
 from ..hooks import weakly
@@ -79,17 +79,12 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         self.optimizer = ShardedAdamW(self.units, optim_cfg, offload=offload)
         # Stage 1 keeps each unit's full gradient, so it can be averaged by a compressor
         # (comm/compress.py) instead of a reduce-scatter; stages 2/3 are refused by check().
-        self.compressors = CompressorSet(check(compress, stage), [
+        # ring_collectives: the backend's flat collectives, or forced (comm/backend.py).
+        self.ring = ring_collectives
+        self.reducer = GradReducer(check(compress, stage), [
             (list(zip(u.flat.offsets, [p.shape for p in u.flat.params])), u.flat.padded)
-            for u in self.units], device=self.units[0].flat.device if self.units else None,
-            names=[u.flat.names for u in self.units])
-        for unit, compressor in zip(self.units, self.compressors.items):
-            unit.compressor = compressor if self.compressors.spec.method != "none" else None
-        # gloo's native reduce-scatter and all-gather are slower than its all-reduce and
-        # than a ring on send/recv (see `paratrain bench comm`); NCCL's are not. False runs
-        # NCCL's path (native reduce-scatter and all-gather) on any backend: the suite runs
-        # it on gloo, so the code GPUs run is code the tests run.
-        self._gloo = dist.get_backend(group) == "gloo" if ring_collectives is None else ring_collectives
+            for u in self.units], group, device=self.units[0].flat.device if self.units else None,
+            names=[u.flat.names for u in self.units], ring=ring_collectives)
         self._sync = True
         self._in_flight: list[Unit] = []
         # Units in the order the first forward ran them (registration order need not be
@@ -192,24 +187,10 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         # most two units' full gradients (that one and the one being produced) exist at once.
         if self.stage >= 2 and self._in_flight:
             self._in_flight.pop(0).finish_reduce()
-        unit.start_reduce(self.group, by_all_reduce=self._gloo)
-        if unit.compressor is None:  # count what the plain reduction sends
-            compressor = self.compressors[self.units.index(unit)]
-            nbytes = all_reduce_bytes(unit.flat_grad.numel() * unit.flat_grad.element_size(), C.size(self.group))
-            compressor.sent_bytes += nbytes if self._gloo else nbytes // 2
-            compressor.dense_bytes += nbytes
+        unit.start_reduce(self.reducer)
         self._in_flight.append(unit)
         if self.stage == 3 and (self._sync or self.reshard_after_forward):
             self._release(unit)  # kept otherwise: the next microbatch of the step needs it
-
-    def pop_comm_bytes(self) -> tuple[int, int]:
-        """Gradient bytes this rank sent since the last call, and what uncompressed
-        all-reduces would have sent (reduce-scatters count as all-reduces: an upper bound)."""
-        return self.compressors.pop_bytes()
-
-    def forget_nonfinite(self) -> None:
-        """Forget the compressors' reductions of a step skipped as non-finite."""
-        self.compressors.undo_step()
 
     def start_grad_sync(self) -> None:
         """Launch the reduction of every unit not launched in this backward pass (e.g. one
@@ -269,12 +250,8 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         self.optimizer.step(lr)
         if self.stage == 3:
             return
-        if self._gloo:
-            for u in self.units:
-                ring_all_gather(u.flat.own_slice(u.flat.flat), self.group, out=u.flat.flat)
-        else:
-            C.wait_all([C.all_gather(u.flat.flat, u.flat.own_slice(u.flat.flat), self.group,
-                                     async_op=True) for u in self.units])
+        gather_shards([(u.flat.flat, u.flat.own_slice(u.flat.flat)) for u in self.units],
+                      self.group, self.ring)
 
     # ---- inspection ------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -309,10 +286,16 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
 
 
     # ---- checkpoints: Adam's moments in the plain model's terms -------------------------------
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        return self.reducer.local_state()
+
+    def load_rank_state(self, saved: dict[str, torch.Tensor]) -> str | None:
+        return self.reducer.load_state(saved, dist.group.WORLD)
+
     @torch.no_grad()
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Install this rank's slices of full moments (from any layout) after ``step`` steps."""
-        self.compressors.load_state(moments.get("compress", {}), dist.group.WORLD)
+        self.load_rank_state(moments.get("compress", {}))
         state = self.optimizer.optimizer.state
         for unit, views in zip(self.units, self.optimizer.unit_views):
             slices = {}
@@ -338,7 +321,8 @@ def _build_units(module: nn.Module, group: ProcessGroup, stage: int,
     units = [Unit(build_unit(name, params, world, rank, param_dtype, device,
                              sharded=stage == 3), m)
              for (name, params), (_, m) in zip(named, unit_modules)]
-    for unit in units:
+    for index, unit in enumerate(units):
+        unit.index = index
         unit.setup_grads(stage)
         if stage == 3:
             flat = unit.flat

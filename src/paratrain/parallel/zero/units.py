@@ -6,9 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
-
-from ...comm import collectives as C
+from ...comm.reducer import GradReducer
 from .flat import FlatUnit
 
 
@@ -42,6 +40,8 @@ class Unit:
     """Parameters, flat and sharded."""
     module: nn.Module
     """The module whose forward uses them (ZeRO-3 hooks it)."""
+    index: int = 0
+    """Its place among the engine's units (the reducer keeps each unit's state by it)."""
     shard: torch.Tensor | None = None
     """Stage 3: this rank's parameter slice, the only copy kept between uses."""
     flat_grad: torch.Tensor | None = None
@@ -57,11 +57,9 @@ class Unit:
     launched: bool = False
     """Its reduction was launched in this backward pass."""
     reduce_work: object | None = None
-    """Handle of the in-flight reduce-scatter."""
+    """The in-flight average of the gradient (a ``Pending``)."""
     gather_work: object | None = None
     """Handle of the in-flight all-gather (stage 3)."""
-    compressor: object | None = None
-    """Stage 1 with --compress: averages the full gradient (comm/compress.py)."""
 
     def __post_init__(self) -> None:
         self._offset_of = {p: o for p, o in zip(self.flat.params, self.flat.offsets)}
@@ -86,19 +84,13 @@ class Unit:
         self.flat_grad[offset:offset + param.numel()].add_(param.grad.reshape(-1))
         param.grad = None
 
-    def start_reduce(self, group: ProcessGroup, by_all_reduce: bool = False) -> None:
-        """Average the unit's gradient over the group; this rank's slice lands in place.
-        ``by_all_reduce`` reduces the whole buffer instead of reduce-scattering it: the
-        same slice results, and gloo's all-reduce is faster than its reduce-scatter."""
+    def start_reduce(self, reducer: GradReducer) -> None:
+        """Hand the unit's gradient to the data-parallel reducer; this rank's slice of the
+        average lands in place."""
         if self.flat_grad is None:  # no parameter of the unit got a gradient
             self.flat_grad = self.grad_shard.new_zeros(self.flat.padded)
-        if self.compressor is not None:  # the full average, compressed; the shard is a view of it
-            self.reduce_work = self.compressor.reduce(self.flat_grad, group)
-        elif by_all_reduce:
-            self.reduce_work = C.all_reduce(self.flat_grad, group, op="avg", async_op=True)
-        else:
-            self.reduce_work = C.reduce_scatter(self.flat.own_slice(self.flat_grad), self.flat_grad,
-                                                group, op="avg", async_op=True)
+        self.reduce_work = reducer.average_shard(self.index, self.flat_grad,
+                                                 self.flat.own_slice(self.flat_grad))
         self.launched = True
 
     def finish_reduce(self) -> None:
