@@ -188,6 +188,34 @@ def test_a_qwen2_directory_trains_with_parity_under_each_strategy(models, tmp_pa
             assert err <= 1e-5, f"{name}: {key} off by {err:.2e}"
 
 
+def test_a_tied_llama_trains_under_zero_with_parity_and_exports_tied(models, tmp_path):
+    """Llama with tie_word_embeddings (as Llama 3.2 1B/3B): dp2 x ZeRO-1 and dp2 x ZeRO-3,
+    whose unit holds the one matrix the embedding and the head share, equal one process
+    (losses, final parameters); the result exports as a tied model transformers loads."""
+    from paratrain.train.config import load
+
+    _, path = models["llama"]
+    base = dict(preset=path, seq_len=32, global_batch=4, steps=3, warmup_steps=1, lr=1e-3,
+                grad_clip=0.0, eval_every=0, eval_batches=1, progress=False, run_dir=str(tmp_path))
+    cfg = load(None, {**base, "nproc": 1}).validate()
+    assert cfg.model.tie_embeddings
+    (ref_losses, ref_params), = run_world(train_variants, 1, [cfg])[0]
+    variants = {"dp2 zero1": dict(dp=2, zero=1), "dp2 zero3": dict(dp=2, zero=3)}
+    configs = [load(None, {**base, "nproc": 2, **v}).validate() for v in variants.values()]
+    for name, (losses, params) in zip(variants, run_world(train_variants, 2, configs)[0]):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"{name}: {m}")
+        assert params.keys() == ref_params.keys(), name  # the tied matrix once
+        for key, want in ref_params.items():
+            err = ((params[key] - want).norm() / want.norm()).item()
+            assert err <= 1e-5, f"{name}: {key} off by {err:.2e}"
+    hf.export(params, cfg.model, tmp_path / "out")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()
+    torch.testing.assert_close(again.model.embed_tokens.weight, params["tok_embeddings.weight"],
+                               rtol=0, atol=0)
+
+
 def _with_tokenizer(root: Path, model_dir: str) -> Path:
     """A copy of ``model_dir`` with a tokenizer trained here, its config and a generation config."""
     from helpers import tiny_bpe
@@ -283,9 +311,9 @@ def test_errors_for_a_hugging_face_model_suggest_fixes_its_weights_allow(models,
     from paratrain.train.config import ConfigError, load
 
     llama = models["llama"][1]  # ties its embeddings
-    for flags, words in ((dict(pp=2, nproc=2), "a pipeline"), (dict(zero=1, nproc=2), "ZeRO")):
-        with pytest.raises(ConfigError, match=rf"ties its input and output embeddings.*that {words} cannot split"):
-            load(None, dict(preset=llama, seq_len=16, **flags)).validate()
+    with pytest.raises(ConfigError, match=r"ties its input and output embeddings.*that a pipeline cannot split"):
+        load(None, dict(preset=llama, seq_len=16, pp=2, nproc=2)).validate()
+    load(None, dict(preset=llama, seq_len=16, zero=3, nproc=2)).validate()  # ZeRO keeps it in one unit
     src = _with_tokenizer(tmp_path, llama)
     wide = Tokenizer.from_file(str(src / "tokenizer.json"))
     wide.add_tokens([f"<extra{i}>" for i in range(80)])  # 280 tokens, over the model's 256

@@ -167,8 +167,10 @@ def test_plans_written_for_train_are_ones_train_runs(tmp_path, capsys):
                for p in result.plans)
     assert "tied embeddings" in refusal(result.plans[0].cand.but(pp=2, shard_group=0), ModelSpec(
         24, 3072, 24, 24, 12288, 32000, tie_embeddings=True, name="tied"), training)
-    out = tmp_path / "plan.toml"
-    assert plan("--model", "gpt3-175b", "--gpus", "1024", "--out", str(out)) == 2
+    tied = ModelSpec(24, 3072, 24, 24, 12288, 32000, tie_embeddings=True, name="tied")
+    assert refusal(result.plans[0].cand.but(pp=1, zero=3, shard_group=0), tied, training) is None
+    out = tmp_path / "plan.toml"  # GPT-3 ties its embeddings: a pipeline layout is refused
+    assert plan("--model", "gpt3-175b", "--gpus", "1024", "--layout", "tp8 pp8", "--out", str(out)) == 2
     assert "tie_embeddings = false" in capsys.readouterr().err and not out.exists()
 
 

@@ -43,7 +43,8 @@ def expected_bytes(stage: int, nproc: int, precision: str) -> dict[str, int]:
 def reference(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ref"))
     return run_world(train_runs, 1, {"plain": tiny_config(tmp, nproc=1),
-                                     "accumulate": tiny_config(tmp, nproc=1, micro_batch=4)})[0]
+                                     "accumulate": tiny_config(tmp, nproc=1, micro_batch=4),
+                                     "tied": tiny_config(tmp, nproc=1, tie_embeddings=True)})[0]
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
@@ -54,6 +55,8 @@ def test_each_stage_matches_single_process_and_the_memory_table(nproc, reference
         configs[f"zero{s}"] = tiny_config(tmp, nproc=nproc, zero=s)
         configs[f"zero{s} accumulate"] = tiny_config(tmp, nproc=nproc, zero=s, micro_batch=8 // nproc // 2)
         configs[f"zero{s} bf16"] = tiny_config(tmp, nproc=nproc, zero=s, precision="bf16", steps=2)
+        # a tied embedding and head: one unit, gathered at both ends of the model
+        configs[f"zero{s} tied"] = tiny_config(tmp, nproc=nproc, zero=s, tie_embeddings=True)
     for r in ("full", "selective"):  # ZeRO-3's gather/free hooks and recomputation compose
         configs[f"zero3 recompute={r}"] = tiny_config(tmp, nproc=nproc, zero=3, recompute=r)
     per_rank = run_world(train_runs, nproc, configs)
@@ -62,6 +65,7 @@ def test_each_stage_matches_single_process_and_the_memory_table(nproc, reference
         assert_same_run(results[f"zero{stage}"], reference["plain"], what=f"zero{stage}")
         assert_same_run(results[f"zero{stage} accumulate"], reference["accumulate"],
                         what=f"zero{stage} accumulate")
+        assert_same_run(results[f"zero{stage} tied"], reference["tied"], what=f"zero{stage} tied")
         for precision, name in (("fp32", f"zero{stage}"), ("bf16", f"zero{stage} bf16")):
             for rank_bytes in results[name]["state_bytes"]:
                 assert rank_bytes == expected_bytes(stage, nproc, precision), (stage, precision)

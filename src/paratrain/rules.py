@@ -95,14 +95,12 @@ def virtual_stages(v: int, schedule: str) -> None:
         raise LayoutError(f"virtual_stages={v} needs --schedule interleaved (not {schedule})")
 
 
-def tied_embeddings(tied: bool, pp: int, zero: int) -> None:
-    """A tied embedding is one tensor used at both ends of the model."""
+def tied_embeddings(tied: bool, pp: int) -> None:
+    """A tied embedding is one tensor used at both ends of the model (ZeRO keeps it in one
+    unit gathered at both ends; a pipeline would need a copy on each end stage)."""
     if tied and pp > 1:
         raise LayoutError("tied embeddings would live on the first and the last pipeline stage "
                           "at once; set tie_embeddings = false to use pp > 1")
-    if tied and zero:
-        raise LayoutError("ZeRO shards each parameter once, so it cannot shard tied embeddings; "
-                          "set tie_embeddings = false or zero = 0")
 
 
 def context(cp: int, method: str, seq_len: int, local_heads: int, local_kv: int) -> None:

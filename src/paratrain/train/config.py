@@ -139,16 +139,16 @@ class Config:
 
     def _check(self) -> None:
         m, p = self.model, self.parallel
-        if m.tie_embeddings and (p.pp > 1 or p.zero) and hf.is_model_dir(self.model_preset):
+        if m.tie_embeddings and p.pp > 1 and hf.is_model_dir(self.model_preset):
             raise ConfigError(f"the Hugging Face model {self.model_preset!r} ties its input and "
-                              f"output embeddings (tie_word_embeddings), one tensor that "
-                              f"{'a pipeline' if p.pp > 1 else 'ZeRO'} cannot split; train it "
-                              f"with --pp 1 --zero 0 (dp, tp and cp split it)")
+                              f"output embeddings (tie_word_embeddings), one tensor that a "
+                              f"pipeline cannot split; train it with --pp 1 (dp, ZeRO, tp and "
+                              f"cp split it)")
         try:
             rules.check_split(m.shape, rules.Split(p.tp, p.cp, p.pp, p.virtual_stages, self.data.seq_len,
                                           p.cp_method))
             rules.sequence_parallel(p.sp, p.tp, p.cp, self.data.seq_len)
-            rules.tied_embeddings(m.tie_embeddings, p.pp, p.zero)
+            rules.tied_embeddings(m.tie_embeddings, p.pp)
             rules.virtual_stages(p.virtual_stages, p.schedule)
             self.layout  # the order string (--order) parses and names every axis once
         except LayoutError as exc:

@@ -107,7 +107,7 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: in
     desc = description or describe(model)
     rules.pipeline_split(desc.shape.n_layers, pp_size, virtual_stages)
     tied = model.get_submodule(desc.head).weight is model.get_submodule(desc.embedding).weight
-    rules.tied_embeddings(tied, pp_size, zero=0)
+    rules.tied_embeddings(tied, pp_size)
     if not 0 <= pp_rank < pp_size:
         raise LayoutError(f"pp_rank={pp_rank} is outside a pipeline of {pp_size} ranks")
     num_stages = pp_size * virtual_stages

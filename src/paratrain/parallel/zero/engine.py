@@ -49,7 +49,7 @@ from ..step import ScheduledStep, StepPlan
 from ..tensor import TensorParallel
 from .flat import build_unit, group_units
 from .optim import ShardedAdamW
-from .units import Unit, default_units
+from .units import Unit, default_units, merge_shared
 
 
 class ZeroDataParallel(ScheduledStep, nn.Module):
@@ -104,9 +104,10 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             if self.stage == 3:
                 # First of the unit's pre-hooks: others (a TP region's entry computes the
                 # column GEMMs) need the gathered weights.
-                unit.module.register_forward_pre_hook(lambda m, a, i=index: self._pre_forward(i),
-                                                      prepend=True)
-                unit.module.register_forward_hook(lambda m, a, out, i=index: self._post_forward(i, out))
+                for module in unit.modules:  # a tied embedding's unit runs at both ends
+                    module.register_forward_pre_hook(lambda m, a, i=index: self._pre_forward(i),
+                                                     prepend=True)
+                    module.register_forward_hook(lambda m, a, out, i=index: self._post_forward(i, out))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -316,11 +317,11 @@ def _build_units(module: nn.Module, group: ProcessGroup, stage: int,
     """``module``'s units as flat buffers over ``group``; at stage 3 each keeps only its
     shard (the flat buffer freed until gathered)."""
     world, rank = C.size(group), C.rank(group)
-    unit_modules = default_units(module)
-    named = group_units(module, [(name, [m]) for name, m in unit_modules])
+    unit_modules = merge_shared(default_units(module))
+    named = group_units(module, unit_modules)
     units = [Unit(build_unit(name, params, world, rank, param_dtype, device,
-                             sharded=stage == 3), m)
-             for (name, params), (_, m) in zip(named, unit_modules)]
+                             sharded=stage == 3), modules)
+             for (name, params), (_, modules) in zip(named, unit_modules)]
     for index, unit in enumerate(units):
         unit.index = index
         unit.setup_grads(stage)

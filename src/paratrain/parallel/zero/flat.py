@@ -147,7 +147,9 @@ def group_units(model: nn.Module, unit_modules: list[tuple[str, list[nn.Module]]
     """The named parameters of each unit, each parameter in exactly one unit.
 
     ``unit_modules`` lists (unit name, modules); every parameter of ``model`` must belong
-    to exactly one unit, and a parameter shared between units (tied weights) is an error.
+    to exactly one unit. A parameter the modules of one unit share (a tied embedding and
+    output projection, ``units.merge_shared``) is taken once; one shared between units is
+    an error.
     """
     name_of = {p: n for n, p in model.named_parameters()}
     owner: dict[nn.Parameter, str] = {}
@@ -156,6 +158,8 @@ def group_units(model: nn.Module, unit_modules: list[tuple[str, list[nn.Module]]
         named = []
         for module in modules:
             for p in module.parameters():
+                if owner.get(p) == unit_name and any(p is q for _, q in named):
+                    continue  # tied within the unit: one copy
                 if p in owner:
                     raise ValueError(f"parameter {name_of[p]} is shared by units {owner[p]} "
                                      f"and {unit_name}; ZeRO shards each parameter once (untie it)")

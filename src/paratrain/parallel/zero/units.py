@@ -26,6 +26,27 @@ def default_units(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Modu
     return units
 
 
+def merge_shared(units: list[tuple[str, nn.Module]]) -> list[tuple[str, list[nn.Module]]]:
+    """``units`` with every module that shares a parameter with an earlier unit (a tied
+    output projection: the token embedding's matrix) joined to that unit: ZeRO keeps each
+    parameter in one flat buffer, gathered for every module that uses it."""
+    merged: list[tuple[str, list[nn.Module]]] = []
+    owner: dict[nn.Parameter, int] = {}
+    for name, module in units:
+        shared = {owner[p] for p in module.parameters() if p in owner}
+        if len(shared) > 1:
+            raise ValueError(f"{name} shares parameters with {len(shared)} other ZeRO units; "
+                             f"ZeRO joins a module to at most one unit it shares with")
+        if shared:
+            at = shared.pop()
+            merged[at] = (f"{merged[at][0]}+{name}", [*merged[at][1], module])
+        else:
+            at = len(merged)
+            merged.append((name, [module]))
+        owner.update({p: at for p in module.parameters()})
+    return merged
+
+
 def _unit_or_parts(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
     if any(isinstance(c, (nn.ModuleList, nn.ModuleDict)) for c in module.children()):
         return default_units(module, path + ".")
@@ -38,8 +59,9 @@ class Unit:
 
     flat: FlatUnit
     """Parameters, flat and sharded."""
-    module: nn.Module
-    """The module whose forward uses them (ZeRO-3 hooks it)."""
+    modules: list[nn.Module]
+    """The modules whose forward uses them (ZeRO-3 hooks each): one, or two for a tied
+    embedding and output projection."""
     index: int = 0
     """Its place among the engine's units (the reducer keeps each unit's state by it)."""
     shard: torch.Tensor | None = None
