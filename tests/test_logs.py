@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from paratrain.train.logs import ProfileWindow, flops_per_token, parse_sinks
 
@@ -91,3 +92,17 @@ def test_report_draws_a_run_resumed_at_another_world_size(tmp_path, capsys, monk
     memory = seen["fig"].axes[2]
     assert [(line.get_label(), list(line.get_xdata())) for line in memory.lines] == [
         ("rank 0", [1, 2, 3, 4]), ("rank 1", [1, 2, 4]), ("rank 2", [4])]
+
+
+def test_the_profiler_window_prints_nothing_on_the_terminal(tmp_path, capfd):
+    """torch.profiler's C++ side wrote "profiler_start" / "profiler_stop" lines straight to
+    the terminal's stderr, between paratrain's own lines."""
+    from paratrain.train.logs import Profiler, ProfileWindow
+
+    profiler = Profiler(ProfileWindow.parse("1:1", 2), tmp_path, 0, torch.device("cpu"))
+    capfd.readouterr()
+    profiler.before(1)
+    torch.ones(8, 8) @ torch.ones(8, 8)
+    assert profiler.after(1) == tmp_path / "profile-rank0.json" and profiler.path.is_file()
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out, err)

@@ -189,7 +189,9 @@ def test_trace_draws_a_schedule_and_a_recorded_run(tmp_path, capsys):
     args = parser.parse_args(["trace", "--run", str(tmp_path / "run.json"), "--out", str(svg)])
     assert args.func(args) == 0
     assert svg.read_text().lstrip().startswith("<?xml")
-    assert "measured 12.50%" in capsys.readouterr().out
+    printed = capsys.readouterr().out  # the mean and the drawn step's figures, each named
+    assert "mean of steps 1..1: 12.50% (per rank 0.00% 25.00%)" in printed, printed
+    assert "step 1, drawn: per rank 0.00% 25.00%" in printed, printed
 
 
 def test_simulator_takes_unequal_stage_costs():

@@ -124,6 +124,6 @@ def render_timeline(timeline: Timeline, path: str | Path, step: int | None = Non
     bubbles = " ".join(f"{b:.1%}" for b in step_bubbles(records))
     v = f", v={timeline.chunks}" if timeline.chunks > 1 else ""
     title = (f"recorded {timeline.schedule} pp={timeline.stages} m={timeline.microbatches}{v}, "
-             f"step {index + 1}: {span * 1e3:.1f} ms; bubble per rank "
+             f"step {index + 1}: {span * 1e3:.1f} ms; this step's bubble per rank "
              f"{bubbles} (theory {timeline.theory:.1%})")
     render(lanes, path, title, timeline.stages, span)

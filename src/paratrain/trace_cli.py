@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from .parallel.pipeline.schedules import KINDS, notes
-from .parallel.pipeline.timeline import Timeline, theoretical_bubble
+from .parallel.pipeline.timeline import Timeline, step_bubbles, theoretical_bubble
 
 
 def _cost(text: str) -> float:
@@ -141,11 +141,15 @@ def _trace_run(args: argparse.Namespace, render_timeline) -> None:
     steps = step_index(timeline, None) + 1  # the count --step is checked against
     skip = 1 if steps > 1 else 0
     per_rank = " ".join(f"{b:.2%}" for b in timeline.bubbles(skip))
+    drawn_ranks = " ".join(f"{b:.2%}" for b in step_bubbles(timeline.step(drawn - 1)))
     print(f"recorded run: {timeline.schedule}, pp={timeline.stages}, "
           f"microbatches={timeline.microbatches}, virtual stages={timeline.chunks}, {steps} steps; "
           f"drawing step {drawn}")
-    print(f"bubble      measured {timeline.bubble(skip):.2%} (per rank {per_rank}; steps "
-          f"{skip + 1}..{steps})   theory {timeline.theory:.2%}")
+    # Two figures, named: the mean the run is judged by, and the drawn step's (the title's).
+    print("bubble      each rank's idle share of the pipeline's step (all ranks on one clock)")
+    print(f"            mean of steps {skip + 1}..{steps}: {timeline.bubble(skip):.2%} (per rank "
+          f"{per_rank})   theory (p-1)/(v*m+p-1) = {timeline.theory:.2%}")
+    print(f"            step {drawn}, drawn: per rank {drawn_ranks}")
     shares = timeline.breakdown(skip)
     print(f"step        compute {shares['compute']:.1%}, waiting for transfers "
           f"{shares['wait']:.1%}, posting them {shares['post']:.1%}, other {shares['other']:.1%}")

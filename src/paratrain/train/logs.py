@@ -8,6 +8,7 @@ records as the JSON lines: ``--log csv,tensorboard`` (and ``wandb`` where instal
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import resource
@@ -15,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -260,12 +261,30 @@ class Profiler:
     def before(self, step: int) -> None:
         if self.window is not None and step == self.window.start:
             self._prof = torch.profiler.profile(activities=self.activities, record_shapes=True)
-            self._prof.__enter__()
+            with quiet_stderr():
+                self._prof.__enter__()
 
     def after(self, step: int) -> Path | None:
         if self._prof is None or step != self.window.end:
             return None
-        self._prof.__exit__(None, None, None)
+        with quiet_stderr():
+            self._prof.__exit__(None, None, None)
         self._prof.export_chrome_trace(str(self.path))
         self._prof = None
         return self.path
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Drop what native code writes to file descriptor 2 meanwhile: the profiler's C++
+    side (kineto) prints "profiler_start" / "profiler_stop" lines there, which no logging
+    level reaches. A Python exception still propagates; the run reports it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
