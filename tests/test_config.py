@@ -38,7 +38,7 @@ def test_every_field_is_a_flag():
     ({"pp": 2, "dp": 1, "virtual_stages": 3, "schedule": "interleaved", "preset": "tiny"}, "cannot be split into pp=2 x virtual_stages=3"),
     ({"pp": 5, "dp": 1, "preset": "tiny", "seq_len": 32}, "2 layers cannot be split"),
     ({"pp": 2, "dp": 1, "tie_embeddings": True}, "set tie_embeddings = false"),
-    ({"zero": 1, "tie_embeddings": True}, "cannot shard tied embeddings"),
+    ({"pp": 2, "tie_embeddings": True}, "tied embeddings would live on the first and the last pipeline stage"),
     ({"sp": True}, "needs --tp > 1"),
     ({"tp": 2, "sp": True, "seq_len": 31, "dp": 1}, "divisible by 2"),
     ({"tp": 4, "dp": 1, "nproc": 4}, "divide the 6 attention heads"),

@@ -185,7 +185,7 @@ def plain_heat2d_run(cfg) -> dict:
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     lrs = torch_schedule(o.lr, o.min_lr, o.warmup_steps, cfg.train.steps)
-    train, val = make_fields(cfg.heat2d, cfg.train.seed)
+    train, val = make_fields(cfg.tasks["heat2d"], cfg.train.seed)
     sampler = DistributedSampler(len(train), cfg.train.global_batch, dp_rank=0, dp_size=1,
                                  seed=cfg.train.seed)
     out = {"losses": [], "grad_norms": [], "val": []}

@@ -82,3 +82,13 @@ def test_no_circle_among_api_parallelize_train_and_the_tasks():
 
 def test_the_circle_finder_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_only_its_own_files_name_a_task():
+    """A task is a plug-in: its name appears in its own files (train/task_NAME.py and its
+    settings, train/NAME.py) and nowhere else in the library, so a third task is a new file,
+    not edits across the house."""
+    own = {SRC / "paratrain" / "train" / "task_heat2d.py", SRC / "paratrain" / "train" / "heat2d.py"}
+    named = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+             if p not in own and "heat2d" in p.read_text().lower()]
+    assert not named, f"these name the heat2d task outside its files: {named}"

@@ -168,7 +168,7 @@ def test_the_run_directory_records_its_config_and_versions(tmp_path, monkeypatch
     run = Path(cfg.train.run_dir)
     again = load(str(run / "config.toml")).validate()  # `paratrain train --config` reads it back
     assert again.model == cfg.model and again.optim == cfg.optim and again.parallel == cfg.parallel
-    assert again.data == cfg.data and again.heat2d == cfg.heat2d and again.model_preset == "tiny"
+    assert again.data == cfg.data and again.tasks == cfg.tasks and again.model_preset == "tiny"
     assert again.train.__dict__ == {**cfg.train.__dict__, "run_dir": "", "resume": ""}
     assert set(json.loads((run / "versions.json").read_text())) == {"paratrain", "torch", "python"}
     wider = load(str(run / "config.toml"), {"nproc": 4}).validate()  # dp is derived, not pinned

@@ -22,6 +22,7 @@ from .data.prepare import DataError
 from .models.hf import HFModelError
 from .train import schema
 from .train.config import SECTIONS, Config, ConfigError
+from .train.task import task_sections
 
 log = console.get(__name__)
 DEFAULT_PRESET = Config.model_preset
@@ -97,8 +98,6 @@ def _parse(kind: type):
     return parse
 
 
-SECTION_TITLES = {"heat2d": "heat2d (read only with --task heat2d: the U-Net and its generated fields)"}
-"""Help titles of the config sections whose name does not say when they apply."""
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -113,8 +112,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     fields = add_dataclass_flags(p, GPTConfig, f"model (override the preset's fields; the defaults "
                                  f"shown are the {DEFAULT_PRESET} preset's; a Hugging Face --model "
                                  f"DIR fixes all but max_seq_len and init_std)", PRESETS[DEFAULT_PRESET])
-    for title, cls in SECTIONS.items():
-        fields += add_dataclass_flags(p, cls, SECTION_TITLES.get(title, title))
+    titles = {name: title for name, (_, title) in task_sections().items()}  # a task's own table
+    for name, cls in SECTIONS.items():
+        fields += add_dataclass_flags(p, cls, titles.get(name, name))
     p.set_defaults(func=_run_train, config_fields=["preset", *fields])
 
 

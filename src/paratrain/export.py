@@ -46,10 +46,10 @@ def _run(args: argparse.Namespace) -> int:
         meta = checkpoint.read_meta(source)
         try:
             cfg = GPTConfig(**meta["model"])
-        except TypeError:  # another model's fields (the heat2d task's U-Net)
+        except TypeError:  # another task's model (its fields are not GPTConfig's)
             raise hf.HFModelError(f"{source}: a checkpoint of a model other than paratrain's "
-                                  f"GPT (the --task heat2d U-Net?), which has no Hugging Face "
-                                  f"form; export GPT checkpoints") from None
+                                  f"GPT (another --task's), which has no Hugging Face form; "
+                                  f"export GPT checkpoints") from None
         params = checkpoint.load(source, cfg)[1]["param"]
         what = f"checkpoint at step {meta['step']}"
     elif hf.is_model_dir(str(source)):

@@ -1,4 +1,4 @@
-"""Plain models (GPT, the heat2d U-Net), their descriptions, and Hugging Face import/export."""
+"""Plain models (GPT, a U-Net), their descriptions, and Hugging Face import/export."""
 
 from __future__ import annotations
 

@@ -43,6 +43,7 @@ from ..paths import is_plain_name
 from . import publish as P
 from . import slices as S
 from .shardio import CheckpointError, Reader, Tensors, coverage_gap, file_digest, read_header, save_file
+from .task import load_task, task_names
 
 log = console.get(__name__)
 FORMAT = 3
@@ -218,14 +219,22 @@ class ModelMismatch(CheckpointError):
     """The checkpoint is complete, but of a model of another shape."""
 
 
+def _task_of(fields: set[str]) -> tuple[str, str]:
+    """(the kind of model, the task's name) whose model config has these fields."""
+    for name in task_names():
+        task = load_task(name)
+        if {f.name for f in dataclasses.fields(task.model_type)} == fields:
+            return task.model_kind, name
+    return "a model of no known task", "its task"
+
+
 def check_model(meta: dict, model_cfg, directory: str | Path) -> None:
     """Raise unless the checkpoint was made for a model of this shape."""
     mine = dataclasses.asdict(model_cfg)
-    kinds = {True: ("a language model", "--task lm"), False: ("a heat2d U-Net", "--task heat2d")}
-    theirs, ours = kinds["vocab_size" in meta["model"]], kinds["vocab_size" in mine]
-    if theirs != ours:  # another task: its fields, not their values, differ
+    if set(meta["model"]) != set(mine):  # another task: its fields, not their values, differ
+        theirs, ours = _task_of(set(meta["model"])), _task_of(set(mine))
         raise ModelMismatch(f"checkpoint {str(directory)!r} holds {theirs[0]}, and this run trains "
-                            f"{ours[0]}; resume it with {theirs[1]}")
+                            f"{ours[0]}; resume it with --task {theirs[1]}")
     diff = [f"{k}: {meta['model'].get(k)!r} in the checkpoint, {v!r} now"
             for k, v in mine.items() if meta["model"].get(k) != v]
     if diff:

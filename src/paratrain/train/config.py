@@ -22,8 +22,8 @@ from ..layout import Layout, LayoutError, parse_domain
 from ..models import hf, shape_base
 from ..models.gpt import PRESETS, GPTConfig, parse_rope_scaling, preset
 from . import schema
-from .heat2d import Heat2DConfig
 from .sections import DataConfig, OptimConfig, ParallelConfig, TrainConfig
+from .task import load_task, task_names, task_sections
 
 if TYPE_CHECKING:
     from ..parallelize import ParallelOptions
@@ -31,8 +31,11 @@ if TYPE_CHECKING:
 ConfigError = schema.ConfigError  # defined with the checks that raise it; imported from here
 
 
-SECTIONS = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig,
-            "heat2d": Heat2DConfig}
+CORE = {"parallel": ParallelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+"""The tables every run reads."""
+TASK_SECTIONS = {name: cls for name, (cls, _) in task_sections().items()}
+"""The tables tasks add (``[NAME]``, read by task NAME only: ``task.task_sections``)."""
+SECTIONS = {**CORE, **TASK_SECTIONS}
 _SCHEMA = {"model": GPTConfig, **SECTIONS}  # every TOML table and the dataclass it fills
 
 @dataclass
@@ -47,7 +50,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    heat2d: Heat2DConfig = field(default_factory=Heat2DConfig)
+    tasks: dict[str, Any] = field(default_factory=lambda: {n: cls() for n, cls in TASK_SECTIONS.items()})
+    """Each task's own table (``[NAME]``), by task name; only ``train.task``'s is read."""
 
     # ---- derived ---------------------------------------------------------------------------
     @property
@@ -129,15 +133,11 @@ class Config:
         _check_fields(self)
         _check_unused(self)
         cfg = dataclasses.replace(self, parallel=_resolve_world(self.parallel, launcher))
-        if cfg.train.task == "heat2d" or parse_domain(cfg.parallel.domain) != (1, 1):
-            from .task_heat2d import validate as validate_heat2d
-
-            validate_heat2d(cfg)  # the convolutional task and domain parallelism
-            return cfg
-        cfg._check()
+        load_task(cfg.train.task).validate(cfg)
         return cfg
 
-    def _check(self) -> None:
+    def check_model_layout(self) -> None:
+        """The language model's checks: its shape against the layout, its preset, resume."""
         m, p = self.model, self.parallel
         if m.tie_embeddings and p.pp > 1 and hf.is_model_dir(self.model_preset):
             raise ConfigError(f"the Hugging Face model {self.model_preset!r} ties its input and "
@@ -241,49 +241,34 @@ class Config:
 
 
 def _check_unused(cfg: Config) -> None:
-    """Refuse settings this run would silently ignore: another task's, or a corpus split
-    given for a prepared dataset (which carries its own)."""
-    heat2d = cfg.train.task == "heat2d"
-    if not heat2d and cfg.heat2d != Heat2DConfig():
-        given = [f.name for f in dataclasses.fields(Heat2DConfig)
-                 if getattr(cfg.heat2d, f.name) != getattr(Heat2DConfig(), f.name)]
-        raise ConfigError(f"[heat2d] {', '.join(given)}: set{'s' if len(given) == 1 else ''} up the "
-                          f"heat2d task, and this run trains a language model; add --task heat2d, "
-                          f"or drop {', '.join('--' + g.replace('_', '-') for g in given)}")
-    if heat2d and (cfg.model_preset != Config.model_preset or cfg.parallel.sp):
-        raise ConfigError("--task heat2d trains its own U-Net (shaped by --unet-width, "
-                          "--unet-levels, --unet-kernel) without tensor parallelism: drop "
-                          "--model and --sp")
-    if heat2d and cfg.parallel.compress != "none":
-        raise ConfigError(f"compress={cfg.parallel.compress!r}: --task heat2d averages its "
-                          f"gradients uncompressed; drop --compress")
-    if heat2d:
-        _check_unused_by_heat2d(cfg)
-    if not heat2d and cfg.train.timeline and cfg.parallel.pp == 1:
-        raise ConfigError("train.timeline records a pipeline's schedule, and this run has none; "
-                          "add --pp 2 (or more), or drop --timeline")
+    """Refuse settings this run would silently ignore: another task's table, or a corpus
+    split given for a prepared dataset (which carries its own). A task refuses the
+    general settings it does not read in its own ``validate``."""
+    if cfg.train.task not in task_names():
+        raise ConfigError(f"train.task={cfg.train.task!r}: the tasks are {', '.join(task_names())}")
+    for name, cls in TASK_SECTIONS.items():
+        table = cfg.tasks[name]
+        given = [f.name for f in dataclasses.fields(cls) if getattr(table, f.name) != getattr(cls(), f.name)]
+        if name != cfg.train.task and given:
+            raise ConfigError(f"[{name}] {', '.join(given)}: set{'s' if len(given) == 1 else ''} "
+                              f"up the {name} task, and this run's task is {cfg.train.task}; add "
+                              f"--task {name}, or drop "
+                              f"{', '.join('--' + g.replace('_', '-') for g in given)}")
     if cfg.data.data and cfg.data.val_fraction != DataConfig.val_fraction:
         raise ConfigError("data.val_fraction splits a --corpus; a prepared dataset (--data) "
                           "has its own validation split, set by `paratrain data prepare "
                           "--val-fraction`: drop --val-fraction")
 
 
-HEAT2D_UNUSED = {"data": ("corpus", "data", "seq_len", "val_fraction"),
-                 "parallel": ("cp_method", "schedule", "virtual_stages"),
-                 "train": ("timeline", "eval_batches")}
-"""Language-model settings the heat2d task never reads (it makes its own fields, runs
-neither a pipeline nor context parallelism, and validates on all its fields)."""
-
-
-def _check_unused_by_heat2d(cfg: Config) -> None:
-    given = [f"--{name.replace('_', '-')}" for section, names in HEAT2D_UNUSED.items()
-             for name in names
+def unused_settings(cfg: Config, unused: dict[str, tuple[str, ...]]) -> list[str]:
+    """The flags of ``unused`` (section -> field names) that ``cfg`` sets away from their
+    defaults, and the model's fields when they differ from the default model's: what a
+    task that does not read them refuses."""
+    given = [f"--{name.replace('_', '-')}" for section, names in unused.items() for name in names
              if getattr(getattr(cfg, section), name) != getattr(type(getattr(cfg, section))(), name)]
     if cfg.model != Config().model:
         given.insert(0, "the [model] fields (--n-layers, --d-model, ...)")
-    if given:
-        raise ConfigError(f"{', '.join(given)}: language-model settings, which --task heat2d "
-                          f"does not use (it generates its own fields); drop them")
+    return given
 
 
 def _resolve_world(p: ParallelConfig, launcher: str = "local") -> ParallelConfig:
@@ -318,7 +303,7 @@ def _check_fields(cfg: Config) -> None:
     """Types and ranges of every field (see ``schema``), and ranges across fields."""
     problems = []
     for section, cls in {"model": GPTConfig, **SECTIONS}.items():
-        obj = getattr(cfg, section)
+        obj = cfg.tasks[section] if section in TASK_SECTIONS else getattr(cfg, section)
         problems += schema.check(cls, {f.name: getattr(obj, f.name)
                                        for f in dataclasses.fields(cls)}, section)[1]
     if not problems and cfg.optim.min_lr > cfg.optim.lr:
@@ -369,5 +354,6 @@ def _build(flat: dict[str, Any]) -> Config:
         model = preset(name, **tables.pop("model"))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"[model]: {exc}") from None
-    sections = {s: cls(**tables[s]) for s, cls in SECTIONS.items()}
-    return Config(model=model, model_preset=name, **sections)
+    core = {s: cls(**tables[s]) for s, cls in CORE.items()}
+    tasks = {s: cls(**tables[s]) for s, cls in TASK_SECTIONS.items()}
+    return Config(model=model, model_preset=name, tasks=tasks, **core)

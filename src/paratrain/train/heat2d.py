@@ -42,6 +42,12 @@ class Heat2DConfig:
     """Odd kernel size of the U-Net's convolutions."""
 
 
+SECTION = Heat2DConfig
+"""The run config's ``[heat2d]`` table (``task.task_sections``)."""
+SECTION_TITLE = "heat2d (read only with --task heat2d: the U-Net and its generated fields)"
+"""Its title in ``train --help``."""
+
+
 @dataclass
 class Fields:
     """Input and target fields, (samples, 1, G, G) each."""

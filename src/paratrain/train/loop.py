@@ -1,7 +1,7 @@
 """The training loop, run by every rank for any task. Reads top to bottom: build, then
 step, then report. What differs between tasks (the model, its data, what a loss unit is,
 validation) is the task's (train/task.py); the loss normalisation each task uses is in
-its own module (task_lm.py, task_heat2d.py).
+its own module (task_NAME.py).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from ..layout import parse_domain
 from . import data as D
 from .config import Config, ConfigError
 from .schema import where
+from .task import load_task
 
 
 def check_machine(cfg: Config, torchrun: bool = False) -> None:
@@ -94,7 +95,7 @@ def check_data(cfg: Config) -> None:
     """The corpus gives at least one global batch of training samples, at least one
     validation sample when there is a validation set, and only tokens the model knows."""
     d, t = cfg.data, cfg.train
-    if t.task == "heat2d":  # it generates its fields: no corpus is read
+    if not load_task(t.task).reads_corpus:  # a task that makes its own data
         return
     if d.data:  # a prepared dataset: its metadata says all we need
         check_dataset(cfg)

@@ -42,7 +42,7 @@ from .. import __version__, console
 from ..models import hf
 from ..optim import lr_at
 from . import checkpoint
-from .config import Config, ConfigError
+from .config import CORE, Config, ConfigError
 from .metrics import json_record_step, read_lines
 from .rundir import in_use, records_owner
 from .saved import checkpoints, newest_complete, step_of
@@ -361,8 +361,9 @@ def config_tables(cfg: Config) -> dict[str, dict]:
     """Every field of ``cfg`` by TOML table (the run's place and resume left out)."""
     shape = {} if hf.is_model_dir(cfg.model_preset) else dataclasses.asdict(cfg.model)  # its config.json
     tables = {"model": {"preset": cfg.model_preset, **shape}}
-    for section in ("parallel", "data", "optim", "train", "heat2d"):
+    for section in CORE:
         tables[section] = dataclasses.asdict(getattr(cfg, section))
+    tables.update({name: dataclasses.asdict(table) for name, table in cfg.tasks.items()})
     for key in ("run_dir", "resume", "metrics"):
         tables["train"].pop(key)
     # dp follows from nproc and the other sizes: left to derive, so that `--config` with

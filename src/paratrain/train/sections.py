@@ -66,7 +66,7 @@ class ParallelConfig:
     max_time_s: float = 0.0
     """Limit on the whole run's wall time, in seconds: past it the job is ended (0: none)."""
     domain: str = "1"
-    """Domain parallelism (--task heat2d): N ranks over each sample's height, or HxW, e.g. 2x2."""
+    """Domain parallelism (tasks on images): N ranks over each sample's height, or HxW, e.g. 2x2."""
 
 
 @dataclass
@@ -167,5 +167,6 @@ class TrainConfig:
     rank and the last good checkpoint), or skip its update and go on."""
     max_skips: int = 10
     """With --on-nonfinite skip: the run fails at the next non-finite step after this many."""
-    task: Literal["lm", "heat2d"] = "lm"
-    """lm: a GPT on text; heat2d: a U-Net on generated 2-D heat-equation fields (--domain)."""
+    task: str = "lm"
+    """lm: a GPT on text; or another task, a train/task_NAME.py (an unknown name is refused
+    with the list)."""

@@ -16,7 +16,7 @@ computes, whatever the grid (even blocks of unequal size).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+
 
 import torch
 
@@ -32,29 +32,48 @@ from ..parallel.step import StepPlan
 from ..parallel.zero import ZeroDataParallel
 from . import checkpoint
 from . import data as D
+from .config import Config, unused_settings
 from .schema import ConfigError
-from .heat2d import Fields, make_fields
+from .heat2d import Fields, Heat2DConfig, make_fields
 from .rundir import continued_run_id
 from .task import Run
 
-if TYPE_CHECKING:  # the config asks this task to validate it: no import back
-    from .config import Config
 
 NORM_GROUPS = 4
 
 
 def unet_config(cfg: Config) -> UNetConfig:
-    h = cfg.heat2d
+    h = settings(cfg)
     return UNetConfig(width=h.unet_width, levels=h.unet_levels, kernel=h.unet_kernel,
                       norm_groups=NORM_GROUPS, padding=h.boundary)
 
 
-def validate(cfg: Config) -> None:
+UNUSED = {"data": ("corpus", "data", "seq_len", "val_fraction"),
+          "parallel": ("cp_method", "schedule", "virtual_stages"),
+          "train": ("timeline", "eval_batches")}
+"""Language-model settings this task never reads (it makes its own fields, runs neither a
+pipeline nor context parallelism, and validates on all its fields)."""
+
+
+def settings(cfg: Config) -> Heat2DConfig:
+    """This task's ``[heat2d]`` table."""
+    return cfg.tasks["heat2d"]
+
+
+def check(cfg: Config) -> None:
     """Refuse, before any process starts, what the task or domain parallelism cannot do."""
-    p, h, t = cfg.parallel, cfg.heat2d, cfg.train
-    if t.task != "heat2d":
-        raise ConfigError(f"--domain {p.domain} splits images over ranks; it needs --task heat2d "
-                          f"(a language model has no spatial axes)")
+    p, h, t = cfg.parallel, settings(cfg), cfg.train
+    if cfg.model_preset != Config.model_preset or p.sp:
+        raise ConfigError("--task heat2d trains its own U-Net (shaped by --unet-width, "
+                          "--unet-levels, --unet-kernel) without tensor parallelism: drop "
+                          "--model and --sp")
+    if p.compress != "none":
+        raise ConfigError(f"compress={p.compress!r}: --task heat2d averages its gradients "
+                          f"uncompressed; drop --compress")
+    given = unused_settings(cfg, UNUSED)
+    if given:
+        raise ConfigError(f"{', '.join(given)}: language-model settings, which --task heat2d "
+                          f"does not use (it generates its own fields); drop them")
     if p.tp > 1 or p.pp > 1 or p.cp > 1:
         raise ConfigError("--task heat2d composes domain parallelism with dp and ZeRO only; "
                           "set --tp 1 --pp 1 --cp 1")
@@ -98,7 +117,7 @@ def check_grid(size: int, parts: int, ucfg: UNetConfig, axis: str = "height") ->
 
 
 def _check_batch(cfg: Config) -> None:
-    t, dp, h = cfg.train, cfg.parallel.dp, cfg.heat2d
+    t, dp, h = cfg.train, cfg.parallel.dp, settings(cfg)
     try:
         rules.batch(t.global_batch, dp, cfg.micro_batch)
     except LayoutError as exc:
@@ -146,7 +165,7 @@ class Heat2D:
                   ReplicatedEngine(DataParallel(model, group, bucket_mb=p.bucket_mb), cfg.optim, plan=plan))
         if state is not None:
             engine.load_optimizer_state(state, start_step)
-        train_data, val_data = make_fields(cfg.heat2d, cfg.train.seed)
+        train_data, val_data = make_fields(settings(cfg), cfg.train.seed)
         sampler = D.DistributedSampler(len(train_data), cfg.train.global_batch, dp_rank=mesh.coord(DP),
                                        dp_size=mesh.size(DP), seed=cfg.train.seed)
         meta = checkpoint.read_meta(cfg.train.resume) if cfg.train.resume else {}
@@ -164,7 +183,7 @@ class Heat2D:
         return self.grid.local(x).contiguous().to(dev), self.grid.local(y).contiguous().to(dev)
 
     def count(self, run: Run, step: int) -> int:
-        return run.cfg.train.global_batch * run.cfg.heat2d.grid_size**2
+        return run.cfg.train.global_batch * settings(run.cfg).grid_size**2
 
     @torch.no_grad()
     def evaluate(self, run: Run) -> float:
@@ -173,10 +192,10 @@ class Heat2D:
         mine = list(range(mesh.coord(DP), len(run.val_data), mesh.size(DP)))
         total = run.engine.forward_backward(self.microbatches(run, run.val_data, mine), 1.0,
                                             training=False)
-        return total.total.item() / (len(run.val_data) * run.cfg.heat2d.grid_size**2)
+        return total.total.item() / (len(run.val_data) * settings(run.cfg).grid_size**2)
 
     def describe(self, run: Run) -> str:
-        cfg, h = run.cfg, run.cfg.heat2d
+        cfg, h = run.cfg, settings(run.cfg)
         G, (gh, gw) = h.grid_size, self.grid.shape
         return (f"paratrain: {cfg.describe_layout()}, task heat2d, U-Net "
                 f"({unet_config(cfg).num_params() / 1e6:.3f}M params), {cfg.train.global_batch} fields "
@@ -189,13 +208,21 @@ class Heat2D:
         return unet_config(cfg)
 
     def model_label(self, cfg: Config) -> str:
-        return f"unet-w{cfg.heat2d.unet_width}-l{cfg.heat2d.unet_levels}"
+        return f"unet-w{settings(cfg).unet_width}-l{settings(cfg).unet_levels}"
 
     def flops_per_unit(self, cfg: Config) -> float:
         return 0.0  # convolutions: not counted, so no MFU
 
     def data_position(self, cfg: Config, step: int) -> None:
         return None  # the fields are a function of the seed; the sampler's order of the step
+
+    reads_corpus = False  # it generates its fields
+    spatial = True  # domain parallelism cuts its fields
+    model_type = UNetConfig
+    model_kind = "a heat2d U-Net"
+
+    def validate(self, cfg: Config) -> None:
+        check(cfg)
 
 
 TASK = Heat2D

@@ -13,16 +13,17 @@ from __future__ import annotations
 import torch
 
 from ..api import build_model
-from ..layout import DP
+from ..layout import DP, parse_domain
+from ..models.gpt import GPTConfig
 from ..mesh import Mesh
 from ..parallel.engine import Engine
 from ..parallelize import parallelize
 from . import checkpoint, logs
 from . import data as D
-from .config import Config
+from .config import Config, ConfigError
 from .materialize import fill, initial_source
 from .rundir import continued_run_id
-from .task import Run
+from .task import Run, load_task, task_names
 
 
 class LanguageModel:
@@ -92,6 +93,23 @@ class LanguageModel:
     def data_position(self, cfg: Config, step: int) -> dict:
         # The sampler's order is a function of (seed, global batch, step).
         return {"step": step, "samples_seen": step * cfg.train.global_batch, **cfg.data_order()}
+
+    reads_corpus = True
+    spatial = False
+    model_type = GPTConfig
+    model_kind = "a language model"
+
+    def validate(self, cfg: Config) -> None:
+        p = cfg.parallel
+        if parse_domain(p.domain) != (1, 1):
+            spatial = [n for n in task_names() if load_task(n).spatial]
+            raise ConfigError(f"--domain {p.domain} splits images over ranks; it needs "
+                              f"{' or '.join('--task ' + n for n in spatial)} (a language "
+                              f"model has no spatial axes)")
+        if cfg.train.timeline and p.pp == 1:
+            raise ConfigError("train.timeline records a pipeline's schedule, and this run has "
+                              "none; add --pp 2 (or more), or drop --timeline")
+        cfg.check_model_layout()
 
 
 TASK = LanguageModel
