@@ -275,3 +275,57 @@ def test_text_given_as_data_is_named_as_the_input_of_prepare(tmp_path):
         read_meta(tmp_path)
     with pytest.raises(DataError, match=r"--out \S+new`$"):  # not there yet: prepare makes it
         read_meta(tmp_path / "new")
+
+
+def test_a_dataset_prepared_again_at_the_same_path_is_named_on_resume(tmp_path):
+    """The checkpoint recorded the dataset's path only: prepared again from other text, a
+    resume went on at a position that means nothing in the new data, silently."""
+    from paratrain.train.config import load
+    from paratrain.train.runs import data_changes
+
+    def prepared(text: str) -> str:
+        source = tmp_path / "text.txt"
+        source.write_text(text * 400)
+        shutil.rmtree(tmp_path / "ds", ignore_errors=True)
+        prepare([str(source)], "bytes", str(tmp_path / "ds"), progress=False, workers=1)
+        return str(tmp_path / "ds")
+
+    cfg = load(None, dict(preset="tiny", data=prepared("the cat sat on the mat\n"), seq_len=16,
+                          run_dir=str(tmp_path / "run"))).validate()
+    meta = {"data": {**cfg.data_order(), "step": 4, "samples_seen": 64}}
+    assert data_changes(meta, cfg) == []
+    prepared("a dog ran in the park\n")  # the same path, other content
+    notes = data_changes(meta, cfg)
+    assert len(notes) == 1 and f"the dataset at {tmp_path / 'ds'} holds other data" in notes[0], notes
+    assert "64 samples" in notes[0] and "prepare it again from the same text" in notes[0]
+
+
+def test_a_long_document_is_tokenized_in_pieces_with_the_whole_documents_tokens(tmp_path, monkeypatch):
+    """One 20 MB line held 4.2 GB in the tokenizer; long documents are now encoded in
+    pieces, cut where a byte-level BPE pre-tokenizes anyway, so the tokens are the same
+    and the document still ends with one end-of-document token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from paratrain.data import prepare as P
+
+    lines = "".join(f"the cat sat  on the mat {i}\n" for i in range(300))
+    one_line = " ".join(["the  mat sat"] * 700)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))  # GPT-2's byte-level pre-tokenizer, with merges
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([lines, one_line], trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<unk>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe = tmp_path / "bpe.json"
+    tok.save(str(bpe))
+    assert "Ġmat" in tok.encode(one_line).tokens  # merges across the spaces the cuts respect
+    for doc in (lines, one_line):
+        cut = list(P.pieces(doc, 500))
+        assert len(cut) > 5 and max(map(len, cut)) <= 500 and "".join(cut) == doc
+        assert [t for piece in cut for t in tok.encode(piece).ids] == tok.encode(doc).ids
+    monkeypatch.setattr(P, "PIECE_CHARS", 500)
+    monkeypatch.setattr(P, "BATCH_CHARS", 2000)
+    (tmp_path / "doc.txt").write_text(lines)
+    meta = prepare([str(tmp_path / "doc.txt")], str(bpe), str(tmp_path / "ds"), progress=False,
+                   workers=1, val_fraction=0.0)
+    stored = np.fromfile(tmp_path / "ds" / meta["shards"][0]["file"], dtype=meta["dtype"])
+    assert meta["documents"] == 1
+    assert stored.tolist() == tok.encode(lines).ids + [meta["eos_id"]]

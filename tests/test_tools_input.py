@@ -408,3 +408,49 @@ def test_trace_and_bench_comm_refuse_what_cannot_run(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "comm", "--sizes", ","])
     assert "give at least one size" in capsys.readouterr().err
+
+
+def test_a_killed_prepare_leaves_no_workers_and_the_next_one_clears_its_partial(tmp_path):
+    """SIGKILL of `data prepare` left its workers running (2.1 GB, a minute later) and a
+    .partial that refused every later run until removed by hand."""
+    import signal
+    import subprocess
+    import time
+
+    from helpers import tiny_bpe
+
+    def alive(pid: int) -> bool:  # a zombie (killed, not yet reaped) is not running
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+        except OSError:
+            return False
+
+    bpe = tiny_bpe(tmp_path / "bpe.json")
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"text": f"the cat sat on the mat {i} " * 40}) + "\n"
+                           for i in range(60_000)))
+    out = tmp_path / "ds"
+    cmd = [sys.executable, "-m", "paratrain", "data", "prepare", str(big), "--tokenizer", str(bpe),
+           "--out", str(out), "--workers", "2"]
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    partial, deadline, workers = tmp_path / "ds.partial", time.monotonic() + 60, []
+    while time.monotonic() < deadline and first.poll() is None:
+        children = Path(f"/proc/{first.pid}/task/{first.pid}/children")
+        workers = [int(c) for c in children.read_text().split()] if children.exists() else []
+        if (partial / ".owner").is_file() and len(workers) >= 2:
+            break
+        time.sleep(0.02)
+    assert first.poll() is None and workers, "prepare finished before it could be killed"
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    deadline = time.monotonic() + 20
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(w) for w in workers), f"workers {workers} outlived their prepare"
+    assert partial.is_dir()  # what the killed run left
+    (tmp_path / "small.txt").write_text("the cat sat\n")
+    again = subprocess.run([*cmd[:5], str(tmp_path / "small.txt"), *cmd[6:]], capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert f"removing {partial}, left by an interrupted prepare" in again.stderr, again.stderr
+    assert (out / "meta.json").is_file() and not partial.exists()

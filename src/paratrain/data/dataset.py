@@ -27,6 +27,15 @@ class DatasetMeta:
     tokenizer: str
     raw: dict
 
+    @property
+    def identity(self) -> str:
+        """What the dataset holds, in 16 hex digits: a digest of its shards' SHA-256s, token
+        counts and split, from ``meta.json`` alone (no data read). The same path prepared
+        again from other text gets another identity."""
+        shards = ";".join(f"{s['sha256']}:{s['tokens']}" for s in self.raw["shards"])
+        text = f"{shards}|{self.train_tokens}|{self.vocab_size}|{self.eos_id}"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
 
 def read_meta(path: str | Path, what: str = "--data") -> DatasetMeta:
     """The dataset's metadata, after checking its fields' types and that every shard is

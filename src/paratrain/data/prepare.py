@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +26,21 @@ from typing import Iterator
 
 import numpy as np
 
+from .. import console, proc
+
+log = console.get(__name__)
+
 META = "meta.json"
 FORMAT = 1
 SHARD_TOKENS = 1 << 26  # 128 MiB of uint16 per shard
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 BYTES_EOS = 0  # NUL never occurs in text, so byte-level data separates documents with it
+PIECE_CHARS = 1 << 18
+"""A document longer than this many characters is tokenized in pieces: a tokenizer holds
+about 200 bytes per input character while it encodes (a 20 MB line took 4.2 GB)."""
+BATCH_CHARS = 1 << 20
+"""Characters handed to one worker at a time (at most 256 documents or pieces)."""
 
 
 class DataError(ValueError):
@@ -192,19 +202,45 @@ def _read_parquet(path: Path, field: str):
         raise DataError(f"{path}: not a readable parquet file ({_one_line(exc)})") from None
 
 
-def _encode(args: tuple[TokenizerSpec, list[str]]) -> tuple[np.ndarray, int]:
-    """Worker: the token ids of a batch of documents, each followed by EOS, and how many
-    documents there were."""
-    spec, docs = args
+def pieces(doc: str, limit: int = PIECE_CHARS) -> Iterator[str]:
+    """``doc`` in pieces of at most ``limit`` characters, each cut just after a line break,
+    else just before a space (a word keeps its leading space), that a non-space follows;
+    else anywhere. Byte-level BPE tokenizers (GPT-2's, Llama 3's) pre-tokenize at exactly
+    such places, so the pieces' tokens are the whole document's (a SentencePiece
+    tokenizer may begin a piece with a word-start mark the whole text had not)."""
+    start = 0
+    while len(doc) - start > limit:
+        window = doc[start:start + limit]
+        cut = next((i + 1 for i in _breaks(window, "\n")), 0) or next(
+            (i for i in _breaks(window, " ")), 0) or limit
+        yield doc[start:start + cut]
+        start += cut
+    yield doc[start:]
+
+
+def _breaks(window: str, char: str) -> Iterator[int]:
+    """Positions of ``char`` in ``window``, last first, that a non-space follows."""
+    at = window.rfind(char)
+    while at > 0:
+        if at + 1 < len(window) and not window[at + 1].isspace():
+            yield at
+        at = window.rfind(char, 0, at)
+
+
+def _encode(args: tuple[TokenizerSpec, list[tuple[str, bool]]]) -> tuple[np.ndarray, int]:
+    """Worker: the token ids of a batch of (text, ends a document), with EOS after each
+    document's last piece, and how many documents ended."""
+    spec, items = args
     tok, _, eos = _loaded(spec)
+    texts = [text for text, _ in items]
     if tok is None:
-        parts = [np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for d in docs]
+        parts = [np.frombuffer(d.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for d in texts]
     else:
-        parts = [np.asarray(e.ids, dtype=np.uint32) for e in tok.encode_batch(docs)]
+        parts = [np.asarray(e.ids, dtype=np.uint32) for e in tok.encode_batch(texts)]
     out = []
-    for p in parts:
-        out += [p, np.array([eos], dtype=np.uint32)]
-    return (np.concatenate(out) if out else np.zeros(0, dtype=np.uint32)), len(docs)
+    for p, (_, ends) in zip(parts, items):
+        out += [p, np.array([eos], dtype=np.uint32)] if ends else [p]
+    return (np.concatenate(out) if out else np.zeros(0, dtype=np.uint32)), sum(e for _, e in items)
 
 
 @functools.lru_cache(maxsize=2)
@@ -224,14 +260,21 @@ def _ordered_map(pool: ProcessPoolExecutor, fn, items: Iterator, ahead: int) -> 
         yield pending.popleft().result()
 
 
-def _batches(files: list[Path], field: str, size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
+def _batches(files: list[Path], field: str, size: int,
+             chars: int = BATCH_CHARS) -> Iterator[list[tuple[str, bool]]]:
+    """Batches of (text, ends a document): at most ``size`` items and about ``chars``
+    characters each, a long document cut into ``pieces``."""
+    batch: list[tuple[str, bool]] = []
+    held = 0
     for path in files:
         for doc in read_documents(path, field):
-            batch.append(doc)
-            if len(batch) == size:
-                yield batch
-                batch = []
+            parts = list(pieces(doc, PIECE_CHARS)) if len(doc) > PIECE_CHARS else [doc]
+            for i, text in enumerate(parts):
+                batch.append((text, i == len(parts) - 1))
+                held += len(text)
+                if len(batch) == size or held >= chars:
+                    yield batch
+                    batch, held = [], 0
     if batch:
         yield batch
 
@@ -299,13 +342,7 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text",
     _, vocab, eos_id = spec.load()  # fails here, before any work, on a bad tokenizer
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     tmp = target.with_name(target.name + ".partial")
-    if tmp.exists():  # not ours to delete: it may be another prepare's, still running
-        raise DataError(f"{tmp} exists (left by an interrupted prepare, or another one is "
-                        f"writing --out {out}); remove it and run again")
-    try:
-        tmp.mkdir(parents=True)
-    except OSError as exc:  # a parent that is a file, or not writable
-        raise DataError(f"--out {out}: cannot create {tmp} ({exc.strerror})") from None
+    _claim(tmp, out)
     writer = _ShardWriter(tmp, dtype, shard_tokens)
     try:
         documents = _tokenize_into(writer, spec, files, field, workers or os.cpu_count() or 1, progress)
@@ -315,6 +352,7 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text",
                 "train_tokens": int(writer.total * (1 - val_fraction)), "shards": writer.shards,
                 "inputs": [str(p) for p in files]}
         (tmp / META).write_text(json.dumps(meta, indent=1))
+        (tmp / OWNER).unlink()
         if target.exists():
             target.rmdir()
         tmp.rename(target)  # the dataset appears whole, or not at all
@@ -322,6 +360,43 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text",
         writer.discard()
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
+
+
+OWNER = ".owner"
+"""In the ``.partial`` directory: the pid and start time of the prepare writing it."""
+
+
+def _claim(tmp: Path, out: str) -> None:
+    """Make ``tmp`` this process's, removing one an interrupted prepare left (its owner is
+    gone: killed, or the machine restarted); refuse one a running prepare is writing."""
+    if tmp.exists():
+        try:
+            pid, started = (tmp / OWNER).read_text().split()
+            running = proc.alive(int(pid), started)
+        except (OSError, ValueError):  # no owner recorded: a directory being created
+            pid, running = "?", True
+        if running:
+            raise DataError(f"{tmp} exists: prepare process {pid} is writing --out {out}; wait "
+                            f"for it, or stop it and run again")
+        log.warning(f"paratrain data prepare: removing {tmp}, left by an interrupted prepare "
+                    f"(process {pid} is gone)")
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as exc:  # a parent that is a file, or not writable
+        raise DataError(f"--out {out}: cannot create {tmp} ({exc.strerror})") from None
+    (tmp / OWNER).write_text(f"{os.getpid()} {proc.start_time(os.getpid())}")
+
+
+def _die_with_parent() -> None:
+    """Worker initializer: end this worker when the prepare that started it dies, even by
+    SIGKILL, which runs no cleanup (Linux; elsewhere the pool's own shutdown only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _tokenize_into(writer: _ShardWriter, spec: TokenizerSpec, files: list[Path], field: str,
@@ -333,10 +408,10 @@ def _tokenize_into(writer: _ShardWriter, spec: TokenizerSpec, files: list[Path],
 
     def batches() -> Iterator[tuple[TokenizerSpec, list[str]]]:
         for b in _batches(files, field, 256):
-            chars[0] += sum(map(len, b))  # counted here: EOS tokens alone are no text
+            chars[0] += sum(len(text) for text, _ in b)  # counted here: EOS tokens alone are no text
             yield spec, b
 
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    with ProcessPoolExecutor(max_workers=workers, initializer=_die_with_parent) as pool:
         for ids, n in _ordered_map(pool, _encode, batches(), ahead=2 * workers):
             writer.write(ids)
             documents += n

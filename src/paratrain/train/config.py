@@ -20,6 +20,7 @@ from .. import rules
 from ..comm import compress
 from ..layout import Layout, LayoutError, parse_domain
 from ..models import hf, shape_base
+from ..data.dataset import read_meta
 from ..models.gpt import PRESETS, GPTConfig, parse_rope_scaling, preset
 from . import schema
 from .sections import DataConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -118,8 +119,11 @@ class Config:
     def data_order(self) -> dict[str, Any]:
         """What the sampler's order depends on besides the step (kept by checkpoints, and
         compared on resume): the seed, the global batch and the data settings."""
-        return {"seed": self.train.seed, "global_batch": self.train.global_batch,
-                **dataclasses.asdict(self.data)}
+        order = {"seed": self.train.seed, "global_batch": self.train.global_batch,
+                 **dataclasses.asdict(self.data)}
+        if self.data.data:  # the path alone does not say what it holds: prepared again, it moves
+            order["dataset"] = read_meta(self.data.data).identity
+        return order
 
     @property
     def metrics_path(self) -> Path:

@@ -263,11 +263,19 @@ def data_changes(meta: dict, cfg: Config) -> list[str]:
     if not saved:  # a checkpoint from before the data position was kept
         return []
     now = cfg.data_order()
-    changed = [f"{k}={now[k]!r} (saved: {saved[k]!r})" for k in now if k in saved and saved[k] != now[k]]
-    if not changed:
-        return []
-    return [f"resuming with {', '.join(changed)}: the batches after step {saved['step']} are not "
-            f"the ones the saved run would have read next"]
+    notes = []
+    if saved.get("data") == now["data"] and saved.get("dataset", now.get("dataset")) != now.get("dataset"):
+        notes.append(f"the dataset at {now['data']} holds other data than the saved run read (its "
+                     f"identity is {now['dataset']}, the checkpoint's {saved['dataset']}: prepared "
+                     f"again?): the position the checkpoint recorded, {saved.get('samples_seen', '?')} "
+                     f"samples, means nothing in it; prepare it again from the same text to "
+                     f"continue the saved run, or go on knowing the data is new")
+    changed = [f"{k}={now[k]!r} (saved: {saved[k]!r})" for k in now
+               if k in saved and saved[k] != now[k] and k != "dataset"]
+    if changed:
+        notes.append(f"resuming with {', '.join(changed)}: the batches after step {saved['step']} "
+                     f"are not the ones the saved run would have read next")
+    return notes
 
 
 SCHEDULE = ("lr", "min_lr", "warmup_steps")
