@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..paths import write_atomic
 from .hardware import DEFAULT_CALIBRATION, Calibration
 
 CURVE_DIMS = (16, 32, 64, 128, 256, 512)
@@ -342,7 +343,5 @@ def write_calibration(calibration: Calibration, path: str | Path | None = None) 
     ``~/.cache/paratrain/calibration.json``); returns the path."""
     path = Path(path) if path else DEFAULT_CALIBRATION
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(calibration.to_json())
-    tmp.replace(path)  # never leave a half-written file for the planner to read
+    write_atomic(path, calibration.to_json())  # never a half-written file for the planner to read
     return path

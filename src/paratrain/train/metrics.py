@@ -12,6 +12,7 @@ import torch
 
 from ..accounting import storage_bytes
 from ..errors import RunError
+from ..paths import write_atomic
 
 
 def state_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:
@@ -101,9 +102,7 @@ def keep_records_until(path: Path, step: int) -> None:
         kept = lines[:1] + [ln for ln in lines[1:] if _csv_step(ln, column) <= step]
     else:
         kept = [ln for ln in lines if json_record_step(ln) <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(ln if ln.endswith("\n") else ln + "\n" for ln in kept))
-    tmp.replace(path)
+    write_atomic(path, "".join(ln if ln.endswith("\n") else ln + "\n" for ln in kept))
 
 
 def _csv_step(line: str, column: int) -> float:

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import RunError
+from ..paths import write_atomic
 from ..proc import alive, start_time
 
 
@@ -158,15 +159,9 @@ def claim_records(run_dir: Path, run_id: str) -> None:
     """Write ``RUN_DIR/run.json`` for the run that opens the directory's records (rank 0, as
     it opens them): a later resume into the directory can tell whose records it would cut."""
     path = Path(run_dir) / RECORDS_OWNER
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(json.dumps({"id": run_id}) + "\n")
-        tmp.replace(path)
+        write_atomic(path, json.dumps({"id": run_id}) + "\n")
     except OSError as exc:  # a full disk: no 0-byte file left behind, and the failure named
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
         raise RunDirError(f"could not write {path}: {exc.strerror or exc}; free space in the "
                           f"run directory, or choose another --run-dir") from None
 

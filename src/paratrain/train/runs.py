@@ -41,6 +41,7 @@ import torch
 from .. import __version__, console
 from ..models import hf
 from ..optim import lr_at
+from ..paths import write_atomic
 from . import checkpoint
 from .config import CORE, Config, ConfigError
 from .metrics import json_record_step, read_lines
@@ -176,7 +177,7 @@ class Job:
 
     def record(self, run_dir: Path) -> None:
         JOBS.mkdir(parents=True, exist_ok=True)
-        _atomic(self.path, json.dumps({"job": self.name, "run_dir": str(run_dir)}) + "\n")
+        write_atomic(self.path, json.dumps({"job": self.name, "run_dir": str(run_dir)}) + "\n")
 
 
 RECORDS = ("metrics.jsonl", "metrics.csv")
@@ -361,8 +362,8 @@ def record(cfg: Config) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     comment = ("The resolved config of this run; `paratrain train --config` reads it back.\n"
                "run_dir and resume are left out: it starts a new run.")
-    _atomic(run_dir / "config.toml", to_toml(config_tables(cfg), comment))
-    _atomic(run_dir / "versions.json", json.dumps(versions(), indent=1) + "\n")
+    write_atomic(run_dir / "config.toml", to_toml(config_tables(cfg), comment))
+    write_atomic(run_dir / "versions.json", json.dumps(versions(), indent=1) + "\n")
 
 
 def config_tables(cfg: Config) -> dict[str, dict]:
@@ -384,7 +385,3 @@ def versions() -> dict[str, str]:
     return {"paratrain": __version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
-def _atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
