@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +25,8 @@ from typing import Iterator
 
 import numpy as np
 
-from .. import console, proc
-
-log = console.get(__name__)
+from .errors import DataError
+from .partial import claim, die_with_parent, release
 
 META = "meta.json"
 FORMAT = 1
@@ -41,10 +39,6 @@ PIECE_CHARS = 1 << 18
 about 200 bytes per input character while it encodes (a 20 MB line took 4.2 GB)."""
 BATCH_CHARS = 1 << 20
 """Characters handed to one worker at a time (at most 256 documents or pieces)."""
-
-
-class DataError(ValueError):
-    """Input that cannot be prepared or a dataset that cannot be read; says what to fix."""
 
 
 @dataclass(frozen=True)
@@ -342,7 +336,7 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text",
     _, vocab, eos_id = spec.load()  # fails here, before any work, on a bad tokenizer
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     tmp = target.with_name(target.name + ".partial")
-    _claim(tmp, out)
+    claim(tmp, out)
     writer = _ShardWriter(tmp, dtype, shard_tokens)
     try:
         documents = _tokenize_into(writer, spec, files, field, workers or os.cpu_count() or 1, progress)
@@ -352,7 +346,7 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text",
                 "train_tokens": int(writer.total * (1 - val_fraction)), "shards": writer.shards,
                 "inputs": [str(p) for p in files]}
         (tmp / META).write_text(json.dumps(meta, indent=1))
-        (tmp / OWNER).unlink()
+        release(tmp)
         if target.exists():
             target.rmdir()
         tmp.rename(target)  # the dataset appears whole, or not at all
@@ -360,43 +354,6 @@ def prepare(inputs: list[str], tokenizer: str, out: str, field: str = "text",
         writer.discard()
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
-
-
-OWNER = ".owner"
-"""In the ``.partial`` directory: the pid and start time of the prepare writing it."""
-
-
-def _claim(tmp: Path, out: str) -> None:
-    """Make ``tmp`` this process's, removing one an interrupted prepare left (its owner is
-    gone: killed, or the machine restarted); refuse one a running prepare is writing."""
-    if tmp.exists():
-        try:
-            pid, started = (tmp / OWNER).read_text().split()
-            running = proc.alive(int(pid), started)
-        except (OSError, ValueError):  # no owner recorded: a directory being created
-            pid, running = "?", True
-        if running:
-            raise DataError(f"{tmp} exists: prepare process {pid} is writing --out {out}; wait "
-                            f"for it, or stop it and run again")
-        log.warning(f"paratrain data prepare: removing {tmp}, left by an interrupted prepare "
-                    f"(process {pid} is gone)")
-        shutil.rmtree(tmp)
-    try:
-        tmp.mkdir(parents=True)
-    except OSError as exc:  # a parent that is a file, or not writable
-        raise DataError(f"--out {out}: cannot create {tmp} ({exc.strerror})") from None
-    (tmp / OWNER).write_text(f"{os.getpid()} {proc.start_time(os.getpid())}")
-
-
-def _die_with_parent() -> None:
-    """Worker initializer: end this worker when the prepare that started it dies, even by
-    SIGKILL, which runs no cleanup (Linux; elsewhere the pool's own shutdown only)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _tokenize_into(writer: _ShardWriter, spec: TokenizerSpec, files: list[Path], field: str,
@@ -411,7 +368,7 @@ def _tokenize_into(writer: _ShardWriter, spec: TokenizerSpec, files: list[Path],
             chars[0] += sum(len(text) for text, _ in b)  # counted here: EOS tokens alone are no text
             yield spec, b
 
-    with ProcessPoolExecutor(max_workers=workers, initializer=_die_with_parent) as pool:
+    with ProcessPoolExecutor(max_workers=workers, initializer=die_with_parent) as pool:
         for ids, n in _ordered_map(pool, _encode, batches(), ahead=2 * workers):
             writer.write(ids)
             documents += n
