@@ -29,6 +29,7 @@ from test_plan_peaks import PeakStorage  # noqa: E402
 
 from paratrain.launch import spawn  # noqa: E402
 from paratrain.mesh import Mesh  # noqa: E402
+from paratrain.layout import Layout  # noqa: E402
 from paratrain.plan.candidate import Candidate, Training  # noqa: E402
 from paratrain.plan.memory import rank_memory  # noqa: E402
 from paratrain.plan.models import from_gpt_config  # noqa: E402
@@ -94,7 +95,7 @@ def main() -> None:
     got = spawn(probe, 1, cfg, backend="nccl", timeout_s=600)[0]
     model = from_gpt_config(cfg.model, "bench")
     training = Training(cfg.train.global_batch, cfg.data.seq_len, cfg.train.precision)
-    cand = Candidate(dp=1, tp=1, pp=1, cp=1, zero=0, micro_batch=cfg.micro_batch,
+    cand = Candidate(Layout(), zero=0, micro_batch=cfg.micro_batch,
                      microbatches=cfg.accumulation, recompute=cfg.train.recompute)
     mem = rank_memory(model, training, cand, paratrain=True, backend="nccl")
     gib = 2**30

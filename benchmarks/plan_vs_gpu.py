@@ -28,6 +28,7 @@ import torch
 
 from paratrain.launch import spawn
 from paratrain.mesh import Mesh
+from paratrain.layout import Layout
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.cost import step_time
 from paratrain.plan.hardware import Cluster, gpu_preset
@@ -85,7 +86,7 @@ def predicted(cfg: Config, gpu) -> tuple[float, float]:
     t = cfg.train
     model = from_gpt_config(cfg.model, "bench")
     training = Training(t.global_batch, cfg.data.seq_len, t.precision)
-    cand = Candidate(dp=1, tp=1, pp=1, cp=1, zero=0, micro_batch=cfg.micro_batch,
+    cand = Candidate(Layout(), zero=0, micro_batch=cfg.micro_batch,
                      microbatches=cfg.accumulation, recompute=t.recompute)
     time = step_time(model, training, Cluster(gpu, 1), cand).step
     return time, rank_memory(model, training, cand, paratrain=True, backend="nccl").total

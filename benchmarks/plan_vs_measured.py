@@ -38,6 +38,7 @@ from paratrain.models.gpt import PRESETS
 from paratrain.plan.calibrate import (EFFICIENCY_BATCH, EFFICIENCY_SEQ, calibrate,
                                       comm_fits, compute_rates, reference_step_time,
                                       write_calibration)
+from paratrain.layout import Layout
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.cost import step_time
 from paratrain.plan.hardware import DEFAULT_CALIBRATION, load_calibration, local_cluster
@@ -127,7 +128,7 @@ def _silent(line: str) -> None:
 def predicted_reference_time(calibration) -> float:
     """The planner's time for the calibration's model step (``reference_step_time``)."""
     model = from_gpt_config(PRESETS["small"], "small")
-    cand = Candidate(dp=1, tp=1, pp=1, cp=1, zero=0, micro_batch=EFFICIENCY_BATCH,
+    cand = Candidate(Layout(), zero=0, micro_batch=EFFICIENCY_BATCH,
                      microbatches=1)
     return step_time(model, Training(EFFICIENCY_BATCH, EFFICIENCY_SEQ, "fp32"),
                      local_cluster(1, calibration), cand).compute
@@ -138,7 +139,7 @@ def predicted_step_time(cfg: Config, calibration) -> float:
     p, t = cfg.parallel, cfg.train
     model = from_gpt_config(cfg.model, cfg.model_preset)
     training = Training(t.global_batch, cfg.data.seq_len, t.precision)
-    cand = Candidate(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, zero=p.zero,
+    cand = Candidate(cfg.layout, zero=p.zero,
                      micro_batch=cfg.micro_batch, microbatches=cfg.accumulation,
                      schedule=p.schedule, virtual_stages=p.virtual_stages,
                      recompute=t.recompute, sequence_parallel=p.sp, cp_method=p.cp_method)

@@ -239,6 +239,7 @@ def seconds(text: str) -> float:
 def predictions(args, delayed: bool) -> dict[str, float]:
     """The planner's step time for both placements: this machine's calibration inside a
     node, the shaped link (rate, and latency if the kernel applied it) across nodes."""
+    from paratrain.layout import Layout
     from paratrain.plan.candidate import Candidate, Training
     from paratrain.plan.cost import step_time
     from paratrain.plan.hardware import Cluster, _link, load_calibration, local_cluster
@@ -261,7 +262,7 @@ def predictions(args, delayed: bool) -> dict[str, float]:
     cfg = placement_config(args, "unused", "tp-cp-pp-dp")
     model = from_gpt_config(cfg.model, cfg.model_preset)
     training = Training(cfg.train.global_batch, cfg.data.seq_len, "fp32")
-    cand = Candidate(dp=2, tp=2, pp=1, cp=1, zero=0, micro_batch=cfg.micro_batch,
+    cand = Candidate(Layout(dp=2, tp=2), zero=0, micro_batch=cfg.micro_batch,
                      microbatches=cfg.accumulation, recompute="none")
     return {label: step_time(model, training, Placed(gpu, 4, gpus_per_node=2, usable_memory=1.0,
                                                      kind="local", order=tuple(order.split("-"))), cand).step

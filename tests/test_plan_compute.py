@@ -3,11 +3,13 @@ arithmetic, no processes)."""
 
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from paratrain.plan.calibrate import fit_curve
+from paratrain.layout import Layout
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.compute import (attention_time, elementwise_bytes, gemm_efficiency, matmul_time,
                                     unfused_attention_time)
@@ -56,7 +58,7 @@ def test_elementwise_passes_shard_with_sequence_parallelism():
 
 def test_unfused_attention_costs_more_than_flash():
     model, cluster = PRESETS["gpt3-175b"], Cluster(A100, 8)
-    cand = Candidate(1, 8, 1, 1, 0, 1, 1)
+    cand = Candidate(Layout(tp=8), 0, 1, 1)
     flash = step_time(model, Training(1, 2048), cluster, cand).compute
     unfused = step_time(model, Training(1, 2048, flash_attention=False), cluster, cand).compute
     assert unfused > 1.05 * flash
@@ -94,11 +96,11 @@ def test_prefetch_hides_all_but_the_first_gather():
 
 def test_zero3_across_nodes_gets_one_nic_and_hsdp_shards_in_the_node():
     cluster = Cluster(A100, 64)
-    plain, _ = zero3_links(cluster, Candidate(64, 1, 1, 1, 3, 1, 1))
+    plain, _ = zero3_links(cluster, Candidate(Layout(dp=64), 3, 1, 1))
     assert (plain.kind, plain.bw) == ("network", 22.5 * GB)
-    shard, replicas = zero3_links(cluster, Candidate(64, 1, 1, 1, 3, 1, 1, shard_group=8))
+    shard, replicas = zero3_links(cluster, Candidate(Layout(dp=64), 3, 1, 1, shard_group=8))
     assert (shard.kind, replicas.bw) == ("nvlink", 22.5 * GB)  # one replica per node
-    shard, replicas = zero3_links(cluster, Candidate(64, 1, 1, 1, 3, 1, 1, shard_group=4))
+    shard, replicas = zero3_links(cluster, Candidate(Layout(dp=64), 3, 1, 1, shard_group=4))
     assert replicas.bw == 2 * 22.5 * GB  # two replicas of each group per node
 
 
@@ -165,10 +167,12 @@ def test_plans_written_for_train_are_ones_train_runs(tmp_path, capsys):
     assert {p.cand.tp for p in result.plans if p.cand.tp > 1 and not p.cand.sp} == {3, 6}
     assert all("sequence parallelism" not in (refusal(p.cand, model, training) or "")
                for p in result.plans)
-    assert "tied embeddings" in refusal(result.plans[0].cand.but(pp=2, shard_group=0), ModelSpec(
+    first = result.plans[0].cand
+    assert "tied embeddings" in refusal(first.but(layout=replace(first.layout, pp=2), shard_group=0), ModelSpec(
         24, 3072, 24, 24, 12288, 32000, tie_embeddings=True, name="tied"), training)
     tied = ModelSpec(24, 3072, 24, 24, 12288, 32000, tie_embeddings=True, name="tied")
-    assert refusal(result.plans[0].cand.but(pp=1, zero=3, shard_group=0), tied, training) is None
+    assert refusal(first.but(layout=replace(first.layout, pp=1), zero=3, shard_group=0), tied,
+                   training) is None
     out = tmp_path / "plan.toml"  # GPT-3 ties its embeddings: a pipeline layout is refused
     assert plan("--model", "gpt3-175b", "--gpus", "1024", "--layout", "tp8 pp8", "--out", str(out)) == 2
     assert "tie_embeddings = false" in capsys.readouterr().err and not out.exists()

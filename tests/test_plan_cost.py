@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 
+from paratrain.layout import Layout
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.cost import ORDER, bubble_fraction, max_stage_params, step_time
 from paratrain.plan.flops import megatron_flops, step_flops
@@ -47,7 +48,7 @@ def test_bloom_layout_predicts_its_published_step_time():
     # (plan/compute.py), and BLOOM's 2022 software stored and re-read attention scores
     # (no FlashAttention), so the prediction is optimistic, by less than 25%.
     cluster = Cluster(gpu_preset("a100-80g"), 384)
-    cand = Candidate(dp=8, tp=4, pp=12, cp=1, zero=1, micro_batch=2, microbatches=128,
+    cand = Candidate(Layout(dp=8, tp=4, pp=12), zero=1, micro_batch=2, microbatches=128,
                      schedule="1f1b", recompute="full")
     # BLOOM split 70 blocks + 2 embedding units into 12 stages of 6: the middle stages
     # run 6 blocks each, as the stages of a 72-block model do.
@@ -61,7 +62,7 @@ def test_bloom_layout_predicts_its_published_step_time():
 def test_bubble_share_of_the_step_equals_the_formula(p, m, v):
     model = ModelSpec(32, 1024, 16, 16, 4096, 32000, name="m")
     cluster = Cluster(gpu_preset("h100-80g"), p)
-    cand = Candidate(1, 1, p, 1, 0, 1, m, "interleaved" if v > 1 else "1f1b", v)
+    cand = Candidate(Layout(pp=p), 0, 1, m, "interleaved" if v > 1 else "1f1b", v)
     t = step_time(model, Training(m, 1024), cluster, cand)
     busy = t.step - t.bubble - t.dp - t.optimizer
     assert t.bubble / (t.bubble + busy) == pytest.approx(bubble_fraction(p, m, v))
@@ -73,7 +74,7 @@ def test_tp_all_reduce_is_the_ring_formula():
     training = Training(8, 2048, tp_backward_overlap=False)  # every collective in turn
     gpu = gpu_preset("h100-80g")
     cluster = Cluster(gpu, 8)
-    cand = Candidate(1, 8, 1, 1, 0, 1, 8)
+    cand = Candidate(Layout(tp=8), 0, 1, 8)
     nbytes = 2048 * 4096 * 2
     ring = 2 * 7 * gpu.nvlink_alpha + 2 * 7 / 8 * nbytes / gpu.nvlink_bw
     collectives = 4 * model.n_layers + 1  # 2 forward + 2 backward per block, + the head's
@@ -92,7 +93,7 @@ def test_tp_backward_overlap_hides_the_input_gradient_reduction(sp):
     from paratrain.plan.overlap import exposed
 
     model, gpu = ModelSpec(4, 4096, 32, 32, 16384, 32000, name="m"), gpu_preset("h100-80g")
-    cluster, cand = Cluster(gpu, 8), Candidate(1, 8, 1, 1, 0, 1, 8, sequence_parallel=sp)
+    cluster, cand = Cluster(gpu, 8), Candidate(Layout(tp=8), 0, 1, 8, sequence_parallel=sp)
     plain, overlapped = (step_time(model, Training(8, 2048, tp_backward_overlap=o), cluster,
                                    cand).tp for o in (False, True))
     nbytes = 2048 * 4096 * 2
@@ -129,7 +130,7 @@ def test_dp_overlap_hides_gradient_reduction_behind_backward():
     model, training = PRESETS["llama3-8b"], Training(256, 4096)
     fast = Cluster(gpu_preset("h100-80g"), 64)
     slow = Cluster(gpu_preset("h100-80g"), 64, inter_bw=1 * GB)
-    cand = Candidate(64, 1, 1, 1, 0, 1, 4)
+    cand = Candidate(Layout(dp=64), 0, 1, 4)
     hidden, exposed = step_time(model, training, fast, cand), step_time(model, training, slow, cand)
     assert hidden.dp < 0.01 * hidden.step
     assert exposed.dp > 10 * hidden.dp
@@ -143,7 +144,7 @@ def test_dp_reduction_after_the_backward_is_wholly_exposed():
     """2021's Megatron all-reduced after the whole backward (``dp_overlap=False``): the
     step pays the full ring time, where overlapped it hides behind the last backward."""
     model, cluster = PRESETS["llama3-8b"], Cluster(gpu_preset("h100-80g"), 64)
-    cand = Candidate(64, 1, 1, 1, 0, 1, 4)
+    cand = Candidate(Layout(dp=64), 0, 1, 4)
     beside = step_time(model, Training(256, 4096), cluster, cand)
     after = step_time(model, Training(256, 4096, dp_overlap=False), cluster, cand)
     link = cluster.link(cand.sizes(), ORDER, ("cp", "dp"))
@@ -157,7 +158,7 @@ def test_fp32_gradient_copy_costs_four_bytes_per_parameter(zero, shard):
     """Megatron 2021's fp16 optimizer kept ``main_param.grad = grad.float()`` alive: 20
     bytes of model state per parameter without ZeRO, the extra 4 sharded with ZeRO-1."""
     model = PRESETS["llama3-8b"]
-    cand = Candidate(64, 1, 1, 1, zero, 1, 4)
+    cand = Candidate(Layout(dp=64), zero, 1, 4)
     plain = stage_memory(model, Training(256, 4096), cand, 0)
     copy = stage_memory(model, Training(256, 4096, fp32_grad_copy=True), cand, 0)
     psi = model.stage_params(1, 1, 0, 1)
@@ -202,7 +203,7 @@ def test_sequence_parallel_is_timed_as_its_own_collectives():
     cal = Calibration({"fp32": 40e9}, cores=2, alpha=1e-4, beta=1e9, memory=4 << 30, comm={"2": fits})
     model = PRESETS["llama3-8b"]
     training = Training(8, 128, "fp32", tp_backward_overlap=False)
-    plain, sp = (Candidate(1, 2, 1, 1, 0, 8, 1, sequence_parallel=s) for s in (False, True))
+    plain, sp = (Candidate(Layout(tp=2), 0, 8, 1, sequence_parallel=s) for s in (False, True))
     local = local_cluster(2, cal)
     assert _tp_time(model, training, local, sp) > 1.5 * _tp_time(model, training, local, plain)
     h100 = Cluster(gpu_preset("h100-80g"), 8)
@@ -217,7 +218,7 @@ def test_ulysses_is_timed_as_its_all_to_alls_and_searched_where_heads_split():
 
     model, training = PRESETS["llama3-8b"], Training(16, 8192, "bf16")  # 32 heads, 8 KV heads
     cluster = Cluster(gpu_preset("h100-80g"), 8)
-    ring = Candidate(1, 2, 1, 4, 0, 1, 16, recompute="full")
+    ring = Candidate(Layout(tp=2, cp=4), 0, 1, 16, recompute="full")
     uly = ring.but(cp_method="ulysses")
     link = cluster.link(uly.sizes(), ORDER, ("cp",))
     tokens = 8192 // 4
@@ -262,7 +263,7 @@ def test_ring_attention_exchange_as_ring_py_runs_it():
     cluster, model = local_cluster(4, cal), load_model("small")
     assert cluster.gpu.overlap_cost == 1.0
     training = Training(8, 128, "bf16")
-    cand = Candidate(1, 1, 1, 4, 0, 2, 4)
+    cand = Candidate(Layout(cp=4), 0, 2, 4)
     link = cluster.link(cand.sizes(), ORDER, ("cp",), p2p=True)
     kv = 2 * 2 * 128 // 4 * model.kv_heads_per_rank(1) * model.head_dim
     step, grad = (p2p_time(kv * b, link.alpha, link.bw) for b in (2, 4))
@@ -284,7 +285,7 @@ def test_hidden_collectives_cost_cpu_processes_their_whole_time():
                       comm={"2": fits})
     model = PRESETS["llama3-8b"]
     training = Training(8, 128, "fp32")
-    ddp = Candidate(dp=2, tp=1, pp=1, cp=1, zero=0, micro_batch=4, microbatches=1)
+    ddp = Candidate(Layout(dp=2), zero=0, micro_batch=4, microbatches=1)
     reduce = collective_time("all-reduce", 4 * max_stage_params(model, ddp), 2, 2e-3, 1e9)
     full = step_time(model, training, local_cluster(2, cal), ddp)
     assert full.dp == pytest.approx(reduce)  # hidden behind a longer backward, still paid

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from paratrain.layout import Layout
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.flops import megatron_flops
 from paratrain.plan.evaluate import evaluate_candidate, parse_layout
@@ -35,7 +36,7 @@ def test_rejected_layout_prints_its_numbers(capsys):
     assert "would rank #" in out and "of " in out
     # The breakdown is the memory model's, not a placeholder.
     model, training = PRESETS["llama3-70b"], Training(512, 8192)
-    mem = rank_memory(model, training, Candidate(8, 8, 1, 1, 0, 1, 64))
+    mem = rank_memory(model, training, Candidate(Layout(dp=8, tp=8), 0, 1, 64))
     assert f"{mem.total / 2**30:.2f}" in out and f"{mem.optimizer / 2**30:.2f}" in out
 
 
@@ -83,7 +84,7 @@ def test_compare_puts_layouts_side_by_side(capsys):
 def test_evaluate_candidate_reports_every_broken_rule():
     cluster = Cluster(gpu_preset("h100-80g"), 16, 8)
     ev = evaluate_candidate(PRESETS["llama3-8b"], Training(30, 8192), cluster,
-                            Candidate(1, 16, 1, 1, 0, 7, 4))
+                            Candidate(Layout(tp=16), 0, 7, 4))
     text = " ".join(ev.problems)
     assert "spans nodes" in text and "micro_batch=7" in text and ev.time is not None
 
@@ -94,7 +95,7 @@ def test_a_layout_that_cannot_be_costed_says_why_once():
     it once, not twice."""
     cluster = Cluster(gpu_preset("h100-80g"), 8192, 8)
     ev = evaluate_candidate(PRESETS["llama3-405b"], Training(2048, 8192), cluster,
-                            Candidate(64, 8, 16, 1, 2, 1, 32, "interleaved", 9, "none"))
+                            Candidate(Layout(dp=64, tp=8, pp=16), 2, 1, 32, "interleaved", 9, "none"))
     assert ev.memory is None and len(ev.problems) == 1, ev.problems
     assert "126 layers cannot be split" in ev.problems[0]
 
@@ -117,16 +118,16 @@ def test_zero3_below_ptdp_as_narayanan_table_2(gpus):
 
     def zero3_tflops(n: int) -> float:
         ev = evaluate_candidate(model, training, Cluster(gpu_preset("a100-80g"), n),
-                                Candidate(n, 1, 1, 1, 3, 1536 // n, 1, recompute="full"))
+                                Candidate(Layout(dp=n), 3, 1536 // n, 1, recompute="full"))
         assert ev.fits
         return flops / ev.time.step / n / 1e12
 
     cluster = Cluster(gpu_preset("a100-80g"), gpus)
     zero3 = evaluate_candidate(model, training, cluster,
-                               Candidate(gpus, 1, 1, 1, 3, 1536 // gpus, 1, recompute="full"))
+                               Candidate(Layout(dp=gpus), 3, 1536 // gpus, 1, recompute="full"))
     dp = gpus // 96
     ptdp = evaluate_candidate(model, training, cluster,
-                              Candidate(dp, 8, 12, 1, 0, 1, 1536 // dp, recompute="none"))
+                              Candidate(Layout(dp=dp, tp=8, pp=12), 0, 1, 1536 // dp, recompute="none"))
     assert zero3.fits and ptdp.fits
     assert zero3.mfu < ptdp.mfu
     assert 0.8 < zero3_tflops(gpus) / ZERO3_PUBLISHED[gpus] < 1.45
@@ -200,14 +201,14 @@ def test_hsdp_steps_the_optimizer_on_its_group_shard():
 
     model, training = PRESETS["llama3-8b"], Training(64, 8192)
     cluster = Cluster(gpu_preset("h100-80g"), 64)
-    full, hsdp = (step_time(model, training, cluster, Candidate(64, 1, 1, 1, 3, 1, 1, shard_group=g))
+    full, hsdp = (step_time(model, training, cluster, Candidate(Layout(dp=64), 3, 1, 1, shard_group=g))
                   for g in (0, 8))
     assert hsdp.optimizer == pytest.approx(8 * full.optimizer)
     from paratrain.plan.hardware import Calibration, local_cluster
 
     local = local_cluster(4, Calibration({"fp32": 50e9}, cores=2, alpha=20e-6, beta=0.8e9, memory=8 << 30))
     ev = evaluate_candidate(PRESETS["llama3-8b"], Training(8, 128), local,
-                            Candidate(4, 1, 1, 1, 3, 1, 2, shard_group=2))
+                            Candidate(Layout(dp=4), 3, 1, 2, shard_group=2))
     assert any("does not run it" in p for p in ev.problems)
 
 

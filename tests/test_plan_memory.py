@@ -4,6 +4,7 @@ from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
 
+from paratrain.layout import Layout
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.memory import (bytes_per_param, inflight_microbatches,
                                    korthikanti_layer_bytes, layer_activation_bytes,
@@ -117,15 +118,15 @@ def test_inflight_microbatches():
 def test_rank_memory_model_states_follow_zero_and_sharding():
     model = PRESETS["llama3-8b"]
     training = Training(64, 4096)
-    base = Candidate(dp=8, tp=1, pp=1, cp=1, zero=0, micro_batch=1, microbatches=8)
+    base = Candidate(Layout(dp=8), zero=0, micro_batch=1, microbatches=8)
     psi = model.num_params()
     mem = rank_memory(model, training, base)
     assert (mem.params, mem.grads, mem.optimizer) == (2 * psi, 2 * psi, 12 * psi)
     for zero in (1, 2, 3):
-        m = rank_memory(model, training, Candidate(8, 1, 1, 1, zero, 1, 8))
+        m = rank_memory(model, training, Candidate(Layout(dp=8), zero, 1, 8))
         assert (m.params, m.grads, m.optimizer) == model_state_bytes(psi, 8, zero)
     # TP and PP shard the parameters; the worst stage holds the embedding or the head.
-    tp_pp = rank_memory(model, training, Candidate(2, 2, 2, 1, 0, 1, 32))
+    tp_pp = rank_memory(model, training, Candidate(Layout(dp=2, tp=2, pp=2), 0, 1, 32))
     assert tp_pp.params == 2 * model.stage_params(2, 2, tp_pp.stage)
     assert tp_pp.params < mem.params / 3.5
 
@@ -140,9 +141,9 @@ def test_stage_params_add_up():
 
 def test_full_recompute_and_cp_shrink_activations():
     model, training = PRESETS["llama3-70b"], Training(64, 8192)
-    none = rank_memory(model, training, Candidate(8, 8, 1, 1, 1, 1, 8, recompute="none"))
-    full = rank_memory(model, training, Candidate(8, 8, 1, 1, 1, 1, 8, recompute="full"))
-    cp = rank_memory(model, training, Candidate(4, 8, 1, 2, 1, 1, 16, recompute="none"))
+    none = rank_memory(model, training, Candidate(Layout(dp=8, tp=8), 1, 1, 8, recompute="none"))
+    full = rank_memory(model, training, Candidate(Layout(dp=8, tp=8), 1, 1, 8, recompute="full"))
+    cp = rank_memory(model, training, Candidate(Layout(dp=4, tp=8, cp=2), 1, 1, 16, recompute="none"))
     assert full.activations < none.activations / 10
     # Flash attention stores no s x s scores: every stored tensor halves with cp = 2.
     assert cp.activations == pytest.approx(none.activations / 2)
@@ -160,8 +161,8 @@ def test_flash_attention_stores_no_scores_and_selective_adds_none():
     korth = layer_activation_bytes(model, s, b, 1, False, "none", flash=False)
     assert korth - selective == elem * a * s * s * b  # the softmax output (no dropout)
     training = Training(8, s)
-    sel = rank_memory(model, training, Candidate(8, 1, 1, 1, 1, 1, 1, recompute="selective"))
-    nothing = rank_memory(model, training, Candidate(8, 1, 1, 1, 1, 1, 1, recompute="none"))
+    sel = rank_memory(model, training, Candidate(Layout(dp=8), 1, 1, 1, recompute="selective"))
+    nothing = rank_memory(model, training, Candidate(Layout(dp=8), 1, 1, 1, recompute="none"))
     assert sel.buffers - nothing.buffers == 4 * a * s * b  # the recomputed core's output
 
 
@@ -170,7 +171,7 @@ def test_logits_counted_once_except_gpipe():
     logits = 4096 * model.vocab_size / 8 * (2 + 4)
     last = {}
     for schedule, v in (("1f1b", 1), ("interleaved", 2), ("gpipe", 1)):
-        cand = Candidate(1, 8, 4, 1, 0, 1, 64, schedule, v)
+        cand = Candidate(Layout(tp=8, pp=4), 0, 1, 64, schedule, v)
         last[schedule] = stage_memory(model, training, cand, 3).buffers
     assert last["interleaved"] == pytest.approx(logits)  # one microbatch, not the in-flight count
     assert last["1f1b"] == pytest.approx(logits)
@@ -180,7 +181,7 @@ def test_logits_counted_once_except_gpipe():
 def test_uneven_stage_activations_follow_the_split():
     """126 blocks on 16 stages: stage 1 holds 8 blocks, stage 0 seven (and the embedding)."""
     model, training = PRESETS["llama3-405b"], Training(2048, 8192)
-    cand = Candidate(16, 8, 16, 1, 1, 1, 128)
+    cand = Candidate(Layout(dp=16, tp=8, pp=16), 1, 1, 128)
     per_layer = layer_activation_bytes(model, 8192, 1, 8, True, "none")
     for stage, layers in ((0, 7), (1, 8), (15, 7)):
         inflight = 16 - stage
@@ -216,7 +217,7 @@ def test_paratrain_memory_counts_early_receives_on_gloo_only():
     model = load_model("tiny")
     training = Training(global_batch=16, seq_len=64, precision="fp32")
     for kind in ("gpipe", "1f1b"):
-        cand = Candidate(1, 1, 2, 1, 0, 2, 8, kind)
+        cand = Candidate(Layout(pp=2), 0, 2, 8, kind)
         gloo = rank_memory(model, training, cand, paratrain=True, backend="gloo")
         nccl = rank_memory(model, training, cand, paratrain=True, backend="nccl")
         table = schedules.schedule(kind, 2, 8)[gloo.stage]
@@ -237,7 +238,7 @@ def test_paratrain_memory_counts_sent_tensors_until_waited():
     activation = 4 * 2 * 64 * model.d_model  # fp32, micro_batch x seq x d_model
     buffers = {}
     for m in (4, 8):
-        cand = Candidate(1, 1, 2, 1, 0, 2, m, "gpipe")
+        cand = Candidate(Layout(pp=2), 0, 2, m, "gpipe")
         training = Training(global_batch=2 * m, seq_len=64, precision="fp32")
         buffers[m] = _paratrain_stage_memory(model, training, cand, 0, 2).buffers
     assert buffers[8] - buffers[4] == 4 * activation
@@ -276,7 +277,7 @@ def test_accumulated_gradient_counted_at_the_worst_moment():
     psi, grads = {}, {}
     for m in (16, 32):
         for zero in (1, 2):
-            cand = Candidate(2048 // m, 8, 16, 1, zero, 1, m, "interleaved", 8, "none")
+            cand = Candidate(Layout(dp=2048 // m, tp=8, pp=16), zero, 1, m, "interleaved", 8, "none")
             mem = stage_memory(model, training, cand, 1)
             psi[m, zero], grads[m, zero] = mem.total, mem.buffers
     stage = model.stage_params(8, 16, 1, 8) * 2  # bf16 gradient
@@ -295,8 +296,8 @@ def test_paratrain_memory_allocates_the_chunk_gradients_as_its_zero_does():
 
     model = load_model("tiny")
     training = Training(global_batch=4, seq_len=64, precision="fp32")
-    interleaved = Candidate(2, 1, 2, 1, 2, 1, 2, "interleaved", 2)
-    zero1 = _paratrain_stage_memory(model, training, Candidate(2, 1, 2, 1, 1, 1, 2,
+    interleaved = Candidate(Layout(dp=2, pp=2), 2, 1, 2, "interleaved", 2)
+    zero1 = _paratrain_stage_memory(model, training, Candidate(Layout(dp=2, pp=2), 1, 1, 2,
                                                                "interleaved", 2), 0, 2)
     zero2 = _paratrain_stage_memory(model, training, interleaved, 0, 2)
     held = held_grad_bytes(model, interleaved, 0, "fp32")
@@ -312,7 +313,7 @@ def test_peak_moment_can_fall_between_the_first_and_last_chunk():
     from paratrain.plan.memory import first_backward_inflight, peak_moment
 
     assert first_backward_inflight(4, 4, 4, 3) == (13 / 4, 12 / 4, 8 / 4, 4 / 4)
-    cand = Candidate(2, 1, 4, 1, 2, 1, 4, "interleaved", 4)
+    cand = Candidate(Layout(dp=2, pp=4), 2, 1, 4, "interleaved", 4)
     assert peak_moment(cand, 3, 1.0, 2.0) == (3.0, 0.5)
     assert peak_moment(cand, 3, 1.0, 0.0) == (13 / 4, 0.25)  # no gradient: activation peak
     assert peak_moment(cand.but(zero=1), 3, 1.0, 2.0) == (13 / 4, 1.0)  # persistent gradient

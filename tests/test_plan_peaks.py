@@ -119,7 +119,7 @@ def measure(cfgs) -> list[dict[str, int]]:
 def predicted(cfg, stage: int):
     p = cfg.parallel
     reshard = {"auto": None, "yes": True, "no": False}[p.reshard_after_forward]
-    cand = Candidate(p.dp, p.tp, p.pp, p.cp, p.zero, cfg.micro_batch, cfg.accumulation,
+    cand = Candidate(cfg.layout, p.zero, cfg.micro_batch, cfg.accumulation,
                      p.schedule, p.virtual_stages, cfg.train.recompute, p.sp,
                      reshard_after_forward=reshard)
     training = Training(cfg.train.global_batch, cfg.data.seq_len, cfg.train.precision)

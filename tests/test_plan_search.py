@@ -17,8 +17,8 @@ def _assert_valid(result, model, training, cluster):
         assert c.n_gpus == cluster.n_gpus
         assert c.tp <= cluster.node_size
         assert training.global_batch == c.dp * c.micro_batch * c.microbatches
-        rules.check_split(model,
-                          rules.Split(c.tp, c.cp, c.pp, c.virtual_stages, training.seq_len))
+        rules.check_split(model, c.layout, virtual_stages=c.virtual_stages,
+                          seq_len=training.seq_len, cp_method=c.cp_method)
         assert plan.memory.total <= cluster.memory_limit
         if c.schedule == "interleaved":
             assert c.microbatches % c.pp == 0 and c.virtual_stages > 1

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distributed import run_world
+from paratrain.layout import Layout
 from paratrain.mesh import Mesh
 from paratrain.models.gpt import GPT, PRESETS
 from paratrain.parallel.recompute import apply_recompute
@@ -41,7 +42,7 @@ def run_config(tmp_dir: str, nproc: int, preset: str, zero: int, precision: str)
 def _cand(cfg) -> Candidate:
     """The planner's description of a training config's layout."""
     p = cfg.parallel
-    return Candidate(p.dp, p.tp, p.pp, p.cp, p.zero, cfg.micro_batch, cfg.accumulation,
+    return Candidate(cfg.layout, p.zero, cfg.micro_batch, cfg.accumulation,
                      virtual_stages=p.virtual_stages)
 
 
@@ -61,7 +62,7 @@ def test_state_bytes_equal_the_planners(nproc, tmp_path):
         for rank, got in enumerate(per_rank):
             assert got == predicted, (preset, f"dp{nproc} zero{zero} {precision} rank {rank}")
         # The planner's memory model for the local cluster uses the same numbers.
-        cand = Candidate(nproc, 1, 1, 1, zero, micro_batch=4 // nproc, microbatches=1)
+        cand = Candidate(Layout(dp=nproc), zero, micro_batch=4 // nproc, microbatches=1)
         mem = rank_memory(spec, Training(4, 32, precision), cand, paratrain=True)
         assert (mem.params, mem.grads, mem.optimizer) == tuple(predicted.values())
 
@@ -197,7 +198,7 @@ def test_calibrate_flag_writes_what_local_plans_read(tmp_path, monkeypatch, caps
                 str(path), "--micro-batch", "4", "--recompute", "none", "--json") == 0
     best = json.loads(capsys.readouterr().out)["plans"][0]
     zero = best["layout"]["zero"]
-    states = paratrain_state_bytes(load_model("small"), Candidate(2, 1, 1, 1, zero, 4, 1),
+    states = paratrain_state_bytes(load_model("small"), Candidate(Layout(dp=2), zero, 4, 1),
                                    "fp32")
     assert [best["memory_bytes"][k] for k in ("params", "grads", "optimizer")] == \
         list(states.values())
@@ -217,7 +218,7 @@ def test_local_cluster_uses_the_measured_rates():
         (50e-6, 0.25e9)
     assert four.gpu.nvlink_alpha == 1e-3 and two.gpu.overlap_cost == 1.0  # every core busy
     model, training = load_model("small"), Training(8, 128, "fp32")
-    ddp, zero1 = (step_time(model, training, two, Candidate(2, 1, 1, 1, z, 4, 1))
+    ddp, zero1 = (step_time(model, training, two, Candidate(Layout(dp=2), z, 4, 1))
                   for z in (0, 1))
     psi = model.num_params() * 4
     # Hidden behind backward with every core busy, a ring all-reduce at p = 2 still costs
@@ -234,7 +235,7 @@ def test_local_cluster_uses_the_measured_rates():
     assert four.gpu.layer_overhead == 2e-3  # processes time-share the 2 cores
     # bf16 data parallelism is autocast: its gradients, and all-reduce, stay fp32.
     bf16 = Training(8, 128, "bf16")
-    assert step_time(model, bf16, two, Candidate(2, 1, 1, 1, 0, 4, 1)).dp == ddp.dp
+    assert step_time(model, bf16, two, Candidate(Layout(dp=2), 0, 4, 1)).dp == ddp.dp
 
 
 def tp_block_saved_bytes(sp: bool, b: int, s: int) -> int:
@@ -270,13 +271,13 @@ def test_zero3_kept_gathered_saves_all_but_one_gather_per_unit():
     from paratrain.comm.cost import collective_time
 
     model, training, two = load_model("small"), Training(8, 128, "fp32"), local_cluster(2, FAKE)
-    base = Candidate(2, 1, 1, 1, 3, 2, 2)
+    base = Candidate(Layout(dp=2), 3, 2, 2)
     regather, kept = (step_time(model, training, two, base.but(reshard_after_forward=r)).dp
                       for r in (None, False))
     units = model.n_layers
     gather = collective_time("all-gather", model.num_params() * 4 / units, 2, 50e-6, 0.5e9)
     assert regather - kept == pytest.approx(units * gather * (2 * 2 - 1))
-    assert base.reshards and not base.but(pp=2).reshards
+    assert base.reshards and not base.but(layout=Layout(dp=2, pp=2)).reshards
     assert base.but(reshard_after_forward=False).describe().split()[4] == "z3/keep"
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paratrain import rules
-from paratrain.layout import LayoutError
+from paratrain.layout import Layout, LayoutError
 from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.models.shape import ModelShape
 from paratrain.parallel import tensor
@@ -28,21 +28,21 @@ def shape(n_heads: int, n_kv_heads: int, n_layers: int, ffn: int) -> ModelShape:
 SHAPE = shape(n_heads=4, n_kv_heads=4, n_layers=4, ffn=128)
 
 
-@pytest.mark.parametrize("shape, split, words", [
-    (SHAPE, rules.Split(tp=3), "divide the 4 attention heads"),
-    (shape(12, 6, 2, 96), rules.Split(tp=4), "KV heads"),
-    (shape(4, 4, 2, 102), rules.Split(tp=4), "MLP width ffn_hidden=102"),
-    (SHAPE, rules.Split(pp=7), "4 layers cannot be split"),
-    (SHAPE, rules.Split(cp=4, seq_len=60), "multiple of 8"),
-    (SHAPE, rules.Split(cp=8, seq_len=64, cp_method="ulysses"), "Ulysses"),
+@pytest.mark.parametrize("shape, layout, choices, words", [
+    (SHAPE, Layout(tp=3), {}, "divide the 4 attention heads"),
+    (shape(12, 6, 2, 96), Layout(tp=4), {}, "KV heads"),
+    (shape(4, 4, 2, 102), Layout(tp=4), {}, "MLP width ffn_hidden=102"),
+    (SHAPE, Layout(pp=7), {}, "4 layers cannot be split"),
+    (SHAPE, Layout(cp=4), dict(seq_len=60), "multiple of 8"),
+    (SHAPE, Layout(cp=8), dict(seq_len=64, cp_method="ulysses"), "Ulysses"),
 ])
-def test_shape_rules_name_the_fix(shape, split, words):
+def test_shape_rules_name_the_fix(shape, layout, choices, words):
     with pytest.raises(LayoutError, match=words):
-        rules.check_split(shape, split)
+        rules.check_split(shape, layout, **choices)
 
 
 def test_replicated_kv_heads_and_uneven_stages_are_accepted():
-    rules.check_split(shape(8, 2, 5, 128), rules.Split(tp=4, pp=2))
+    rules.check_split(shape(8, 2, 5, 128), Layout(tp=4, pp=2))
 
 
 @pytest.mark.parametrize("call, words", [

@@ -10,29 +10,9 @@ the one rule that concerns them, at the moment they would otherwise fail.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from .layout import LayoutError
+from .layout import Layout, LayoutError
 from .models.shape import ModelShape
 from .stages import PipelineSplitError, check_pipeline_split
-
-
-@dataclass(frozen=True)
-class Split:
-    """What the rules need to know of a layout and its strategies."""
-
-    tp: int = 1
-    """Tensor-parallel ranks."""
-    cp: int = 1
-    """Context-parallel ranks."""
-    pp: int = 1
-    """Pipeline ranks."""
-    virtual_stages: int = 1
-    """Model chunks per pipeline rank."""
-    seq_len: int = 0
-    """Tokens per sequence (0: not known yet, sequence rules skipped)."""
-    cp_method: str = "ring"
-    """'ring' or 'ulysses'."""
 
 
 def divisors(n: int) -> list[int]:
@@ -134,11 +114,13 @@ def sequence_parallel(sp: bool, tp: int, cp: int, seq_len: int) -> None:
                           f"tp={tp}; use a seq_len divisible by {tp * cp}")
 
 
-def check_split(shape: ModelShape, split: Split) -> None:
-    """Every rule about cutting a model of ``shape`` over ``split``."""
-    t = split.tp
+def check_split(shape: ModelShape, layout: Layout, *, virtual_stages: int = 1, seq_len: int = 0,
+                cp_method: str = "ring") -> None:
+    """Every rule about cutting a model of ``shape`` over ``layout``, with ``virtual_stages``
+    model chunks per pipeline rank and context parallelism by ``cp_method`` (``seq_len`` 0:
+    not known yet, the sequence rules skipped)."""
+    t = layout.tp
     heads(shape.n_heads, shape.n_kv_heads, t)
     mlp_width(shape.ffn_hidden, t)
-    pipeline_split(shape.n_layers, split.pp, split.virtual_stages)
-    context(split.cp, split.cp_method, split.seq_len, shape.n_heads // t,
-            max(shape.n_kv_heads // t, 1))
+    pipeline_split(shape.n_layers, layout.pp, virtual_stages)
+    context(layout.cp, cp_method, seq_len, shape.n_heads // t, max(shape.n_kv_heads // t, 1))

@@ -125,6 +125,7 @@ def _planned_compute(precision: str, rate: float, half_dim: float, b: int) -> fl
     """Seconds the planner counts for the ``small`` GPT's forward and backward on ``b``
     sequences at the curve (rate, half_dim), with efficiency 1 and no dispatch cost."""
     from ..models.gpt import PRESETS
+    from ..layout import Layout
     from .candidate import Candidate, Training
     from .cost import step_time
     from .hardware import Calibration, local_cluster
@@ -135,7 +136,7 @@ def _planned_compute(precision: str, rate: float, half_dim: float, b: int) -> fl
                         matmul_half_dim={"fp32": half_dim, "bf16": half_dim})
     model = from_gpt_config(PRESETS["small"], "small")
     return step_time(model, Training(b, EFFICIENCY_SEQ, precision), local_cluster(1, curve),
-                     Candidate(1, 1, 1, 1, 0, b, 1)).compute
+                     Candidate(Layout(), 0, b, 1)).compute
 
 
 def _model_step(precision: str, b: int) -> tuple[Callable[[], None], float]:

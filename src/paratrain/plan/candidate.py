@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..layout import DEFAULT_ORDER, Layout
+from ..layout import Layout
 from .keys import cached_hash
 
 PRECISIONS = ("bf16", "fp32")
@@ -76,14 +76,9 @@ class Candidate:
     def __hash__(self) -> int:  # a search cache key: hashed once (plan/keys.py)
         return cached_hash(self)
 
-    dp: int
-    """Data-parallel replicas."""
-    tp: int
-    """Tensor-parallel ranks (with sequence parallelism whenever tp > 1)."""
-    pp: int
-    """Pipeline stages."""
-    cp: int
-    """Context-parallel ranks (``cp_method``: ring attention or Ulysses)."""
+    layout: Layout
+    """The parallel axes' sizes (dp, tp, pp, cp), the trainer's own layout type; the
+    fields below are the strategy choices made on top of it."""
     zero: int
     """ZeRO stage over the dp x cp ranks that hold the same parameters."""
     micro_batch: int
@@ -135,13 +130,33 @@ class Candidate:
         return "/reshard" if self.reshards else "/keep"
 
     @property
+    def dp(self) -> int:
+        """Data-parallel replicas."""
+        return self.layout.dp
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks (with sequence parallelism whenever tp > 1)."""
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages."""
+        return self.layout.pp
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel ranks (``cp_method``: ring attention or Ulysses)."""
+        return self.layout.cp
+
+    @property
     def sp(self) -> bool:
         """Sequence parallelism is on."""
         return self.tp > 1 and self.sequence_parallel
 
     @property
     def n_gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return self.layout.world_size
 
     @property
     def shard(self) -> int:
@@ -158,11 +173,13 @@ class Candidate:
         """Hybrid sharding: ZeRO-3 within groups smaller than dp x cp."""
         return 0 < self.shard_group < self.shard
 
-    def layout(self) -> Layout:
-        return Layout(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, order=DEFAULT_ORDER)
-
     def sizes(self) -> dict[str, int]:
         return {"dp": self.dp, "pp": self.pp, "cp": self.cp, "tp": self.tp}
+
+    def as_dict(self) -> dict[str, object]:
+        """The flat form ``plan --json`` prints: axis sizes, then the strategy choices."""
+        choices = {name: getattr(self, name) for name in _CANDIDATE_FIELDS if name != "layout"}
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, **choices, "sp": self.sp}
 
     def describe(self) -> str:
         """Compact form such as ``dp8 tp8 pp2 cp1 z1 1f1b mb1 rc=sel``."""

@@ -203,7 +203,7 @@ def step_time(model: ModelSpec, training: Training, cluster: Cluster,
     micro = _micro_compute(model, training, cluster, cand.tp, cand.cp, cand.pp,
                            cand.micro_batch, cand.recompute, cand.virtual_stages, cand.sp)
     tp, cp, pp = _micro_comm(model, training, cluster, Candidate(
-        cand.dp, cand.tp, cand.pp, cand.cp, 0, cand.micro_batch, 1, cand.schedule,
+        cand.layout, 0, cand.micro_batch, 1, cand.schedule,
         cand.virtual_stages, cand.recompute, cand.sequence_parallel, cp_method=cand.cp_method))
     m, p, v = cand.microbatches, cand.pp, cand.virtual_stages
     per_micro = micro.fwd + micro.bwd + tp + cp + pp

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from .. import rules
+from ..layout import Layout
 from .candidate import RECOMPUTE, SCHEDULES, Candidate, Training
 from .cost import StepTime, step_time
 from .flops import step_flops
@@ -231,7 +232,7 @@ def _choices(spec, model, training, dp, tp, pp, cp):
                 for mb in _options(spec.micro_batch, divisors(per_replica)):
                     for rc in _options(spec.recompute, RECOMPUTE):
                         for method in _options(spec.cp_method, ("ring", "ulysses") if cp > 1 else ("ring",)):
-                            yield Candidate(dp, tp, pp, cp, zero, mb, max(per_replica // mb, 1),
+                            yield Candidate(Layout(dp=dp, tp=tp, pp=pp, cp=cp), zero, mb, max(per_replica // mb, 1),
                                             schedule, v, rc, sp,
                                             shard_group=spec.shard_group or 0, cp_method=method,
                                             reshard_after_forward=spec.reshard_after_forward)

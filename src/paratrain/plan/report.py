@@ -154,7 +154,7 @@ def rejected(result: SearchResult) -> str:
 def plan_dict(plan: Plan) -> dict:
     c = plan.cand
     return {
-        "layout": {**asdict(c), "sp": c.sp, "reshards": c.reshards, "planner_only": c.hsdp},
+        "layout": {**c.as_dict(), "reshards": c.reshards, "planner_only": c.hsdp},
         "memory_bytes": {**{k: getattr(plan.memory, k) for k in MEMORY_PARTS},
                          "total": plan.memory.total, "stage": plan.memory.stage},
         "time_s": {**{k: getattr(plan.time, k) for k in TIME_PARTS}, "step": plan.time.step},
@@ -267,5 +267,5 @@ def evaluation_dict(ev) -> dict:
     data = {"fits": ev.fits, "problems": ev.problems, "overflow_bytes": ev.overflow,
             "rank": ev.rank, "ranked": ev.ranked, "unranked": ev.unranked}
     if ev.memory is None:
-        return {"layout": {**asdict(ev.cand), "sp": ev.cand.sp}, **data}
+        return {"layout": ev.cand.as_dict(), **data}
     return {**plan_dict(Plan(ev.cand, ev.memory, ev.time, ev.tokens_per_s, ev.mfu)), **data}

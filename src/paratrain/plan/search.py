@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .. import rules
-from ..layout import LayoutError
+from ..layout import Layout, LayoutError
 from .candidate import RECOMPUTE, Candidate, Training
 from .cost import ORDER, step_time
 from .flops import step_flops
@@ -191,7 +191,7 @@ def _shapes(problem: _Problem, result: SearchResult):
                 # SP cuts each rank's tokens over tp: where they do not divide, plain TP
                 sp = problem.sequence_parallel and rules.sequence_parallel_splits(
                     tp, cp, problem.training.seq_len)
-                shape = Candidate(dp, tp, pp, cp, 0, 1, 1, sequence_parallel=sp)
+                shape = Candidate(Layout(dp=dp, tp=tp, pp=pp, cp=cp), 0, 1, 1, sequence_parallel=sp)
                 label = f"dp{dp} tp{tp} pp{pp} cp{cp}"
                 if tp > node:
                     result.reject(f"tp={tp} spans nodes of {node} GPUs", label,
@@ -238,7 +238,8 @@ def _holds(rule, *args) -> bool:
 
 def _check_model(model: ModelSpec, seq_len: int, cand: Candidate, v: int) -> None:
     """``rules.check_split`` and SP's split: the rules ``train`` and the strategies apply."""
-    rules.check_split(model, rules.Split(cand.tp, cand.cp, cand.pp, v, seq_len, cand.cp_method))
+    rules.check_split(model, cand.layout, virtual_stages=v, seq_len=seq_len,
+                      cp_method=cand.cp_method)
     rules.sequence_parallel(cand.sp, cand.tp, cand.cp, seq_len)
 
 
@@ -325,7 +326,7 @@ def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...]
                           f"{per_replica} sequences per replica % {mb} != 0")
             return len(sizes)
         m = per_replica // mb
-        trial = Candidate(cand.dp, cand.tp, cand.pp, cand.cp, cand.zero, mb, m, cand.schedule,
+        trial = Candidate(cand.layout, cand.zero, mb, m, cand.schedule,
                           cand.virtual_stages, cand.recompute, cand.sequence_parallel,
                           cand.shard_group, cand.cp_method, cand.reshard_after_forward)
         if trial.schedule == "interleaved" and not _holds(rules.interleaved_microbatches, m, trial.pp):

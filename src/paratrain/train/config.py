@@ -149,8 +149,8 @@ class Config:
                               f"pipeline cannot split; train it with --pp 1 (dp, ZeRO, tp and "
                               f"cp split it)")
         try:
-            rules.check_split(m.shape, rules.Split(p.tp, p.cp, p.pp, p.virtual_stages, self.data.seq_len,
-                                          p.cp_method))
+            rules.check_split(m.shape, self.layout, virtual_stages=p.virtual_stages,
+                              seq_len=self.data.seq_len, cp_method=p.cp_method)
             rules.sequence_parallel(p.sp, p.tp, p.cp, self.data.seq_len)
             rules.tied_embeddings(m.tie_embeddings, p.pp)
             rules.virtual_stages(p.virtual_stages, p.schedule)

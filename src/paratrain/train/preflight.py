@@ -65,7 +65,7 @@ def predicted_memory(cfg: Config):
 
     p, t = cfg.parallel, cfg.train
     schedule = p.schedule if p.pp > 1 else "1f1b"
-    cand = Candidate(p.dp, p.tp, p.pp, p.cp, p.zero, cfg.micro_batch, cfg.accumulation, schedule,
+    cand = Candidate(cfg.layout, p.zero, cfg.micro_batch, cfg.accumulation, schedule,
                      p.virtual_stages, t.recompute, sequence_parallel=p.sp, cp_method=p.cp_method)
     training = Training(t.global_batch, cfg.data.seq_len, t.precision)
     return rank_memory(from_gpt_config(cfg.model, cfg.model_preset), training, cand, paratrain=True,
