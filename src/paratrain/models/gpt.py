@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .moe import MoE
 from .shape import ModelShape, default_ffn
 
 IGNORE_INDEX = -100
@@ -57,6 +58,40 @@ class GPTConfig:
     longer than the window are refused rather than silently attended in full."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation."""
+    qk_norm: bool = False
+    """RMSNorm over each head's queries and keys before the rotation (Qwen3)."""
+    n_experts: int = 0
+    """Routed experts of each mixture-of-experts block (0: every block has the dense MLP;
+    models/moe.py)."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    expert_ffn: int = 0
+    """Hidden width of each routed expert's SwiGLU (0: ffn_hidden)."""
+    shared_ffn: int = 0
+    """Hidden width of the shared expert every token also passes through (0: none;
+    several shared experts of one width act as one of their summed width)."""
+    shared_gate: bool = False
+    """Scale the shared expert's output by sigmoid(w · x) per token (Qwen2-MoE)."""
+    moe_every: int = 1
+    """Every moe_every-th block is a mixture of experts (block i when (i + 1) % moe_every
+    == 0; Qwen's decoder_sparse_step)."""
+    moe_first_dense: int = 0
+    """The first moe_first_dense blocks keep the dense MLP (DeepSeek's first_k_dense_replace)."""
+    router: str = "softmax"
+    """Router scores: 'softmax' over the experts (Mixtral, Qwen) or 'sigmoid' per
+    expert (DeepSeek-V3)."""
+    norm_topk: bool = True
+    """Renormalise the chosen k scores to sum to one (Mixtral; Qwen's norm_topk_prob)."""
+    routed_scale: float = 1.0
+    """Factor on the routed experts' weights (DeepSeek-V3's routed_scaling_factor)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (0: off); its exact form is in models/moe.py."""
+    bias_update: float = 0.0
+    """Step of the selection bias toward balance after each optimizer step (0: off;
+    DeepSeek-V3's auxiliary-loss-free balancing)."""
+    capacity_factor: float = 0.0
+    """Each expert takes at most capacity_factor · tokens · top_k / n_experts assignments
+    per microbatch, the rest dropped (0: dropless)."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -65,6 +100,12 @@ class GPTConfig:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
+        if self.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router={self.router!r}: 'softmax' or 'sigmoid'")
+        if self.n_experts and self.moe_every < 1:
+            raise ValueError(f"moe_every={self.moe_every} must be at least 1")
 
     @property
     def kv_heads(self) -> int:
@@ -79,13 +120,30 @@ class GPTConfig:
         return self.ffn_hidden or default_ffn(self.d_model)
 
     @property
+    def expert_dim(self) -> int:
+        return self.expert_ffn or self.ffn_dim
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` is a mixture of experts."""
+        return (self.n_experts > 0 and layer >= self.moe_first_dense
+                and (layer + 1) % self.moe_every == 0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_moe(i)]
+
+    @property
     def shape(self) -> ModelShape:
         """This model's shape, in the vocabulary the planner and the rules read (with the
         key/value heads and MLP width resolved)."""
         return ModelShape(n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads,
                           n_kv_heads=self.kv_heads, ffn_hidden=self.ffn_dim,
                           vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
-                          tie_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias)
+                          tie_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias,
+                          qk_norm=self.qk_norm, n_experts=self.n_experts, top_k=self.top_k,
+                          expert_ffn=self.expert_dim if self.n_experts else 0,
+                          shared_ffn=self.shared_ffn, shared_gate=self.shared_gate,
+                          moe_every=self.moe_every, moe_first_dense=self.moe_first_dense)
 
     def num_params(self) -> int:
         """Parameter count (tied embeddings counted once)."""
@@ -199,7 +257,7 @@ def init_tensor(cfg: GPTConfig, name: str, shape: tuple[int, ...], seed: int,
     if name.endswith(".bias"):
         return out.zero_()
     std = cfg.init_std
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         std /= math.sqrt(2 * cfg.n_layers)
     generator = torch.Generator(device=out.device).manual_seed(tensor_seed(seed, name))
     return out.normal_(0.0, std, generator=generator)
@@ -231,6 +289,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.core = CausalAttention()
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -238,6 +298,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -262,23 +324,24 @@ class _SwiGLUProduct(torch.autograd.Function):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, hidden: int = 0):
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)  # down
+        hidden = hidden or cfg.ffn_dim
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(_SwiGLUProduct.apply(self.w1(x), self.w3(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe(layer) else SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -306,7 +369,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

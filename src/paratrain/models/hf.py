@@ -23,6 +23,7 @@ import torch
 
 from ..paths import is_plain_name
 from . import hf_config as hf_config_json
+from . import hf_moe
 from .gpt import GPTConfig
 from .hf_config import (TRAINED, HFModelError, architecture, read_shape, rope_parameters,  # noqa: F401
                         rope_scaling, sliding_window, trainable)
@@ -48,7 +49,7 @@ def read_config(directory: str | Path) -> GPTConfig:
         max_seq_len=shape.max_seq_len, tie_embeddings=shape.tie_embeddings, qkv_bias=shape.qkv_bias,
         rope_theta=float(rope_parameters(raw).get("rope_theta", 10000.0)),
         norm_eps=raw.get("rms_norm_eps", 1e-6), rope_scaling=rope_scaling(raw, path.parent),
-        sliding_window=sliding_window(raw, path.parent))
+        sliding_window=sliding_window(raw, path.parent), **hf_moe.read_fields(raw, path))
 
 
 # ---- weights ------------------------------------------------------------------------------
@@ -61,19 +62,31 @@ _BLOCK = {  # paratrain name in a block -> transformers name in a decoder layer
     "mlp.w2.weight": "mlp.down_proj.weight", "attn.wq.bias": "self_attn.q_proj.bias",
     "attn.wk.bias": "self_attn.k_proj.bias", "attn.wv.bias": "self_attn.v_proj.bias",
 }
+_QK_NORM = {"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"}
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 
 
 def names(cfg: GPTConfig) -> dict[str, str]:
-    """paratrain name -> transformers name for every tensor of a model of this shape."""
+    """paratrain name -> transformers name for every tensor of a model of this shape, but
+    the routed experts' (``stacked_names``)."""
     out = {k: v for k, v in _TOP.items() if not (cfg.tie_embeddings and k == "output.weight")}
+    moe = hf_moe.block_names(cfg) if cfg.n_experts else {}
     for i in range(cfg.n_layers):
-        for ours, theirs in _BLOCK.items():
+        block = {**_BLOCK, **(_QK_NORM if cfg.qk_norm else {})}
+        if cfg.is_moe(i):
+            block = {k: v for k, v in block.items() if not k.startswith("mlp.")} | moe
+        for ours, theirs in block.items():
             if ours.endswith(".bias") and not cfg.qkv_bias:
                 continue
             out[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
     return out
+
+
+def stacked_names(cfg: GPTConfig) -> dict[str, tuple[str, ...]]:
+    """paratrain's stacked expert tensors (expert, out, in) -> transformers' one tensor
+    per expert, in expert order."""
+    return hf_moe.stacked_names(cfg) if cfg.n_experts else {}
 
 
 def _rope_rows(head_dim: int, heads: int, to_interleaved: bool) -> torch.Tensor:
@@ -86,6 +99,8 @@ def _rope_rows(head_dim: int, heads: int, to_interleaved: bool) -> torch.Tensor:
 
 
 def _permute_rope(name: str, t: torch.Tensor, cfg: GPTConfig, to_interleaved: bool) -> torch.Tensor:
+    if "_norm." in name and ".attn." in name:  # q_norm, k_norm: one head's rows
+        return t[_rope_rows(cfg.head_dim, 1, to_interleaved)]
     if ".wq." in name:
         return t[_rope_rows(cfg.head_dim, cfg.n_heads, to_interleaved)]
     if ".wk." in name:
@@ -134,7 +149,7 @@ def load_weights(directory: str | Path, cfg: GPTConfig) -> dict[str, torch.Tenso
     """The model's whole tensors under paratrain's names (q/k rows in paratrain's RoPE
     order), for tools and tests; training reads slices (``SafetensorsSlices``)."""
     with SafetensorsSlices(directory, cfg) as source:
-        state = {ours: source.read(ours) for ours in names(cfg)}
+        state = {ours: source.read(ours) for ours in [*names(cfg), *stacked_names(cfg)]}
     if cfg.tie_embeddings:  # one tensor under both names, as the built model has it
         state["output.weight"] = state["tok_embeddings.weight"]
     return state
@@ -153,12 +168,13 @@ class SafetensorsSlices(contextlib.ExitStack):
         self.files = weight_files(directory)
         check_complete(directory, cfg, self.files)
         self.theirs = names(cfg)
+        self.stacked = stacked_names(cfg)
         self.handles: dict = {}
 
-    def _slice(self, ours: str):
+    def _slice(self, ours: str, theirs: str | None = None):
         from safetensors import safe_open
 
-        theirs = self.theirs[ours]
+        theirs = theirs or self.theirs[ours]
         file = self.files[theirs]
         if file not in self.handles:
             self.handles[file] = self.enter_context(safe_open(str(self.root / file), framework="pt"))
@@ -166,15 +182,22 @@ class SafetensorsSlices(contextlib.ExitStack):
 
     def read(self, ours: str) -> torch.Tensor:
         """The whole tensor ``ours``."""
-        shape = tuple(self._slice(ours).get_shape())
+        if ours in self.stacked:
+            experts = self.stacked[ours]
+            shape = (len(experts), *self._slice(ours, experts[0]).get_shape())
+        else:
+            shape = tuple(self._slice(ours).get_shape())
         return self.box(ours, shape, (0,) * len(shape), shape)
 
     def box(self, ours: str, shape: tuple[int, ...], offsets: tuple[int, ...],
             extents: tuple[int, ...]) -> torch.Tensor:
         """Box (offsets, extents) of tensor ``ours`` in paratrain's row order. q/k rows are
         permuted within each head, so their rows are read as the span of heads they lie in."""
-        view = self._slice(ours)
         cols = tuple(slice(o, o + e) for o, e in zip(offsets[1:], extents[1:]))
+        if ours in self.stacked:  # one file tensor per expert: the box's experts, stacked
+            experts = self.stacked[ours][offsets[0]:offsets[0] + extents[0]]
+            return torch.stack([self._slice(ours, e)[cols] for e in experts])
+        view = self._slice(ours)
         rows = _rope_order(ours, shape[0], self.cfg)
         if rows is None:
             return view[(slice(offsets[0], offsets[0] + extents[0]), *cols)]
@@ -188,7 +211,9 @@ class SafetensorsSlices(contextlib.ExitStack):
 
 
 def _rope_order(name: str, rows: int, cfg: GPTConfig) -> torch.Tensor | None:
-    """For q/k weights and biases: transformers' row of each of paratrain's rows."""
+    """For q/k weights, biases and norms: transformers' row of each of paratrain's rows."""
+    if "_norm." in name and ".attn." in name:
+        return _rope_rows(cfg.head_dim, 1, True)
     if ".wq." in name or ".wk." in name:
         return _rope_rows(cfg.head_dim, rows // cfg.head_dim, True)
     return None
@@ -221,8 +246,12 @@ def export(params: dict[str, torch.Tensor], cfg: GPTConfig, out: str | Path,
     target = check_export_target(out, overwrite)
     target.mkdir(parents=True, exist_ok=True)
     _remove_shards(target)
+    hf_moe.family(cfg)  # a model transformers has no class for is refused before writing
     tensors = {theirs: _permute_rope(ours, params[ours], cfg, False).to(dtype or params[ours].dtype).contiguous()
                for ours, theirs in names(cfg).items()}
+    for ours, experts in stacked_names(cfg).items():
+        tensors.update({theirs: params[ours][e].to(dtype or params[ours].dtype).contiguous()
+                        for e, theirs in enumerate(experts)})
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     stored = next(iter(tensors.values())).dtype
     (target / "config.json").write_text(json.dumps({**hf_config(cfg, stored), **(extra or {})}, indent=2))
@@ -242,7 +271,7 @@ def _remove_shards(target: Path) -> None:
 
 def hf_config(cfg: GPTConfig, dtype: torch.dtype = torch.float32) -> dict:
     """The config.json transformers reads for ``cfg``, whose tensors are stored in ``dtype``."""
-    arch = "Qwen2ForCausalLM" if cfg.qkv_bias else ("MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM")
+    arch = hf_moe.family(cfg)
     rope: dict = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
     if cfg.rope_scaling:
         _, factor, low, high, original = cfg.rope_scaling.split(":")
@@ -261,6 +290,7 @@ def hf_config(cfg: GPTConfig, dtype: torch.dtype = torch.float32) -> dict:
         raw["rope_scaling"] = rope
     if arch == "MistralForCausalLM":
         raw["sliding_window"] = cfg.sliding_window
+    raw.update(hf_moe.config_fields(cfg, arch))
     if arch == "Qwen2ForCausalLM":  # one window for every layer (max_window_layers 0)
         kind = "sliding_attention" if cfg.sliding_window else "full_attention"
         raw.update(use_sliding_window=bool(cfg.sliding_window), sliding_window=cfg.sliding_window or None,

@@ -11,11 +11,14 @@ import torch
 
 from . import param_shapes
 from .gpt import GPTConfig
-from .hf import _TOP, HFModelError, names
+from .hf import _TOP, HFModelError, names, stacked_names
 
 _FIELDS = {"tok_embeddings": "vocab_size, hidden_size", "output": "vocab_size, hidden_size",
            "attn.w": "num_attention_heads, num_key_value_heads, head_dim, hidden_size",
-           "mlp.w": "intermediate_size, hidden_size", "norm": "hidden_size"}
+           "mlp.w": "intermediate_size, hidden_size", "norm": "hidden_size",
+           "mlp.router": "num_experts, hidden_size",
+           "mlp.experts": "moe_intermediate_size (Mixtral: intermediate_size), hidden_size",
+           "mlp.shared": "shared_expert_intermediate_size, hidden_size"}
 """config.json fields that set the shape of each kind of tensor (for the error message)."""
 
 
@@ -29,25 +32,27 @@ def check_complete(directory, cfg: GPTConfig, files: dict[str, str]) -> None:
     implies: a config that does not describe the weights is refused, not cut to fit."""
     from safetensors import safe_open
 
-    theirs_of = names(cfg)
-    missing = sorted(ours for ours, theirs in theirs_of.items() if theirs not in files)
+    shapes = param_shapes(cfg)
+    theirs_of = [(ours, theirs, shapes[ours]) for ours, theirs in names(cfg).items()]
+    for ours, experts in stacked_names(cfg).items():  # each expert's own tensor
+        theirs_of += [(ours, theirs, shapes[ours][1:]) for theirs in experts]
+    missing = sorted(theirs for _, theirs, _ in theirs_of if theirs not in files)
     if missing:
         raise HFModelError(f"{directory}: tensors missing from the safetensors files: {missing[:5]}")
-    _check_no_extra(directory, cfg, files, set(theirs_of.values()))
+    _check_no_extra(directory, cfg, files, {theirs for _, theirs, _ in theirs_of})
     _check_tied(directory, cfg, files)
-    shapes = param_shapes(cfg)
-    by_file: dict[str, list[tuple[str, str]]] = {}
-    for ours, theirs in theirs_of.items():
-        by_file.setdefault(files[theirs], []).append((ours, theirs))
-    for file, pairs in sorted(by_file.items()):
+    by_file: dict[str, list[tuple[str, str, tuple]]] = {}
+    for ours, theirs, shape in theirs_of:
+        by_file.setdefault(files[theirs], []).append((ours, theirs, shape))
+    for file, triples in sorted(by_file.items()):
         with safe_open(str(Path(directory) / file), framework="pt") as f:
-            got = {ours: tuple(f.get_slice(theirs).get_shape()) for ours, theirs in pairs}
-        for ours, theirs in pairs:
-            if got[ours] != shapes[ours]:
+            got = {theirs: tuple(f.get_slice(theirs).get_shape()) for _, theirs, _ in triples}
+        for ours, theirs, shape in triples:
+            if got[theirs] != shape:
                 fields = next(v for k, v in _FIELDS.items() if k in ours)
                 raise ConfigMismatch(
-                    f"{directory}: {theirs} is {list(got[ours])} in {file}, but config.json "
-                    f"({fields}) implies {list(shapes[ours])}: the config does not describe "
+                    f"{directory}: {theirs} is {list(got[theirs])} in {file}, but config.json "
+                    f"({fields}) implies {list(shape)}: the config does not describe "
                     f"these weights")
 
 

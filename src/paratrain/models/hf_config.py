@@ -12,7 +12,6 @@ experts, encoder-decoders). Torch-free: the planner runs without torch.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from .shape import ModelShape
@@ -102,7 +101,8 @@ def read_shape(raw: dict, path: str | Path) -> ModelShape:
             bias=gpt_like or bool(raw.get("attention_bias", False)),
             norm="layernorm" if gpt_like else "rmsnorm", learned_pos=kind in ("gpt2", "gpt_bigcode", "opt"),
             dropout=any(float(raw.get(k) or 0) > 0 for k in _DROPOUT_KEYS),
-            qkv_bias=kind == "qwen2")  # Qwen2 biases q, k and v only, without a config key
+            # Qwen2 biases q, k and v only, without a config key (Qwen2-MoE says qkv_bias)
+            qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and raw.get("qkv_bias", True) is not False))
     except ValueError as exc:  # the shape's own checks, in its own field names
         raise HFModelError(f"{path.parent if path.name == 'config.json' else path}: config.json "
                            f"describes a shape paratrain cannot build: {exc} (d_model is "
@@ -152,8 +152,11 @@ def _check_head_dim(raw: dict, values: dict, keys: dict, path: Path) -> None:
 
 # ---- what the trainer loads ----------------------------------------------------------------
 
-TRAINED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-"""model_type -> the architecture ``paratrain train --model DIR`` loads into its GPT."""
+TRAINED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+           "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+           "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+"""model_type -> the architecture ``paratrain train --model DIR`` loads into its GPT
+(mixtures of experts through models/hf_moe.py)."""
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 """config.json fields a trained model's shape needs (the others have transformers' defaults)."""
 
@@ -164,13 +167,13 @@ def architecture(raw: dict) -> str:
 
 
 def trainable(raw: dict, path: Path) -> None:
-    """Raise HFModelError unless paratrain's GPT is this model: a Llama-family dense
-    decoder with a SwiGLU MLP, no MLP or output biases."""
+    """Raise HFModelError unless paratrain's GPT is this model: a Llama-family decoder
+    (dense, or a mixture of SwiGLU experts) with no MLP or output biases."""
     directory, arch = path.parent, architecture(raw)
     if arch not in TRAINED.values():
         raise HFModelError(f"{directory}: architecture {arch} is not supported; paratrain trains "
-                           f"{', '.join(TRAINED.values())} (dense decoders). Mixture-of-experts, "
-                           f"encoder-decoder and other families are refused")
+                           f"{', '.join(TRAINED.values())}. Other mixtures of experts (DeepSeek's "
+                           f"latent attention), encoder-decoders and other families are refused")
     missing = [k for k in REQUIRED if k not in raw]
     if missing:
         raise HFModelError(f"{path}: {', '.join(missing)} missing; a {arch} config.json gives "

@@ -60,6 +60,22 @@ class ModelShape:
     qkv_bias: bool = False
     """Biases on the query, key and value projections only (Qwen2); ``bias`` already
     includes them."""
+    qk_norm: bool = False
+    """RMSNorm weights over each head's queries and keys (Qwen3)."""
+    n_experts: int = 0
+    """Routed experts of each mixture-of-experts block (0: dense)."""
+    top_k: int = 0
+    """Experts each token is routed to."""
+    expert_ffn: int = 0
+    """Hidden width of each routed expert."""
+    shared_ffn: int = 0
+    """Hidden width of the shared expert (0: none)."""
+    shared_gate: bool = False
+    """A sigmoid gate (d_model weights) on the shared expert's output."""
+    moe_every: int = 1
+    """Block i is a mixture of experts when (i + 1) % moe_every == 0 ..."""
+    moe_first_dense: int = 0
+    """... and i >= moe_first_dense."""
 
     def __post_init__(self) -> None:
         name = getattr(self, "name", "") or "model"
@@ -92,7 +108,26 @@ class ModelShape:
         mlp_in = 2 if self.gated_mlp else 1
         weights = h * h // tp * 2 + 2 * h * kv + (mlp_in + 1) * h * f // tp
         biases = (h // tp + 2 * kv + h + mlp_in * f // tp + h) if self.bias else self.qkv_bias_params(tp)
-        return weights + biases + 2 * self._norm_params()
+        qk_norms = 2 * self.head_dim if self.qk_norm else 0
+        return weights + biases + 2 * self._norm_params() + qk_norms
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` is a mixture of experts."""
+        return (self.n_experts > 0 and layer >= self.moe_first_dense
+                and (layer + 1) % self.moe_every == 0)
+
+    def moe_layer_params(self) -> int:
+        """Parameters one mixture-of-experts block has beyond a dense block's, all experts
+        counted (its dense MLP replaced by the router, the experts and the shared expert)."""
+        h, gated = self.d_model, 3 if self.gated_mlp else 2
+        moe = h * self.n_experts + self.n_experts * 3 * h * self.expert_ffn
+        moe += 3 * h * self.shared_ffn + (h if self.shared_gate else 0)
+        return moe - gated * h * self.ffn_hidden
+
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: of each MoE block only top_k experts."""
+        idle = (self.n_experts - self.top_k) * 3 * self.d_model * self.expert_ffn
+        return self.num_params() - idle * sum(map(self.is_moe, range(self.n_layers)))
 
     def qkv_bias_params(self, tp: int = 1) -> int:
         """The query, key and value biases of one block on one TP rank (split like their
@@ -112,7 +147,9 @@ class ModelShape:
 
     def num_params(self) -> int:
         """Total parameters, tied embeddings counted once."""
-        return self.n_layers * self.layer_params(1) + self.embedding_params(1) + self.head_params(1)
+        moe = sum(map(self.is_moe, range(self.n_layers))) * self.moe_layer_params()
+        return (self.n_layers * self.layer_params(1) + moe + self.embedding_params(1)
+                + self.head_params(1))
 
     # ---- pipeline cut --------------------------------------------------------------------
     def stage_costs(self) -> tuple[float, float]:
