@@ -81,7 +81,9 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
     elif tp is not None:
         local = {k: v.float() for k, v in tp.full_state_dict(engine.module, grads=True).items()}
     else:
-        local = {n: p.grad.detach().float().clone() for n, p in engine.module.named_parameters()}
+        ep = getattr(engine, "ep", None)
+        local = {n: (ep.gather(p.grad) if ep is not None and ep.is_expert(p) else p.grad).detach().float().clone()
+                 for n, p in engine.module.named_parameters() if p.grad is not None}
     return {k: v.cpu() for k, v in merge_stages(local, engine.pp_group).items()}
 
 

@@ -84,12 +84,19 @@ class Layout:
     """Domain-parallel ranks over the height of each sample (spatial sharding)."""
     domw: int = 1
     """Domain-parallel ranks over the width of each sample."""
+    ep: int = 1
+    """Expert-parallel ranks, folded onto the data-parallel axis (not an axis of its own):
+    each mixture-of-experts layer's experts are split over ep consecutive data-parallel
+    coordinates, which exchange tokens; dense layers keep their layout."""
 
     def __post_init__(self) -> None:
         for axis in ALL_AXES:
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise LayoutError(f"{axis}={size!r}: every axis size must be a positive integer")
+        if not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
+            raise LayoutError(f"ep={self.ep!r}: expert parallelism folds onto the data-parallel "
+                              f"ranks, so ep must divide dp={self.dp}")
         named = _as_axes(self.order)
         if sorted(a for a in named if a in AXES) != sorted(AXES) or len(set(named)) != len(named):
             raise LayoutError(
@@ -109,6 +116,9 @@ class Layout:
 
     @property
     def axis_order(self) -> tuple[str, ...]:
+        if not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
+            raise LayoutError(f"ep={self.ep!r}: expert parallelism folds onto the data-parallel "
+                              f"ranks, so ep must divide dp={self.dp}")
         named = _as_axes(self.order)
         return tuple(a for a in DOMAIN_AXES[::-1] if a not in named) + named
 
@@ -175,6 +185,18 @@ class Layout:
             raise LayoutError(f"rank {rank} is outside a world of {self.world_size} ({self.describe()})")
 
     # ---- validation ----------------------------------------------------------------------
+    def expert_ranks(self, rank: int) -> list[int]:
+        """The ranks whose experts together make each MoE layer's (``ep`` consecutive
+        data-parallel coordinates, all else equal): ``rank``'s expert-parallel group."""
+        d = self.coords(rank)[DP]
+        return [r for r in self.ranks_along(DP, rank) if self.coords(r)[DP] // self.ep == d // self.ep]
+
+    def expert_data_ranks(self, rank: int) -> list[int]:
+        """The ranks holding the same experts as ``rank`` (data-parallel coordinates equal
+        modulo ``ep``): the group its expert gradients are averaged over."""
+        d = self.coords(rank)[DP]
+        return [r for r in self.ranks_along(DP, rank) if self.coords(r)[DP] % self.ep == d % self.ep]
+
     def check_world(self, world_size: int) -> None:
         """Raise unless the product of the axis sizes is ``world_size``."""
         if world_size != self.world_size:
@@ -187,6 +209,8 @@ class Layout:
     def describe(self) -> str:
         """Short human form such as ``dp2xtp2 (world 4)``."""
         parts = [f"{a}{getattr(self, a)}" for a in AXES if getattr(self, a) > 1]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.dom > 1:
             parts.append(f"dom{self.domh}x{self.domw}" if self.domw > 1 else f"dom{self.domh}")
         parts = parts or ["single"]

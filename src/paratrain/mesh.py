@@ -19,6 +19,8 @@ from .layout import CP, DOMAIN_AXES, DOMH, DOMW, DP, DP_CP, DP_DOM, PP, TP, Layo
 # adds its rows and columns of ranks, the whole domain, and dp x dom for its gradients; with
 # no domain axis these are groups already made (or one-rank groups) and cost nothing new.
 MESH_AXES = (TP, CP, PP, DP, DP_CP, DOMH, DOMW, DOMAIN_AXES, DP_DOM)
+EP, EDP = "ep", "edp"
+"""Expert parallelism's groups (``Layout.expert_ranks``, ``Layout.expert_data_ranks``)."""
 
 
 @dataclass
@@ -59,11 +61,21 @@ class Mesh:
                 by_ranks[ranks] = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True,
                                                  group_desc="-".join(key))
             groups[frozenset(key)] = by_ranks[ranks]
+        if layout.ep > 1:
+            # Folded onto dp, yet groups of their own even where the ranks are dp's: the
+            # all-to-alls run inside backward while DDP's buckets reduce over dp, in an
+            # order that depends on which experts got tokens; on one group the two would
+            # interleave differently on different ranks. Named for the watchdog.
+            for name, ranks in ((EP, layout.expert_ranks(rank)), (EDP, layout.expert_data_ranks(rank))):
+                groups[frozenset((name,))] = dist.new_group(
+                    ranks, timeout=timeout, use_local_synchronization=True, group_desc=name)
         return cls(layout=layout, rank=rank, device=device, groups=groups)
 
     def group(self, axes: str | tuple[str, ...]) -> dist.ProcessGroup:
-        """The group along ``axes`` that contains this rank (e.g. ``"tp"``, ``"dp-cp"``)."""
-        key = frozenset(_as_axes(axes))
+        """The group along ``axes`` that contains this rank (e.g. ``"tp"``, ``"dp-cp"``;
+        ``"ep"`` and ``"edp"``, the expert-parallel and expert-data-parallel groups, when
+        the layout folds ep > 1 onto dp)."""
+        key = frozenset((axes,)) if axes in (EP, EDP) else frozenset(_as_axes(axes))
         if key not in self.groups:
             known = ["-".join(sorted(k)) for k in self.groups]
             raise KeyError(f"the mesh has no group for axes {axes!r}; it has {known}")

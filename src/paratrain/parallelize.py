@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .mesh import Mesh
+from .mesh import EDP, EP, Mesh
 from .models.description import describe
 from .parallel.context import apply_context_parallel
 from .parallel.data import DataParallel
+from .parallel.balance import Balance
 from .parallel.engine import ReplicatedEngine
+from .parallel.expert import apply_expert_parallel
 from .parallel.local_update import LocalUpdateEngine
 from .parallel.pipeline import split_model
 from .parallel.pipeline import Recorder
@@ -75,6 +77,8 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
           if p.tp > 1 else None)
     if p.cp > 1:
         apply_context_parallel(model, mesh.group(CP), p.cp_method, description=desc)
+    ep = (apply_expert_parallel(model, desc, mesh.group(EP), mesh.group(EDP))
+          if p.ep > 1 else None)
     pp_group = None
     if p.pp > 1:
         model = nn.ModuleList(split_model(model, mesh.coord(PP), p.pp, p.virtual_stages,
@@ -94,7 +98,8 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
                                 reshard_after_forward=opts.reshard_after_forward, compress=compress,
                                 plan=plan)
     allocate(model, mesh.device)
-    dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=compress, defer=compress.update)
+    dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=compress, defer=compress.update,
+                      expert=ep)
     # --compress METHOD:update averages AdamW's updates, not gradients: an engine of its own.
     engine = LocalUpdateEngine if compress.update else ReplicatedEngine
     return engine(dp, opts.optim, tp, pp_group, plan=plan)
@@ -126,4 +131,6 @@ def step_plan(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> StepPlan:
         average_over=mesh.size(DP_CP),
         # bf16 over fp32 weights needs autocast; ZeRO holds bf16 weights (fp32 masters).
         autocast_bf16=opts.precision == "bf16" and not p.zero,
-        recorder=Recorder(rank=mesh.coord(PP)) if opts.timeline and p.pp > 1 else None)
+        recorder=Recorder(rank=mesh.coord(PP)) if opts.timeline and p.pp > 1 else None,
+        balance=Balance.find(list(model) if p.pp > 1 else [model], mesh.group(DP_CP),
+                             mesh.group(PP) if p.pp > 1 else None))

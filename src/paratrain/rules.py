@@ -114,6 +114,34 @@ def sequence_parallel(sp: bool, tp: int, cp: int, seq_len: int) -> None:
                           f"tp={tp}; use a seq_len divisible by {tp * cp}")
 
 
+def experts(shape: ModelShape, layout: Layout) -> None:
+    """Expert parallelism splits each MoE layer's experts over ep data-parallel ranks; the
+    mixture-of-experts layer does not yet compose with tensor or context parallelism
+    (their ranks would split a sequence's routing statistics) or query/key norms with tp."""
+    if layout.ep > 1 and not shape.n_experts:
+        raise LayoutError(f"ep={layout.ep} splits experts over ranks, but the model has none: "
+                          f"set n_experts (a mixture of experts) or drop --ep")
+    if shape.n_experts % layout.ep:
+        raise LayoutError(f"ep={layout.ep} must divide the {shape.n_experts} experts of each "
+                          f"MoE layer; use ep in {divisors(shape.n_experts)} dividing dp={layout.dp}")
+    if shape.n_experts and (layout.tp > 1 or layout.cp > 1):
+        raise LayoutError(f"a mixture of experts trains under dp, ep and pipelines, not yet "
+                          f"with tp={layout.tp} or cp={layout.cp}: set tp and cp to 1")
+    if shape.qk_norm and layout.tp > 1:
+        raise LayoutError(f"query/key norms (Qwen3) are not split by tensor parallelism yet: "
+                          f"train with tp=1 (tp={layout.tp})")
+
+
+def expert_strategies(ep: int, zero: int, compress: str) -> None:
+    """Expert parallelism runs with DDP's reduction only, for now."""
+    if ep > 1 and zero:
+        raise LayoutError(f"ep={ep} with ZeRO-{zero} is not supported yet: ZeRO would shard "
+                          f"experts over all data-parallel ranks; use zero=0")
+    if ep > 1 and compress != "none":
+        raise LayoutError(f"ep={ep} with --compress {compress} is not supported yet: use "
+                          f"--compress none")
+
+
 def check_split(shape: ModelShape, layout: Layout, *, virtual_stages: int = 1, seq_len: int = 0,
                 cp_method: str = "ring") -> None:
     """Every rule about cutting a model of ``shape`` over ``layout``, with ``virtual_stages``
@@ -124,3 +152,4 @@ def check_split(shape: ModelShape, layout: Layout, *, virtual_stages: int = 1, s
     mlp_width(shape.ffn_hidden, t)
     pipeline_split(shape.n_layers, layout.pp, virtual_stages)
     context(layout.cp, cp_method, seq_len, shape.n_heads // t, max(shape.n_kv_heads // t, 1))
+    experts(shape, layout)

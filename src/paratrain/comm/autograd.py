@@ -201,3 +201,28 @@ def gather_from_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.T
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Reduce-scatter along the sequence forward, all-gather backward."""
     return ReduceScatterToSequenceRegion.apply(x, group)
+
+
+class AllToAllV(torch.autograd.Function):
+    """Rows to other ranks in parts of given sizes (``C.all_to_all_v``); backward sends
+    each row's gradient back where the row came from (the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        C.all_to_all_v(out, x.contiguous(), out_splits, in_splits, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        C.all_to_all_v(back, grad.contiguous(), in_splits, out_splits, ctx.group)
+        return back, None, None, None
+
+
+def all_to_all_v(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                 group: ProcessGroup) -> torch.Tensor:
+    return AllToAllV.apply(x, out_splits, in_splits, group)

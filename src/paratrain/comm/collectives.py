@@ -98,6 +98,17 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup,
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
 
+def all_to_all_v(output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                 input_splits: list[int], group: ProcessGroup) -> None:
+    """Rank i sends rows ``input_splits[j]`` of ``input`` (in order) to rank j, which
+    stores them as its ``output_splits[i]`` rows from rank i. Parts may be empty; every
+    rank calls it, whatever it sends (no rank may skip an empty exchange)."""
+    if size(group) == 1:
+        output.copy_(input)
+        return
+    dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
+
+
 @dataclass(frozen=True)
 class P2P:
     """One point-to-point transfer: send ``tensor`` to, or receive it from, group position

@@ -69,6 +69,12 @@ class ModelDescription:
     """In a block: the MLP's input projections (gate and up for SwiGLU)."""
     mlp_out: str = "mlp.w2"
     """In a block: the MLP's output (down) projection."""
+    experts: str = "mlp.experts"
+    """In a mixture-of-experts block: the stacked experts (parameters of shape (expert,
+    ...), split over dim 0 by expert parallelism); dense blocks have none."""
+    dispatcher: str = "mlp.dispatcher"
+    """In a mixture-of-experts block: the module that runs rows sorted by expert through
+    the experts (expert parallelism replaces it with an all-to-all)."""
     block_args: str = "rope"
     """The model's method giving, from the tokens' positions, the extra arguments every
     block is called with after the residual stream (GPT: cos and sin of the rotary angles);

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +78,7 @@ class GPTConfig:
     == 0; Qwen's decoder_sparse_step)."""
     moe_first_dense: int = 0
     """The first moe_first_dense blocks keep the dense MLP (DeepSeek's first_k_dense_replace)."""
-    router: str = "softmax"
+    router: Literal["softmax", "sigmoid"] = "softmax"
     """Router scores: 'softmax' over the experts (Mixtral, Qwen) or 'sigmoid' per
     expert (DeepSeek-V3)."""
     norm_topk: bool = True
@@ -254,7 +255,7 @@ def init_tensor(cfg: GPTConfig, name: str, shape: tuple[int, ...], seed: int,
     out = torch.empty(shape, device=device)
     if name.endswith("norm.weight"):
         return out.fill_(1.0)
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "expert_bias")):
         return out.zero_()
     std = cfg.init_std
     if name.endswith(("wo.weight", "w2.weight", "experts.w2")):

@@ -152,6 +152,8 @@ def load_weights(directory: str | Path, cfg: GPTConfig) -> dict[str, torch.Tenso
         state = {ours: source.read(ours) for ours in [*names(cfg), *stacked_names(cfg)]}
     if cfg.tie_embeddings:  # one tensor under both names, as the built model has it
         state["output.weight"] = state["tok_embeddings.weight"]
+    for i in cfg.moe_layers:  # training state transformers does not hold: it starts at zero
+        state[f"layers.{i}.mlp.expert_bias"] = torch.zeros(cfg.n_experts)
     return state
 
 
@@ -207,6 +209,9 @@ class SafetensorsSlices(contextlib.ExitStack):
 
     def fill(self, piece) -> None:
         ours = piece.key.removeprefix("param/")
+        if ours.endswith("expert_bias"):  # selection bias: state of training, starts at zero
+            piece.local.zero_()
+            return
         piece.local.copy_(self.box(ours, piece.shape, piece.offsets, piece.extents))
 
 

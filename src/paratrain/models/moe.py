@@ -42,11 +42,12 @@ def run_experts(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.
         gate = grouped(x, w1.transpose(-2, -1), offs=offs)
         up = grouped(x, w3.transpose(-2, -1), offs=offs)
         return grouped(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
-    outs = []
-    for e, rows in enumerate(x.split(counts)):
-        if rows.shape[0]:
-            outs.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
-    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+    # Experts without rows run too (on zero rows): the output stays connected to ``x`` and to
+    # every weight, so backward reaches the all-to-all that brought ``x`` on every rank, and
+    # every expert gets a gradient (zero), whatever the routing. Skipping them hangs the
+    # ranks that did receive rows in that all-to-all's backward.
+    return torch.cat([F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
+                      for e, rows in enumerate(x.split(counts))])
 
 
 class Experts(nn.Module):
@@ -103,8 +104,10 @@ class MoE(nn.Module):
 
             self.shared = SwiGLU(cfg, hidden=cfg.shared_ffn)
         self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_gate else None
-        # Selection bias (auxiliary-loss-free balancing): state, not a parameter.
-        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=False)
+        # Selection bias (auxiliary-loss-free balancing): moved by update_bias, never by a
+        # gradient; a parameter so that checkpoints, exports of the state and every layout's
+        # bookkeeping carry it like the weights.
+        self.expert_bias = nn.Parameter(torch.zeros(cfg.n_experts), requires_grad=False)
         self.loss_scale = 1.0
         """d(objective)/d(summed token loss) of the step running: the aux loss's gradient
         is ``loss_scale · aux_coef · T`` (set by the step, parallel/step.py)."""
@@ -187,7 +190,8 @@ class MoE(nn.Module):
         """After an optimizer step: move the selection bias toward balance, from the
         global batch's tokens per expert ``load`` (the same on every rank)."""
         if self.bias_update:
-            self.expert_bias += self.bias_update * torch.sign(load.float().mean() - load.float())
+            self.expert_bias += self.bias_update * torch.sign(load.float().mean() - load.float()).to(
+                self.expert_bias.device)
 
 
 class MoEStats:
@@ -199,7 +203,7 @@ class MoEStats:
         self.reset()
 
     def reset(self) -> None:
-        self.load = torch.zeros(self.n_experts, dtype=torch.int64)
+        self.load = torch.zeros(self.n_experts, dtype=torch.int64, device="cpu")  # not meta
         self.dropped = 0
         self.aux = 0.0
 

@@ -42,6 +42,9 @@ class Bucket:
     """Its place among the buckets (the reducer keeps each bucket's state by it)."""
     work: object | None = None
     """The in-flight average (a ``Pending``), if launched."""
+    expert: bool = False
+    """Holds expert gradients: averaged over the expert-data-parallel group, after a
+    scale of 1 / ep (parallel/expert.py)."""
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
@@ -79,30 +82,51 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group: ProcessGroup, bucket_mb: float = 4.0,
                  broadcast_from_first: bool = True, compress: "str | CompressSpec" = "none",
-                 defer: bool = False):
+                 defer: bool = False, expert=None):
         super().__init__()
         self.module = module
         self.group = group
+        self.expert = expert
+        """Expert parallelism (parallel/expert.py), whose expert parameters are reduced
+        over its expert-data-parallel group; None without."""
         params = [p for p in module.parameters() if p.requires_grad]
+        experts = [p for p in params if expert is not None and expert.is_expert(p)]
+        dense = [p for p in params if expert is None or not expert.is_expert(p)]
         if broadcast_from_first:  # replicas must start identical, whatever their seeds
             with torch.no_grad():
-                for tensor in [*params, *module.buffers()]:
+                for tensor in [*dense, *module.buffers()]:
                     C.broadcast(tensor, src=0, group=group)
-        self.buckets = make_buckets(params[::-1], max(1, int(bucket_mb * 2**20)))
-        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+                for tensor in experts:
+                    C.broadcast(tensor, src=0, group=expert.data_group)
+        size = max(1, int(bucket_mb * 2**20))
+        self.buckets = make_buckets(dense[::-1], size)
+        self.expert_buckets = make_buckets(experts[::-1], size)
+        for b in self.expert_buckets:
+            b.expert = True
+        self._bucket_of = {p: b for b in self.all_buckets for p in b.params}
         self.name_of = {p: n for n, p in module.named_parameters()}
         """Each parameter's name in the module (reduction state is keyed by names)."""
-        self.reducer = GradReducer(parse(compress), [
-            ([(b.offsets[p], p.shape) for p in b.params], b.buffer.numel()) for b in self.buckets],
-            group, device=self.buckets[0].buffer.device if self.buckets else None,
-            names=[[self.name_of[p] for p in b.params] for b in self.buckets])
+        self.reducer = self._reducer(self.buckets, group, compress)
         """How each bucket is averaged, and what that keeps between steps (comm/reducer.py)."""
+        self.expert_reducer = (self._reducer(self.expert_buckets, expert.data_group, "none")
+                               if experts else None)
+        """The expert buckets' average over the expert-data-parallel group."""
         self.deferred = defer
         """Backward reduces nothing: the engine reduces after its step (``:update``,
         parallel/local_update.py)."""
         self._sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(weakly(self, DataParallel._on_grad_ready))
                        for p in params]
+
+    def _reducer(self, buckets: list[Bucket], group: ProcessGroup, compress) -> GradReducer:
+        return GradReducer(parse(compress), [
+            ([(b.offsets[p], p.shape) for p in b.params], b.buffer.numel()) for b in buckets],
+            group, device=buckets[0].buffer.device if buckets else None,
+            names=[[self.name_of[p] for p in b.params] for b in buckets])
+
+    @property
+    def all_buckets(self) -> list[Bucket]:
+        return self.buckets + self.expert_buckets
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -140,7 +164,10 @@ class DataParallel(nn.Module):
 
     def start_grad_sync(self, bucket: Bucket) -> None:
         """Launch the asynchronous average of one bucket over the data-parallel group."""
-        if bucket.work is None:
+        if bucket.work is None and bucket.expert:
+            bucket.buffer.mul_(1 / self.expert.size)
+            bucket.work = self.expert_reducer.average(bucket.index, bucket.buffer)
+        elif bucket.work is None:
             bucket.work = self.reducer.average(bucket.index, bucket.buffer)
 
     def finish_grad_sync(self) -> None:
@@ -148,16 +175,16 @@ class DataParallel(nn.Module):
         for all. Call after the last backward of a step, before the optimizer step."""
         if self.deferred:
             return
-        for bucket in self.buckets:
+        for bucket in self.all_buckets:
             self.start_grad_sync(bucket)
-        for bucket in self.buckets:  # second collectives (int8, PowerSGD) start as firsts end
+        for bucket in self.all_buckets:  # second collectives (int8, PowerSGD) start as firsts end
             bucket.work.advance()
-        for bucket in self.buckets:
+        for bucket in self.all_buckets:
             bucket.work.wait()
             bucket.work = None
             bucket.ready.clear()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradient buckets in place (gradients stay views into them)."""
-        for bucket in self.buckets:
+        for bucket in self.all_buckets:
             bucket.buffer.zero_()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ..comm import collectives as C
 from ..optim import MOMENTS, adam_step_count, build_adamw, clip_grad_norm_, set_lr
 from ..comm.reducer import GradReducer
 from .data import DataParallel
@@ -81,6 +82,8 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
                  pp_group: ProcessGroup | None = None, plan: StepPlan | None = None):
         super().__init__()
         self.dp, self.tp, self.pp_group = dp, tp, pp_group
+        self.ep = dp.expert
+        """Expert parallelism (parallel/expert.py), or None."""
         self.module = dp.module
         self.plan = plan or StepPlan.single(dp.module)
         self.optimizer = build_adamw([p for p in dp.module.parameters() if p.requires_grad], optim_cfg)
@@ -109,6 +112,10 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         # Pipeline stages own disjoint parameters: their squared norms add up over pp.
         grads = [p.grad for p in self.module.parameters()]
         stages = (self.pp_group,) if self.pp_group is not None else ()
+        if self.ep is not None:  # experts partitioned over ep; the rest counted on its first rank
+            first = C.rank(self.ep.group) == 0
+            owned = [p.grad for p in self.module.parameters() if first or self.ep.is_expert(p)]
+            return clip_grad_norm_(owned, max_norm, groups=(self.ep.group, *stages), scale=grads)
         if self.tp is None:
             return clip_grad_norm_(grads, max_norm, groups=stages)
         owned = [p.grad for p in self.tp.owned_params()]
@@ -128,7 +135,8 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         if self.tp is not None:
             local = self.tp.full_state_dict(self.module)
         else:
-            local = {k: v.detach().clone() for k, v in self.module.named_parameters()}
+            local = {k: self.ep.gather(v) if self.ep is not None and self.ep.is_expert(v)
+                     else v.detach().clone() for k, v in self.module.named_parameters()}
         return merge_stages(local, self.pp_group)
 
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
@@ -138,7 +146,10 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
             state = {"step": adam_step_count(self.optimizer, step, p.device)}
             for key in MOMENTS:
                 full = moments[key][plain_name(name)].to(p.device)
-                state[key] = self.tp.local_shard(p, full) if self.tp is not None else full.clone()
+                if self.ep is not None and self.ep.is_expert(p):
+                    state[key] = self.ep.local_shard(p, full)
+                else:
+                    state[key] = self.tp.local_shard(p, full) if self.tp is not None else full.clone()
             self.optimizer.state[p] = state
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..comm import collectives as C
+from .balance import Balance
 from .context import shard_batch
 from .pipeline import Recorder, forward_schedule, run_schedule, schedule
 
@@ -73,13 +74,15 @@ class StepPlan:
     that hold bf16 weights need none."""
     recorder: Recorder | None = None
     """Collects this rank's pipeline timeline, when asked for."""
+    balance: Balance | None = None
+    """The chunks' mixture-of-experts layers (parallel/balance.py); None for a dense model."""
     _tables: dict = field(default_factory=dict)
 
     @classmethod
     def single(cls, module: nn.Module) -> "StepPlan":
         """One chunk on one rank: the plan of an engine built by hand (tests, the Python API)."""
         p = next(module.parameters())
-        return cls([module], p.device, (), p.dtype)
+        return cls([module], p.device, (), p.dtype, balance=Balance.find([module]))
 
     @property
     def stages(self) -> int:
@@ -116,6 +119,8 @@ def run_step(plan: StepPlan, batches: Sequence[Batch], loss_scale: float, traini
     batch) and by ``plan.average_over`` before backward. Returns the step's summed loss,
     reduced over ``plan.loss_groups`` (collective)."""
     micro = [plan.local(b) for b in batches]
+    if plan.balance is not None:  # the aux loss joins the objective scaled like the token loss
+        plan.balance.set_loss_scale(loss_scale * plan.average_over)
     local = run_schedule(plan.table(len(micro), training), plan.chunks, micro, plan.pp_group,
                          loss_scale * plan.average_over, plan.device, plan.act_shape, plan.act_dtype,
                          no_sync=no_sync if training else None, positions=plan.positions,

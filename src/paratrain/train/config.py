@@ -59,7 +59,7 @@ class Config:
     def layout(self) -> Layout:
         p = self.parallel
         domh, domw = parse_domain(p.domain)
-        return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, order=p.order, domh=domh, domw=domw)
+        return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, order=p.order, domh=domh, domw=domw, ep=p.ep)
 
     def describe_model(self) -> str:
         """The preset's name and what the run changed of it, e.g. ``small with d_model=2048,
@@ -154,6 +154,7 @@ class Config:
             rules.sequence_parallel(p.sp, p.tp, p.cp, self.data.seq_len)
             rules.tied_embeddings(m.tie_embeddings, p.pp)
             rules.virtual_stages(p.virtual_stages, p.schedule)
+            rules.expert_strategies(p.ep, p.zero, p.compress)
             self.layout  # the order string (--order) parses and names every axis once
         except LayoutError as exc:
             raise ConfigError(str(exc)) from None

@@ -66,7 +66,10 @@ def optimizer_step(run: Run, step: int, microbatches: list, count: int) -> dict[
     loss_sum, norm = torch.stack([loss.total, grad_norm.float()]).tolist()  # the one host sync
     lr = lr_at(step, cfg.train.steps, cfg.optim)
     record = {"loss": loss_sum / count, "grad_norm": norm, "lr": lr, "tokens": count}
-    if not (math.isfinite(loss_sum) and math.isfinite(norm)):
+    finite = math.isfinite(loss_sum) and math.isfinite(norm)
+    if engine.plan.balance is not None:  # mixture of experts: the step's routing (collective)
+        record.update(engine.plan.balance.after_step(cfg.train.global_batch, update=finite))
+    if not finite:
         engine.reducer.undo_step()  # so a skipped step's NaN does not poison the next ones
         return {**record, "nonfinite_ranks": culprits(loss.local)}  # no update: the loop decides
     engine.step(lr)

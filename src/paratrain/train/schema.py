@@ -48,9 +48,10 @@ LIMITS: dict[str, dict[str, float]] = {
     # [model] (GPTConfig)
     "vocab_size": {"min": 1}, "d_model": {"min": 1}, "n_layers": {"min": 1},
     "n_heads": {"min": 1}, "max_seq_len": {"min": 1}, "rope_theta": {"above": 0},
-    "norm_eps": {"above": 0}, "init_std": {"above": 0},
+    "norm_eps": {"above": 0}, "init_std": {"above": 0}, "top_k": {"min": 1}, "moe_every": {"min": 1},
+    "routed_scale": {"above": 0},
     # [parallel]
-    "tp": {"min": 1}, "pp": {"min": 1}, "cp": {"min": 1}, "virtual_stages": {"min": 1},
+    "tp": {"min": 1}, "pp": {"min": 1}, "cp": {"min": 1}, "ep": {"min": 1}, "virtual_stages": {"min": 1},
     "bucket_mb": {"above": 0}, "compress_start": {"min": -1}, "timeout_s": {"min": 1, "max": 1e7},  # a collective may take a second; ~4 months: no overflow
     # [data]
     "seq_len": {"min": 1}, "val_fraction": {"below": 1},

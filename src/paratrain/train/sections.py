@@ -24,6 +24,9 @@ class ParallelConfig:
     """Pipeline stages."""
     cp: int = 1
     """Context-parallel ranks."""
+    ep: int = 1
+    """Expert-parallel ranks, folded onto the data-parallel ones (ep divides dp): each
+    mixture-of-experts layer's experts are split over ep of them (docs/moe.md)."""
     zero: Literal[0, 1, 2, 3] = 0
     """ZeRO stage on the data-parallel axis: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters)."""
     reshard_after_forward: Literal["auto", "yes", "no"] = "auto"

@@ -137,14 +137,27 @@ def box_pieces(key: str, local_shape: tuple[int, ...], place: Placement, start: 
     return out
 
 
+def expert_placement(param: torch.Tensor, ep) -> Placement:
+    """Where this rank's experts sit in the stacked tensor of all of them (dim 0); the
+    first rank of the ranks holding the same experts writes them."""
+    shape = tuple(param.shape)
+    full = (ep.specs[param].full_size, *shape[1:])
+    return Placement(full, (ep.offset(param), *(0,) * (len(shape) - 1)), shape,
+                     C.rank(ep.data_group) == 0)
+
+
 def replicated_pieces(engine, for_save: bool) -> list[Piece]:
-    """Pieces of a ReplicatedEngine (DDP, optionally TP and pipeline stages)."""
-    if for_save and C.rank(engine.dp.group) != 0:
+    """Pieces of a ReplicatedEngine (DDP, optionally TP, pipeline stages and experts split
+    over ranks)."""
+    ep = getattr(engine, "ep", None)
+    first_replica = C.rank(engine.dp.group) == 0
+    if for_save and not first_replica and ep is None:
         return _rank_pieces(engine)
     pieces = []
     for name, p in engine.module.named_parameters():
-        place = placement(p, engine.tp)
-        if for_save and not place.owner:
+        expert = ep is not None and ep.is_expert(p)
+        place = expert_placement(p, ep) if expert else placement(p, engine.tp)
+        if for_save and not (place.owner and (expert or first_replica)):
             continue
         state = engine.optimizer.state.get(p, {})
         for kind in ("param", *MOMENTS):
