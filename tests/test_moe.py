@@ -4,11 +4,13 @@ that no layout or accumulation changes it), and expert parallelism against one p
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from distributed import run_world
-from helpers import RTOL, assert_same_run, assert_tensors_close, tiny_config, train_runs
+from helpers import RTOL, assert_same_run, assert_tensors_close, tail, tiny_config, train_runs
 from paratrain.models import hf
 from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.models.moe import MoE
@@ -111,3 +113,65 @@ def test_expert_parallel_matches_one_process(nproc, ep, reference, tmp_path):
     for name, want in reference.items():
         for rank, got in enumerate(runs):
             assert_same_run(got[name], want, what=f"{name} dp{nproc} ep{ep} rank {rank}")
+
+
+def test_pipeline_stages_carry_the_aux_loss(reference, tmp_path):
+    """dp2 x pp2 x ep2: each stage injects its own layers' aux gradient, 1F1B over two
+    microbatches per replica."""
+    configs = {name: tiny_config(str(tmp_path), nproc=4, dp=2, pp=2, ep=2, micro_batch=2,
+                                 **{**MOE, **kw}) for name, kw in
+               [("aux", {}), ("bias", dict(aux_loss_coef=0.0, bias_update=0.01)), ("accumulate", {})]}
+    runs = run_world(train_runs, 4, configs)
+    for name, want in reference.items():
+        for rank, got in enumerate(runs):
+            assert_same_run(got[name], want, what=f"{name} pp2 ep2 rank {rank}")
+
+
+def _collapsed_router_runs(configs: dict) -> dict:
+    """``train_runs`` with every router starting at zero: all scores tie, so every token
+    picks the first top_k experts and the ranks holding the others receive nothing."""
+    from paratrain.models import gpt
+
+    original = gpt.init_tensor
+
+    def init(cfg, name, shape, seed, device="cpu"):
+        value = original(cfg, name, shape, seed, device)
+        return value.zero_() if ".router." in name else value
+
+    gpt.init_tensor = init
+    try:
+        return train_runs(configs)
+    finally:
+        gpt.init_tensor = original
+
+
+def test_experts_without_tokens_neither_hang_nor_change_the_result(tmp_path):
+    """Every token to expert 0 (top-1), or to experts 0 and 1 (top-2), at ep4: three or two
+    ranks get no rows in the first step's all-to-alls, and still take part in them."""
+    def configs(tmp, nproc, ep):
+        return {f"top{k}": tiny_config(f"{tmp}/{k}", nproc=nproc, ep=ep, steps=2, eval_every=0,
+                                       **{**MOE, "top_k": k}) for k in (1, 2)}
+    want = run_world(_collapsed_router_runs, 1, configs(str(tmp_path / "one"), 1, 1))[0]
+    got = run_world(_collapsed_router_runs, 4, configs(str(tmp_path / "ep4"), 4, 4))
+    for name in want:
+        first = json.loads((tmp_path / "ep4" / name[-1] / "metrics.jsonl").read_text().splitlines()[0])
+        assert first["expert_load"] == pytest.approx(4 / int(name[-1]))  # busiest / mean
+        for rank, run in enumerate(got):
+            assert_same_run(run[name], want[name], what=f"{name} rank {rank}")
+
+
+def test_a_checkpoint_at_ep4_resumes_at_ep2_and_on_one_process(tmp_path):
+    """Experts are saved as slices of the stacked tensors, the selection bias with them."""
+    def config(tmp, nproc, ep=1, resume="", **kw):
+        return tiny_config(str(tmp), nproc=nproc, ep=ep, steps=4, eval_every=0, resume=resume,
+                           bias_update=0.01, **MOE, **kw)
+    run_world(train_runs, 4, {"a": config(tmp_path / "a", 4, ep=4, save_every=2)})
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step-2")
+    one = run_world(train_runs, 1, {"ref": config(tmp_path / "ref", 1),
+                                    "one": config(tmp_path / "one", 1, resume=ckpt)})[0]
+    want = tail(one["ref"], since=2)
+    assert_same_run(tail(one["one"]), want, what="one process")
+    assert any(float(v.abs().sum()) for k, v in one["one"]["params"].items() if "expert_bias" in k)
+    for rank, got in enumerate(run_world(train_runs, 2, {"b": config(tmp_path / "b", 2, ep=2,
+                                                                          resume=ckpt)})):
+        assert_same_run(tail(got["b"]), want, what=f"ep2 rank {rank}")

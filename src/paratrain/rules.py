@@ -132,11 +132,12 @@ def experts(shape: ModelShape, layout: Layout) -> None:
                           f"train with tp=1 (tp={layout.tp})")
 
 
-def expert_strategies(ep: int, zero: int, compress: str) -> None:
-    """Expert parallelism runs with DDP's reduction only, for now."""
-    if ep > 1 and zero:
-        raise LayoutError(f"ep={ep} with ZeRO-{zero} is not supported yet: ZeRO would shard "
-                          f"experts over all data-parallel ranks; use zero=0")
+def expert_strategies(n_experts: int, ep: int, zero: int, compress: str) -> None:
+    """A mixture of experts runs with DDP's reduction only, for now."""
+    if n_experts and zero:
+        raise LayoutError(f"a mixture of experts under ZeRO-{zero} is not supported yet (ZeRO "
+                          f"would shard the experts over every data-parallel rank and the "
+                          f"selection bias with them): use zero=0")
     if ep > 1 and compress != "none":
         raise LayoutError(f"ep={ep} with --compress {compress} is not supported yet: use "
                           f"--compress none")

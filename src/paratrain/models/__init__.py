@@ -32,9 +32,10 @@ def has_weights(directory: str | Path) -> bool:
                for name in ("model.safetensors", "model.safetensors.index.json"))
 
 
-def param_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+def param_shapes(model_cfg, trainable_only: bool = False) -> dict[str, tuple[int, ...]]:
     """Every parameter of the plain model ``model_cfg`` describes (a GPT, or the U-Net), and
-    its shape: the model is built on the meta device, so no memory is used."""
+    its shape (``trainable_only``: those the optimizer updates, not an MoE's selection
+    bias): the model is built on the meta device, so no memory is used."""
     import torch
 
     from .gpt import GPT, GPTConfig
@@ -42,4 +43,5 @@ def param_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         model = GPT(model_cfg) if isinstance(model_cfg, GPTConfig) else UNet(model_cfg)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return {n: tuple(p.shape) for n, p in model.named_parameters()
+            if p.requires_grad or not trainable_only}

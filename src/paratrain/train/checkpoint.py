@@ -246,7 +246,9 @@ def expected_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this model holds, and its shape (no memory used)."""
     from ..models import param_shapes
 
-    return {f"{kind}/{n}": shape for kind in KINDS for n, shape in param_shapes(model_cfg).items()}
+    moments = {f"{kind}/{n}": shape for kind in MOMENTS
+               for n, shape in param_shapes(model_cfg, trainable_only=True).items()}
+    return {**{f"param/{n}": shape for n, shape in param_shapes(model_cfg).items()}, **moments}
 
 
 def check_tensors(meta: dict, model_cfg, directory: str | Path) -> None:

@@ -154,7 +154,7 @@ class Config:
             rules.sequence_parallel(p.sp, p.tp, p.cp, self.data.seq_len)
             rules.tied_embeddings(m.tie_embeddings, p.pp)
             rules.virtual_stages(p.virtual_stages, p.schedule)
-            rules.expert_strategies(p.ep, p.zero, p.compress)
+            rules.expert_strategies(m.n_experts, p.ep, p.zero, p.compress)
             self.layout  # the order string (--order) parses and names every axis once
         except LayoutError as exc:
             raise ConfigError(str(exc)) from None

@@ -160,7 +160,7 @@ def replicated_pieces(engine, for_save: bool) -> list[Piece]:
         if for_save and not (place.owner and (expert or first_replica)):
             continue
         state = engine.optimizer.state.get(p, {})
-        for kind in ("param", *MOMENTS):
+        for kind in ("param", *MOMENTS) if p.requires_grad else ("param",):  # frozen: no moments
             source = p.detach() if kind == "param" else state.get(kind)
             flat = source.reshape(-1) if source is not None else None
             pieces += box_pieces(f"{kind}/{plain_name(name)}", tuple(p.shape), place, 0, p.numel(),
