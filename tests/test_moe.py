@@ -96,10 +96,39 @@ def test_the_aux_loss_is_per_sequence_and_its_gradient_is_exact():
                          "two microbatches")
 
 
+def test_the_selection_bias_chooses_but_never_weighs():
+    """DeepSeek-V3's bias changes which experts a token picks, not the weights the picked
+    ones get, receives no gradient, and moves against the load: down for the busiest."""
+    cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, router="sigmoid",
+                    aux_loss_coef=0.0, bias_update=0.1, **MOE)
+    model = GPT(cfg, seed=2).train()
+    moe = model.layers[0].mlp
+    tokens = torch.randint(0, 64, (2, 8))
+    x = model.embed(tokens)
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.tensor([10.0, 10.0, -10.0, -10.0]))  # forces experts 0, 1
+    captured = {}
+    moe.dispatcher.register_forward_hook(lambda m, args, out: captured.update(counts=args[1]))
+    out = moe(x)
+    assert captured["counts"].tolist() == [16, 16, 0, 0]
+    scores = moe.router(x.reshape(-1, 32)).float().sigmoid()[:, :2]
+    weights = scores / scores.sum(-1, keepdim=True)  # unbiased scores, renormalised
+    rows = x.reshape(-1, 32)
+    want = sum(weights[:, [e]] * (torch.nn.functional.silu(rows @ moe.experts.w1[e].T)
+                                  * (rows @ moe.experts.w3[e].T)) @ moe.experts.w2[e].T
+               for e in range(2))
+    torch.testing.assert_close(out.reshape(-1, 32), want, rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    assert moe.expert_bias.grad is None
+    moe.update_bias(torch.tensor([30, 2, 0, 0]))
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([9.9, 10.1, -9.9, -9.9]))
+
+
 def _configs(tmp: str, nproc: int, ep: int) -> dict:
     return {"aux": tiny_config(tmp, nproc=nproc, ep=ep, **MOE),
             "bias": tiny_config(tmp, nproc=nproc, ep=ep, aux_loss_coef=0.0, bias_update=0.01, **MOE),
-            "accumulate": tiny_config(tmp, nproc=nproc, ep=ep, micro_batch=8 // nproc // 2, **MOE)}
+            "accumulate": tiny_config(tmp, nproc=nproc, ep=ep, micro_batch=8 // nproc // 2, **MOE),
+            "recompute": tiny_config(tmp, nproc=nproc, ep=ep, recompute="full", **MOE)}
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +149,8 @@ def test_pipeline_stages_carry_the_aux_loss(reference, tmp_path):
     microbatches per replica."""
     configs = {name: tiny_config(str(tmp_path), nproc=4, dp=2, pp=2, ep=2, micro_batch=2,
                                  **{**MOE, **kw}) for name, kw in
-               [("aux", {}), ("bias", dict(aux_loss_coef=0.0, bias_update=0.01)), ("accumulate", {})]}
+               [("aux", {}), ("bias", dict(aux_loss_coef=0.0, bias_update=0.01)), ("accumulate", {}),
+                ("recompute", dict(recompute="full"))]}
     runs = run_world(train_runs, 4, configs)
     for name, want in reference.items():
         for rank, got in enumerate(runs):

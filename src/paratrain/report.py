@@ -56,7 +56,8 @@ def draw(records: list[dict[str, Any]], out: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
+    moe = any("expert_load" in r for r in records)  # a mixture of experts: a third column
+    fig, axes = plt.subplots(2, 3 if moe else 2, figsize=(15 if moe else 10, 6.5))
     ax = axes[0][0]
     ax.plot(steps, [r["loss"] for r in records], label="train")
     evals = [r for r in records if r.get("val_loss") is not None]
@@ -86,6 +87,13 @@ def draw(records: list[dict[str, Any]], out: Path, title: str) -> Path:
     ax = axes[1][1]
     ax.plot(steps, [r["lr"] for r in records])
     ax.set(title="learning rate", xlabel="step")
+    if moe:
+        routed = [r for r in records if "expert_load" in r]
+        axes[0][2].plot([r["step"] for r in routed], [r["expert_load"] for r in routed])
+        axes[0][2].axhline(1.0, color="grey", lw=0.8, ls=":")
+        axes[0][2].set(title="busiest expert / mean load (worst layer)", xlabel="step")
+        axes[1][2].plot([r["step"] for r in routed], [r["aux_loss"] for r in routed])
+        axes[1][2].set(title="balancing loss, summed over MoE layers", xlabel="step")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

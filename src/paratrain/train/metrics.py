@@ -161,6 +161,11 @@ def summary(records: list[dict[str, Any]], per_rank: list[dict[str, int]], wall_
         # Gradients, or AdamW's updates under --compress METHOD:update: name neither.
         lines.append(f"dp traffic    {human_bytes(sent)} sent per step and rank "
                      f"(compression ratio {dense / max(sent, 1e-9):.1f}x)")
+    if "expert_load" in steps[-1]:  # a mixture of experts: how evenly the last step routed
+        last = steps[-1]
+        dropped = sum(r.get("dropped_tokens", 0) for r in steps)
+        lines.append(f"experts       busiest {last['expert_load']:.2f}x the mean load, aux loss "
+                     f"{last['aux_loss']:.4f} (last step); {dropped:,} assignments dropped")
     lines += [f"throughput    {tok_s:,.0f} tokens/s", f"train time    {wall_s:.1f} s (the steps, evaluations and checkpoints)",
               "memory/rank   params / grads / optimizer state"]
     for rank, b in enumerate(per_rank):

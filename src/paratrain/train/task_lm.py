@@ -76,7 +76,7 @@ class LanguageModel:
                 f"{cfg.accumulation} {'pipeline microbatches' if cfg.parallel.pp > 1 else 'accumulation'}, "
                 f"{cfg.train.precision}\n"
                 f"data: {len(run.train_data)} train samples, {s.steps_per_epoch} steps per epoch; "
-                f"remainder {remainder}" + _offload_note(run))
+                f"remainder {remainder}" + _offload_note(run) + _experts_note(cfg))
 
     def model_config(self, cfg: Config):
         return cfg.model
@@ -87,7 +87,9 @@ class LanguageModel:
     def flops_per_unit(self, cfg: Config) -> float:
         m = cfg.model
         untied = 0 if m.tie_embeddings else 1
-        matmul = m.num_params() - 2 * m.d_model * m.n_layers - m.d_model - untied * m.vocab_size * m.d_model
+        # A token's FLOPs follow the parameters it uses: of a mixture, top_k experts.
+        matmul = (m.shape.active_params() - 2 * m.d_model * m.n_layers - m.d_model
+                  - untied * m.vocab_size * m.d_model)
         return logs.flops_per_token(m.n_layers, m.d_model, cfg.data.seq_len, matmul)
 
     def data_position(self, cfg: Config, step: int) -> dict:
@@ -133,3 +135,18 @@ def _offload_note(run: Run) -> str:
     if run.mesh.device.type != "cuda":
         return "\noffload: this run computes on the CPU already, so --offload has no effect"
     return "\noffload: optimizer state (fp32 masters, Adam moments) kept in CPU memory"
+
+
+def _experts_note(cfg: Config) -> str:
+    """The mixture of experts, where the model has one."""
+    m = cfg.model
+    if not m.n_experts:
+        return ""
+    shared = f" + a shared expert {m.shared_ffn} wide" if m.shared_ffn else ""
+    balance = " and ".join(b for b, on in ((f"aux loss x {m.aux_loss_coef:g}", m.aux_loss_coef),
+                                           (f"selection bias step {m.bias_update:g}", m.bias_update)) if on)
+    return (f"\nexperts: {m.n_experts} x {m.expert_dim} wide{shared}, top-{m.top_k}, in "
+            f"{len(m.moe_layers)} of {m.n_layers} blocks, over ep={cfg.parallel.ep} ranks; "
+            f"{m.shape.active_params() / 1e6:.2f}M params active per token; balanced by "
+            f"{balance or 'nothing'}; {'capacity ' + format(m.capacity_factor, 'g') if m.capacity_factor else 'dropless'}")
+
