@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from paratrain.comm import collectives as C
 from paratrain.mesh import Mesh
-from paratrain.parallel.engine import merge_stages
+from paratrain.parallel.engine import drop_copy, merge_stages
 from paratrain.train.config import Config, load
 
 RTOL = 1e-5
@@ -84,7 +84,7 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
         ep = getattr(engine, "ep", None)
         local = {n: (ep.gather(p.grad) if ep is not None and ep.is_expert(p) else p.grad).detach().float().clone()
                  for n, p in engine.module.named_parameters() if p.grad is not None}
-    return {k: v.cpu() for k, v in merge_stages(local, engine.pp_group).items()}
+    return {k: v.cpu() for k, v in drop_copy(merge_stages(local, engine.pp_group), engine.plan).items()}
 
 
 def _recording(box: dict):

@@ -190,8 +190,9 @@ def test_a_qwen2_directory_trains_with_parity_under_each_strategy(models, tmp_pa
 
 def test_a_tied_llama_trains_under_zero_with_parity_and_exports_tied(models, tmp_path):
     """Llama with tie_word_embeddings (as Llama 3.2 1B/3B): dp2 x ZeRO-1 and dp2 x ZeRO-3,
-    whose unit holds the one matrix the embedding and the head share, equal one process
-    (losses, final parameters); the result exports as a tied model transformers loads."""
+    whose unit holds the one matrix the embedding and the head share, pp2 and dp2 x pp2 x
+    ZeRO-1, whose last stage keeps a copy, equal one process (losses, final parameters); the
+    result exports as a tied model transformers loads."""
     from paratrain.train.config import load
 
     _, path = models["llama"]
@@ -200,9 +201,13 @@ def test_a_tied_llama_trains_under_zero_with_parity_and_exports_tied(models, tmp
     cfg = load(None, {**base, "nproc": 1}).validate()
     assert cfg.model.tie_embeddings
     (ref_losses, ref_params), = run_world(train_variants, 1, [cfg])[0]
-    variants = {"dp2 zero1": dict(dp=2, zero=1), "dp2 zero3": dict(dp=2, zero=3)}
+    variants = {"dp2 zero1": dict(dp=2, zero=1), "dp2 zero3": dict(dp=2, zero=3),
+                "pp2": dict(dp=1, pp=2, microbatches=2)}  # a copy on the last stage
     configs = [load(None, {**base, "nproc": 2, **v}).validate() for v in variants.values()]
-    for name, (losses, params) in zip(variants, run_world(train_variants, 2, configs)[0]):
+    runs = list(zip(variants, run_world(train_variants, 2, configs)[0]))
+    wide = load(None, {**base, "nproc": 4, "dp": 2, "pp": 2, "zero": 1, "microbatches": 2}).validate()
+    runs += list(zip(["dp2 pp2 zero1"], run_world(train_variants, 4, [wide])[0]))
+    for name, (losses, params) in runs:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
                                    msg=lambda m: f"{name}: {m}")
         assert params.keys() == ref_params.keys(), name  # the tied matrix once

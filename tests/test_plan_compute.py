@@ -157,7 +157,7 @@ def test_curve_fit_recovers_rate_and_half_dim():
 def test_plans_written_for_train_are_ones_train_runs(tmp_path, capsys):
     """``--out`` writes only a plan ``paratrain train`` accepts: where SP's split of each
     rank's tokens over tp does not divide, the search plans plain TP; a model with tied
-    embeddings has no trainable plan with pp > 1 or ZeRO, and --out says why."""
+    embeddings has no trainable plan with pp > 1 under ZeRO-2/3, and --out says why."""
     from helpers import plan
 
     from paratrain.plan.export import refusal
@@ -168,14 +168,16 @@ def test_plans_written_for_train_are_ones_train_runs(tmp_path, capsys):
     assert all("sequence parallelism" not in (refusal(p.cand, model, training) or "")
                for p in result.plans)
     first = result.plans[0].cand
-    assert "tied embeddings" in refusal(first.but(layout=replace(first.layout, pp=2), shard_group=0), ModelSpec(
+    assert "tied embeddings" in refusal(first.but(layout=replace(first.layout, pp=2), zero=2, shard_group=0), ModelSpec(
         24, 3072, 24, 24, 12288, 32000, tie_embeddings=True, name="tied"), training)
     tied = ModelSpec(24, 3072, 24, 24, 12288, 32000, tie_embeddings=True, name="tied")
     assert refusal(first.but(layout=replace(first.layout, pp=1), zero=3, shard_group=0), tied,
                    training) is None
-    out = tmp_path / "plan.toml"  # GPT-3 ties its embeddings: a pipeline layout is refused
-    assert plan("--model", "gpt3-175b", "--gpus", "1024", "--layout", "tp8 pp8", "--out", str(out)) == 2
+    out = tmp_path / "plan.toml"  # GPT-3 ties its embeddings: a pipeline under ZeRO-2 is refused
+    assert plan("--model", "gpt3-175b", "--gpus", "1024", "--layout", "tp8 pp8 z2", "--out", str(out)) == 2
     assert "tie_embeddings = false" in capsys.readouterr().err and not out.exists()
+    assert plan("--model", "gpt3-175b", "--gpus", "1024", "--layout", "tp8 pp8 z1 rc=full", "--out", str(out)) == 0
+    assert "pp = 8" in out.read_text()  # the last stage keeps a copy (parallel/pipeline/tied.py)
 
 
 def test_out_picks_a_plan_that_fits_paratrains_own_runtime():

@@ -90,8 +90,10 @@ MATRIX = {
     2: [dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3),
         dict(dp=2, zero=1, precision="bf16"), dict(tp=2), dict(tp=2, sp=True),
         dict(pp=2), dict(pp=2, schedule="gpipe"), dict(pp=2, recompute="full"),
+        dict(pp=2, tie_embeddings=True),  # the last stage's copy of the embedding
         dict(cp=2), dict(cp=2, cp_method="ulysses")],
     4: [dict(dp=2, tp=2, sp=True), dict(dp=2, pp=2, zero=1), dict(tp=2, cp=2),
+        dict(dp=2, pp=2, zero=1, tie_embeddings=True),
         dict(pp=2, dp=2, schedule="interleaved", virtual_stages=2, n_layers=4),
         dict(dp=4, zero=3, precision="bf16"), dict(dp=2, pp=2, zero=2),
         dict(dp=2, pp=2, zero=3, precision="bf16"),

@@ -46,7 +46,7 @@ def test_replicated_kv_heads_and_uneven_stages_are_accepted():
 
 
 @pytest.mark.parametrize("call, words", [
-    (lambda: rules.tied_embeddings(True, pp=2), "pipeline stage"),
+    (lambda: rules.tied_embeddings(True, pp=2, zero=2), "tied embeddings under a pipeline with ZeRO-2"),
     (lambda: rules.virtual_stages(2, "1f1b"), "interleaved"),
     (lambda: rules.sequence_parallel(True, tp=1, cp=1, seq_len=64), "--tp > 1"),
     (lambda: rules.sequence_parallel(True, tp=2, cp=2, seq_len=6), "divisible by 4"),

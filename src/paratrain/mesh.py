@@ -20,6 +20,9 @@ from .layout import CP, DOMAIN_AXES, DOMH, DOMW, DP, DP_CP, DP_DOM, PP, TP, Layo
 # no domain axis these are groups already made (or one-rank groups) and cost nothing new.
 MESH_AXES = (TP, CP, PP, DP, DP_CP, DOMH, DOMW, DOMAIN_AXES, DP_DOM)
 EP, EDP = "ep", "edp"
+EMBEDDING = "embedding"
+"""The first and the last rank of a pipeline (only those two have it): a tied embedding's
+gradient is summed over them (parallel/pipeline/tied.py)."""
 """Expert parallelism's groups (``Layout.expert_ranks``, ``Layout.expert_data_ranks``)."""
 
 
@@ -61,6 +64,12 @@ class Mesh:
                 by_ranks[ranks] = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True,
                                                  group_desc="-".join(key))
             groups[frozenset(key)] = by_ranks[ranks]
+        if layout.pp > 1:  # the first and last stage: a tied embedding's two ends
+            stages = layout.ranks_along(PP, rank)
+            ends = [stages[0], stages[-1]]
+            if rank in ends:
+                groups[frozenset((EMBEDDING,))] = dist.new_group(
+                    ends, timeout=timeout, use_local_synchronization=True, group_desc=EMBEDDING)
         if layout.ep > 1:
             # Folded onto dp, yet groups of their own even where the ranks are dp's: the
             # all-to-alls run inside backward while DDP's buckets reduce over dp, in an
@@ -75,7 +84,7 @@ class Mesh:
         """The group along ``axes`` that contains this rank (e.g. ``"tp"``, ``"dp-cp"``;
         ``"ep"`` and ``"edp"``, the expert-parallel and expert-data-parallel groups, when
         the layout folds ep > 1 onto dp)."""
-        key = frozenset((axes,)) if axes in (EP, EDP) else frozenset(_as_axes(axes))
+        key = frozenset((axes,)) if axes in (EP, EDP, EMBEDDING) else frozenset(_as_axes(axes))
         if key not in self.groups:
             known = ["-".join(sorted(k)) for k in self.groups]
             raise KeyError(f"the mesh has no group for axes {axes!r}; it has {known}")

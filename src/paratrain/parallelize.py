@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .mesh import EDP, EP, Mesh
+from .mesh import EDP, EMBEDDING, EP, Mesh
 from .models.description import describe
 from .parallel.context import apply_context_parallel
 from .parallel.data import DataParallel
@@ -23,6 +23,7 @@ from .parallel.expert import apply_expert_parallel
 from .parallel.local_update import LocalUpdateEngine
 from .parallel.pipeline import split_model
 from .parallel.pipeline import Recorder
+from .parallel.pipeline.tied import tied_ends
 from .parallel.recompute import apply_recompute
 from .parallel.step import StepPlan
 from .parallel.tensor import apply_tensor_parallel
@@ -79,16 +80,24 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
         apply_context_parallel(model, mesh.group(CP), p.cp_method, description=desc)
     ep = (apply_expert_parallel(model, desc, mesh.group(EP), mesh.group(EDP))
           if p.ep > 1 else None)
-    pp_group = None
+    pp_group, tied = None, None
+    shared = model.get_submodule(desc.embedding).weight
+    untied = model.get_submodule(desc.head).weight is not shared
     if p.pp > 1:
         model = nn.ModuleList(split_model(model, mesh.coord(PP), p.pp, p.virtual_stages,
                                           description=desc))
         pp_group = mesh.group(PP)
+        if not untied:  # the two ends of a tied embedding (parallel/pipeline/tied.py)
+            tied = tied_ends(list(model), desc, mesh.groups.get(frozenset((EMBEDDING,))))
+            if tied is not None and tied.is_copy and tp is not None:
+                tp.adopt(shared, tied.param)  # the copy is split as the embedding is
     blocks = ([b for chunk in model for b in chunk.blocks()] if p.pp > 1
               else model.get_submodule(desc.blocks))
     apply_recompute(blocks, opts.recompute, core=desc.attention_core)
     group = mesh.group(DP_CP)
     plan = step_plan(model, mesh, opts)
+    plan.tied_copy = ((f"{desc.head}.weight", f"{desc.embedding}.weight")
+                      if p.pp > 1 and not untied else None)
     compress = dataclasses.replace(opts.compress, place=place(mesh))
     if p.zero:  # lays out its flat units from meta parameters itself
         dtype = torch.bfloat16 if opts.precision == "bf16" else None
@@ -96,10 +105,10 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
         return ZeroDataParallel(model, group, p.zero, opts.optim, param_dtype=dtype,
                                 offload=p.offload, tp=tp, pp_group=pp_group,
                                 reshard_after_forward=opts.reshard_after_forward, compress=compress,
-                                plan=plan)
+                                plan=plan, tied=tied)
     allocate(model, mesh.device)
     dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=compress, defer=compress.update,
-                      expert=ep)
+                      expert=ep, tied=tied)
     # --compress METHOD:update averages AdamW's updates, not gradients: an engine of its own.
     engine = LocalUpdateEngine if compress.update else ReplicatedEngine
     return engine(dp, opts.optim, tp, pp_group, plan=plan)

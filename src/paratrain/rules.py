@@ -75,12 +75,20 @@ def virtual_stages(v: int, schedule: str) -> None:
         raise LayoutError(f"virtual_stages={v} needs --schedule interleaved (not {schedule})")
 
 
-def tied_embeddings(tied: bool, pp: int) -> None:
-    """A tied embedding is one tensor used at both ends of the model (ZeRO keeps it in one
-    unit gathered at both ends; a pipeline would need a copy on each end stage)."""
-    if tied and pp > 1:
-        raise LayoutError("tied embeddings would live on the first and the last pipeline stage "
-                          "at once; set tie_embeddings = false to use pp > 1")
+def tied_embeddings(tied: bool, pp: int, zero: int = 0, local_update: bool = False) -> None:
+    """A tied embedding is one tensor used at both ends of the model: ZeRO keeps it in one
+    unit gathered at both ends; a pipeline keeps a copy on the last stage whose gradient is
+    summed with the first stage's (parallel/pipeline/tied.py) before the data-parallel
+    reduction, which ZeRO-2/3 start during backward."""
+    if tied and pp > 1 and zero >= 2:
+        raise LayoutError(f"tied embeddings under a pipeline with ZeRO-{zero} are not supported "
+                          f"yet (the last stage's copy must add the first stage's gradient "
+                          f"before ZeRO-{zero} shards it): use zero = 0 or 1, or set "
+                          f"tie_embeddings = false")
+    if tied and pp > 1 and local_update:
+        raise LayoutError("tied embeddings under a pipeline with --compress METHOD:update are not "
+                          "supported yet (the two ends' copies would be updated apart): drop "
+                          ":update, or set tie_embeddings = false")
 
 
 def context(cp: int, method: str, seq_len: int, local_heads: int, local_kv: int) -> None:

@@ -82,13 +82,16 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group: ProcessGroup, bucket_mb: float = 4.0,
                  broadcast_from_first: bool = True, compress: "str | CompressSpec" = "none",
-                 defer: bool = False, expert=None):
+                 defer: bool = False, expert=None, tied=None):
         super().__init__()
         self.module = module
         self.group = group
         self.expert = expert
         """Expert parallelism (parallel/expert.py), whose expert parameters are reduced
         over its expert-data-parallel group; None without."""
+        self.tied = tied
+        """This rank's end of a tied embedding under a pipeline (parallel/pipeline/tied.py):
+        its gradient waits for the other end's before its bucket is reduced."""
         params = [p for p in module.parameters() if p.requires_grad]
         experts = [p for p in params if expert is not None and expert.is_expert(p)]
         dense = [p for p in params if expert is None or not expert.is_expert(p)]
@@ -149,6 +152,8 @@ class DataParallel(nn.Module):
             raise RuntimeError("a backward pass produced gradients for a bucket that is already "
                                "being reduced: call finish_grad_sync() after each synced "
                                "backward, and run accumulation backwards inside no_sync()")
+        if self.tied is not None and param is self.tied.param:
+            return  # reduced after the two ends' gradients are added (finish_grad_sync)
         bucket.ready.add(param)
         if len(bucket.ready) == len(bucket.params):
             self.start_grad_sync(bucket)
@@ -175,6 +180,8 @@ class DataParallel(nn.Module):
         for all. Call after the last backward of a step, before the optimizer step."""
         if self.deferred:
             return
+        if self.tied is not None:
+            self.tied.sync_grad()
         for bucket in self.all_buckets:
             self.start_grad_sync(bucket)
         for bucket in self.all_buckets:  # second collectives (int8, PowerSGD) start as firsts end

@@ -84,6 +84,8 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         self.dp, self.tp, self.pp_group = dp, tp, pp_group
         self.ep = dp.expert
         """Expert parallelism (parallel/expert.py), or None."""
+        self.tied = dp.tied
+        """This rank's end of a tied embedding under a pipeline, or None."""
         self.module = dp.module
         self.plan = plan or StepPlan.single(dp.module)
         self.optimizer = build_adamw([p for p in dp.module.parameters() if p.requires_grad], optim_cfg)
@@ -112,6 +114,12 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         # Pipeline stages own disjoint parameters: their squared norms add up over pp.
         grads = [p.grad for p in self.module.parameters()]
         stages = (self.pp_group,) if self.pp_group is not None else ()
+        copy = self.tied.param if self.tied is not None and self.tied.is_copy else None
+        if copy is not None:  # the first stage counts the tied embedding
+            counted = [p.grad for p in self.module.parameters() if p is not copy]
+            owned = counted if self.tp is None else [p.grad for p in self.tp.owned_params() if p is not copy]
+            groups = stages if self.tp is None else (self.tp.group, *stages)
+            return clip_grad_norm_(owned, max_norm, groups=groups, scale=grads)
         if self.ep is not None:  # experts partitioned over ep; the rest counted on its first rank
             first = C.rank(self.ep.group) == 0
             owned = [p.grad for p in self.module.parameters() if first or self.ep.is_expert(p)]
@@ -137,7 +145,7 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         else:
             local = {k: self.ep.gather(v) if self.ep is not None and self.ep.is_expert(v)
                      else v.detach().clone() for k, v in self.module.named_parameters()}
-        return merge_stages(local, self.pp_group)
+        return drop_copy(merge_stages(local, self.pp_group), self.plan)
 
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Install this rank's share of full moments (from any layout) after ``step`` steps."""
@@ -145,7 +153,7 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         for name, p in self.module.named_parameters():
             state = {"step": adam_step_count(self.optimizer, step, p.device)}
             for key in MOMENTS:
-                full = moments[key][plain_name(name)].to(p.device)
+                full = moments[key][source_name(name, self.plan)].to(p.device)
                 if self.ep is not None and self.ep.is_expert(p):
                     state[key] = self.ep.local_shard(p, full)
                 else:
@@ -158,6 +166,18 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
 
     def load_rank_state(self, saved: dict[str, torch.Tensor]) -> str | None:
         return self.reducer.load_state(saved, dist.group.WORLD)
+
+
+def source_name(name: str, plan: StepPlan) -> str:
+    """The plain model's tensor a parameter is loaded from: its own, or for the last
+    stage's copy of a tied embedding (parallel/pipeline/tied.py), the embedding's."""
+    plain = plain_name(name)
+    return plan.tied_copy[1] if plan.tied_copy and plain == plan.tied_copy[0] else plain
+
+
+def drop_copy(params: dict[str, torch.Tensor], plan: StepPlan) -> dict[str, torch.Tensor]:
+    """The plain model's tensors: without the last stage's copy of a tied embedding."""
+    return {k: v for k, v in params.items() if not plan.tied_copy or k != plan.tied_copy[0]}
 
 
 def plain_name(name: str) -> str:

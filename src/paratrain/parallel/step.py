@@ -76,6 +76,10 @@ class StepPlan:
     """Collects this rank's pipeline timeline, when asked for."""
     balance: Balance | None = None
     """The chunks' mixture-of-experts layers (parallel/balance.py); None for a dense model."""
+    tied_copy: tuple[str, str] | None = None
+    """Under a pipeline with tied embeddings: the name of the last stage's copy (the head's
+    weight), not a tensor of the plain model, and of the tensor it copies (the
+    embedding's); None otherwise. Every rank knows it."""
     _tables: dict = field(default_factory=dict)
 
     @classmethod

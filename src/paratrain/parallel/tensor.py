@@ -143,6 +143,14 @@ class TensorParallel:
     def shard(self, param: nn.Parameter, spec: ShardSpec) -> None:
         self.specs[param] = spec
 
+    def adopt(self, old: nn.Parameter, new: nn.Parameter) -> None:
+        """Split ``new`` as ``old`` is split (a tied embedding's copy on the last pipeline
+        stage, made after this split: parallel/pipeline/tied.py)."""
+        if old in self.specs:
+            self.specs[new] = self.specs[old]
+        for kept in (self.sharded_params, self.replicated_params, self._partial):
+            kept[:] = [new if p is old else p for p in kept]
+
     def collect_replicated(self, model: nn.Module) -> None:
         """Sort the model's parameters into sharded and replicated ones."""
         for p in model.parameters():

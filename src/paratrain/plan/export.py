@@ -93,7 +93,7 @@ def refusal(cand: Candidate, model: ModelSpec, training: Training) -> str | None
     if training.optimizer != "adam":
         return f"`paratrain train` trains with AdamW; optimizer {training.optimizer!r} is planner-only"
     try:
-        rules.tied_embeddings(model.tie_embeddings, cand.pp)
+        rules.tied_embeddings(model.tie_embeddings, cand.pp, cand.zero)
         rules.sequence_parallel(cand.sp, cand.tp, cand.cp, training.seq_len)
     except LayoutError as err:
         return str(err)

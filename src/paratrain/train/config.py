@@ -143,16 +143,11 @@ class Config:
     def check_model_layout(self) -> None:
         """The language model's checks: its shape against the layout, its preset, resume."""
         m, p = self.model, self.parallel
-        if m.tie_embeddings and p.pp > 1 and hf.is_model_dir(self.model_preset):
-            raise ConfigError(f"the Hugging Face model {self.model_preset!r} ties its input and "
-                              f"output embeddings (tie_word_embeddings), one tensor that a "
-                              f"pipeline cannot split; train it with --pp 1 (dp, ZeRO, tp and "
-                              f"cp split it)")
         try:
             rules.check_split(m.shape, self.layout, virtual_stages=p.virtual_stages,
                               seq_len=self.data.seq_len, cp_method=p.cp_method)
             rules.sequence_parallel(p.sp, p.tp, p.cp, self.data.seq_len)
-            rules.tied_embeddings(m.tie_embeddings, p.pp)
+            rules.tied_embeddings(m.tie_embeddings, p.pp, p.zero, p.compress.endswith(":update"))
             rules.virtual_stages(p.virtual_stages, p.schedule)
             rules.expert_strategies(m.n_experts, p.ep, p.zero, p.compress)
             self.layout  # the order string (--order) parses and names every axis once

@@ -29,7 +29,7 @@ import torch
 
 from ..comm import collectives as C
 from ..optim import adam_step_count
-from ..parallel.engine import MOMENTS, plain_name
+from ..parallel.engine import MOMENTS, plain_name, source_name
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, extents)
 
@@ -157,13 +157,13 @@ def replicated_pieces(engine, for_save: bool) -> list[Piece]:
     for name, p in engine.module.named_parameters():
         expert = ep is not None and ep.is_expert(p)
         place = expert_placement(p, ep) if expert else placement(p, engine.tp)
-        if for_save and not (place.owner and (expert or first_replica)):
+        if for_save and not (place.owner and (expert or first_replica)) or for_save and _copy(engine, name):
             continue
         state = engine.optimizer.state.get(p, {})
         for kind in ("param", *MOMENTS) if p.requires_grad else ("param",):  # frozen: no moments
             source = p.detach() if kind == "param" else state.get(kind)
             flat = source.reshape(-1) if source is not None else None
-            pieces += box_pieces(f"{kind}/{plain_name(name)}", tuple(p.shape), place, 0, p.numel(),
+            pieces += box_pieces(f"{kind}/{source_name(name, engine.plan)}", tuple(p.shape), place, 0, p.numel(),
                                  flat, p.dtype if kind == "param" else torch.float32)
     return pieces + (_rank_pieces(engine) if for_save else [])
 
@@ -184,10 +184,10 @@ def zero_pieces(engine, for_save: bool) -> list[Piece]:
         segments = [(a, b) for a, b in ((0, cut), (cut, flat.shard_size)) if b > a]  # as views
         for name, p, offset in zip(flat.names, flat.params, flat.offsets):
             place = placement(p, engine.tp)
-            if for_save and not place.owner:
+            if for_save and (not place.owner or _copy(engine, name)):
                 continue
             lo, hi = max(offset, start), min(offset + p.numel(), end)
-            key = plain_name(name)
+            key = source_name(name, engine.plan)
             full = not for_save and engine.stage < 3  # the full parameter lives on every rank
             if full:
                 pieces += box_pieces(f"param/{key}", tuple(p.shape), place, 0, p.numel(),
@@ -204,6 +204,12 @@ def zero_pieces(engine, for_save: bool) -> list[Piece]:
                 pieces += box_pieces(f"{kind}/{key}", tuple(p.shape), place, lo - offset, hi - offset,
                                      source, torch.float32)
     return pieces + (_rank_pieces(engine) if for_save else [])
+
+
+def _copy(engine, name: str) -> bool:
+    """Whether ``name`` is the last stage's copy of a tied embedding: loaded from the
+    embedding's slices, never saved (parallel/pipeline/tied.py)."""
+    return source_name(name, engine.plan) != plain_name(name)
 
 
 def _rank_pieces(engine) -> list[Piece]:

@@ -22,6 +22,7 @@ from ... import rules
 from ...layout import LayoutError
 from ...models.description import ModelDescription, describe
 from ...stages import head_costs, pipeline_split, split_layers  # noqa: F401 - re-exported
+from .tied import untie
 
 
 class PipelineChunk(nn.Module):
@@ -107,7 +108,6 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: in
     desc = description or describe(model)
     rules.pipeline_split(desc.shape.n_layers, pp_size, virtual_stages)
     tied = model.get_submodule(desc.head).weight is model.get_submodule(desc.embedding).weight
-    rules.tied_embeddings(tied, pp_size)
     if not 0 <= pp_rank < pp_size:
         raise LayoutError(f"pp_rank={pp_rank} is outside a pipeline of {pp_size} ranks")
     num_stages = pp_size * virtual_stages
@@ -117,6 +117,8 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: in
         runs = split_layers(desc.shape.n_layers, num_stages, layer_costs, embed_cost, head_cost)
     chunks = [PipelineChunk(model, desc, s, num_stages, runs[s])
               for s in range(pp_rank, num_stages, pp_size)]
+    if tied:  # the last stage projects with a copy of its own (pipeline/tied.py)
+        untie(chunks, desc.head)
     _release_others(model, chunks)
     return chunks
 

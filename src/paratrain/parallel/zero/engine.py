@@ -43,7 +43,7 @@ from ...comm.backend import gather_shards
 from ...comm.compress import CompressSpec, check
 from ...comm.reducer import GradReducer
 from ...optim import adam_step_count
-from ..engine import MOMENTS, merge_stages, plain_name
+from ..engine import MOMENTS, drop_copy, merge_stages, source_name
 from ..hooks import weakly
 from ..step import ScheduledStep, StepPlan
 from ..tensor import TensorParallel
@@ -60,13 +60,14 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
                  track_peak: bool = False, tp: TensorParallel | None = None,
                  pp_group: ProcessGroup | None = None, reshard_after_forward: bool = True,
                  compress: "str | CompressSpec" = "none", plan: StepPlan | None = None,
-                 ring_collectives: bool | None = None):
+                 ring_collectives: bool | None = None, tied=None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
         self.module, self.group, self.stage, self.tp = module, group, stage, tp
         self.plan = plan or StepPlan.single(module)
         self.pp_group = pp_group  # pipeline stages own disjoint parameters
+        self.tied = tied  # this rank's end of a tied embedding under a pipeline (stage 1)
         self.reshard_after_forward = reshard_after_forward
         self.accumulate_full = pp_group is not None  # see the module docstring
         with torch.no_grad():  # replicas must start identical (a meta model is filled later)
@@ -172,6 +173,8 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             unit.stash_grad(param)  # into the unit's temporary flat gradient; frees param.grad
         elif not self._sync:
             return
+        if self.tied is not None and param is self.tied.param:
+            return  # reduced once the two ends' gradients are added (finish_grad_sync)
         unit.ready.add(param)
         if len(unit.ready) < len(unit.flat.params):
             return
@@ -202,6 +205,8 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Wait for every gradient reduction; after it each rank holds its averaged shard."""
+        if self.tied is not None:
+            self.tied.sync_grad()
         self.start_grad_sync()
         self._drain()
         if self.stage == 3:
@@ -239,10 +244,11 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm from the shards (summed over the group); clip in place."""
         groups = (self.group,) + ((self.pp_group,) if self.pp_group is not None else ())
-        if self.tp is None:
-            return self.optimizer.clip_grad_norm_(max_norm, groups)
+        copy = {self.tied.param} if self.tied is not None and self.tied.is_copy else set()
+        if self.tp is None:  # the tied embedding's copy is counted on the first stage
+            return self.optimizer.clip_grad_norm_(max_norm, groups, copy)
         owned = {p for p in self.tp.owned_params()}
-        not_owned = {p for p in self.module.parameters() if p not in owned}
+        not_owned = {p for p in self.module.parameters() if p not in owned} | copy
         return self.optimizer.clip_grad_norm_(max_norm, groups + (self.tp.group,), not_owned)
 
     @torch.no_grad()
@@ -283,7 +289,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
                 out[name] = view.detach().clone()
         if self.tp is not None:
             out = self.tp.full_state_dict(self.module, local=out)
-        return merge_stages(out, self.pp_group)
+        return drop_copy(merge_stages(out, self.pp_group), self.plan)
 
 
     # ---- checkpoints: Adam's moments in the plain model's terms -------------------------------
@@ -303,7 +309,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             for key in MOMENTS:
                 flat = torch.zeros(unit.flat.padded)
                 for name, p, offset in zip(unit.flat.names, unit.flat.params, unit.flat.offsets):
-                    full = moments[key][plain_name(name)]
+                    full = moments[key][source_name(name, self.plan)]
                     local = self.tp.local_shard(p, full) if self.tp is not None else full
                     flat[offset:offset + p.numel()] = local.reshape(-1)
                 slices[key] = unit.flat.own_slice(flat).split([v.numel() for v in views])
