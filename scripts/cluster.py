@@ -140,11 +140,16 @@ def _pump(proc: subprocess.Popen, prefix: str) -> None:
         sys.stdout.flush()
 
 
-def run_agents(nodes: list[Node], nproc: int, cmd: list[str], timeout_s: float | None) -> int:
-    """Start one torchrun agent per node; wait for both; kill both if either fails."""
+def run_agents(nodes: list[Node], nproc: int, cmd: list[str], timeout_s: float | None,
+               cut_after_s: float = 0) -> int:
+    """Start one torchrun agent per node; wait for both; kill both if either fails. With
+    ``cut_after_s``, take the link down that long after the start (a partition)."""
     run_id = nodes[0].ns
     procs = []
+    cut = threading.Timer(cut_after_s, _cut, args=(nodes,)) if cut_after_s > 0 else None
     try:
+        if cut is not None:
+            cut.start()
         for n in nodes:
             env = {**os.environ, "GLOO_SOCKET_IFNAME": n.dev, "PYTHONUNBUFFERED": "1"}
             procs.append(subprocess.Popen(agent_command(n, nodes[0], nproc, 29400, run_id, cmd),
@@ -167,8 +172,15 @@ def run_agents(nodes: list[Node], nproc: int, cmd: list[str], timeout_s: float |
             t.join(timeout=5)
         return 0 if all(c == 0 for c in codes) else max((c for c in codes if c), default=1)
     finally:
+        if cut is not None:
+            cut.cancel()
         for p in procs:
             _kill_group(p)
+
+
+def _cut(nodes: list[Node]) -> None:
+    sh("ip", "link", "set", nodes[1].dev, "down", ns=nodes[1].ns, check=False)
+    print(f"cluster: link cut ({nodes[1].ns}'s {nodes[1].dev} down)", flush=True)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -196,6 +208,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--measure-link", action="store_true",
                    help="first time one TCP stream across the link and print its rate")
     p.add_argument("--tag", default="", help="namespace name tag (default: this process id)")
+    p.add_argument("--cut-after", type=float, default=0, metavar="S",
+                   help="take the link down S seconds after the agents start: a network "
+                        "partition (0: never)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="after --: what torchrun runs on each node")
     args = p.parse_args(argv)
     args.cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -239,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.measure_link:
             print(f"cluster: one TCP stream node0->node1: {measure_link(nodes) * 8 / 1e6:,.0f} Mbit/s", flush=True)
         before = {(n.index, dev): tx_bytes(n, dev) for n in nodes for dev in (n.dev, "lo")}
-        code = run_agents(nodes, args.nproc_per_node, args.cmd, args.timeout or None)
+        code = run_agents(nodes, args.nproc_per_node, args.cmd, args.timeout or None, args.cut_after)
         sent = {k: tx_bytes(nodes[k[0]], k[1]) - v for k, v in before.items()}
         print(f"cluster: bytes sent over the link node0->node1 {sent[0, nodes[0].dev]:,}, node1->node0 "
               f"{sent[1, nodes[1].dev]:,}; inside the nodes (loopback) {sent[0, 'lo']:,} and "

@@ -70,3 +70,28 @@ def test_cluster_tool_tears_down_after_a_failing_command(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert _ours(tag) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_partition_names_the_lost_node_and_where_to_go_on(tmp_path):
+    """Issue 38 fault 4: the link between the two nodes goes down mid-run. The node that
+    keeps the store names the other node's address and ranks, and every node says which
+    checkpoint is the newest complete one and how to continue (python -m pytest -m slow
+    tests/test_cluster.py)."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    tag = f"p{os.getpid() % 100000}"
+    cmd = [sys.executable, str(TOOL), "--tag", tag, "--cut-after", "40", "--timeout", "300", "--",
+           "-m", "paratrain", "train", "--model", "tiny", "--steps", "100000", "--seq-len", "32",
+           "--global-batch", "8", "--no-progress", "--eval-every", "0", "--save-every", "5",
+           "--timeout-s", "20", "--run-dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=360)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "cluster: link cut" in text, text[-3000:]
+    assert "network: ranks 2, 3 at 10.77.0.2 are unreachable from 10.77.0.1" in text, text[-3000:]
+    assert "the store on 10.77.0.1 (rank 0's node) is unreachable from 10.77.0.2" in text, text[-3000:]
+    assert f"last complete checkpoint: {tmp_path}/checkpoints/step-" in text, text[-3000:]
+    assert "--resume auto`" in text and _ours(tag) == []

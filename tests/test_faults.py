@@ -538,3 +538,25 @@ def test_a_token_id_beyond_the_vocabulary_is_named_with_its_shard_and_position(t
     message = str(info.value)
     assert f"{shard.name} at token 1,000 holds token id 999, beyond the model's vocabulary of 256" in message
     assert f"paratrain data verify {tmp_path / 'data'}" in message
+
+
+def test_a_lost_link_is_named_by_address_and_ranks():
+    """netfault: gloo's broken connection, and a hang whose silent peers are all on another
+    node (or whose store cannot be reached at all), become one line naming the node."""
+    from paratrain import netfault
+
+    addresses = ["10.77.0.1", "10.77.0.1", "10.77.0.2", "10.77.0.2"]
+    try:
+        try:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [10.77.0.2]:1452: "
+                               "Connection reset by peer. GLHF!")
+        except RuntimeError as inner:
+            raise RuntimeError("pipeline rank 0 failed at 0B1") from inner
+    except RuntimeError as exc:
+        line = netfault.describe_lost_link(exc, addresses, 0)
+    assert line == "rank 0 lost the network link to 10.77.0.2 (ranks 2, 3): connection reset by peer"
+    assert netfault.describe_lost_link(ValueError("shapes differ"), addresses, 0) is None
+    assert "ranks 2, 3 at 10.77.0.2 are unreachable from 10.77.0.1" in netfault.unreachable([2, 3], addresses, 1)
+    assert netfault.unreachable([1, 2], addresses, 0) is None  # a peer on this node: not the link
+    assert "the store on 10.77.0.1 (rank 0's node) is unreachable from 10.77.0.2" in netfault.unreachable(
+        [0, 1, 3], addresses, 2, store_lost=True)

@@ -38,6 +38,8 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from . import netfault
+
 HEARTBEAT = "paratrain/heartbeat/"
 LOOPS = ("train/loop.py",)
 """The training loop whose ``train`` frame holds the step (0-based ``step``)."""
@@ -75,6 +77,9 @@ class Watchdog:
         self._state: dict = {}
         self._thread = threading.Thread(target=self._run, name="paratrain-watchdog", daemon=True)
         self.cleanups: list[Callable[[], None]] = []
+        self.addresses: list[str] | None = None
+        """Each rank's address (netfault.share_addresses), once known: a hang whose silent
+        peers are all on another node is named as a lost link."""
         """Run before this process ends itself (its parent gone, SIGTERM, a hang named by the
         caller through ``exit``): what a ``finally`` would do, which ``os._exit`` skips."""
 
@@ -209,6 +214,11 @@ class Watchdog:
                     if waiting else "no peer to compare with")]
         if waiting:
             lines.append(f"waiting as well: {', '.join(waiting)}")
+        silent = [r for r in members if r != self.rank and
+                  _absence(beats.get(r), group, mine, self.stale_s).startswith((" (silent", " (no heart"))]
+        cut = netfault.unreachable(silent, self.addresses, self.rank, store_lost=not beats)
+        if cut:
+            lines.append(cut)
         return "\n".join(lines)
 
 

@@ -8,13 +8,14 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-from .. import console
+from .. import console, netfault
 from ..launch import WorldSpec, enter_world
 from ..mesh import Mesh
 from ..watchdog import Watchdog
 from .config import Config, ConfigError
 from .loop import train
 from .rundir import RunDirLock
+from .saved import how_to_resume
 
 
 def run_worker(cfg: Config, world: WorldSpec | None) -> None:
@@ -26,22 +27,33 @@ def run_worker(cfg: Config, world: WorldSpec | None) -> None:
         train(cfg, Mesh.build(cfg.layout))
         dist.barrier()  # tear down together: no rank closes connections a peer still uses
         return
-    watchdog = Watchdog(world.rank, world.timeout_s, lambda report: _die_named(watchdog, report),
+    placed = [cfg]  # the run's config once rank 0 has placed it: a hang names its checkpoint
+    watchdog = Watchdog(world.rank, world.timeout_s,
+                        lambda report: _die_named(watchdog, f"{report}\n{how_to_resume(placed[0])}"),
                         cfg.parallel.max_time_s)
     watchdog.guard_parent(os.getppid(), None).start()  # die with the torchrun agent, or on SIGTERM
-    lock = None
+    lock, addresses = None, None
     try:
         enter_world(world)
         watchdog.attach(dist.distributed_c10d._get_default_store())
+        addresses = netfault.share_addresses(world.store_at[0] if world.store_at else "127.0.0.1")
+        watchdog.addresses = addresses
         cfg, lock = _agree_on_run(cfg, world)
+        placed[0] = cfg
         if lock is not None:  # every way out releases it, os._exit's too: a requeue must start
             watchdog.cleanups.append(lock.release)
         train(cfg, Mesh.build(cfg.layout))
         dist.barrier()
-    except BaseException:
+    except BaseException as exc:
         report = watchdog.hang_report()
         if report:
-            _die_named(watchdog, report)
+            _die_named(watchdog, f"{report}\n{how_to_resume(cfg)}")
+        lost = netfault.describe_lost_link(exc, addresses, world.rank) if addresses else None
+        if lost is not None:  # one line per node, not every rank's gloo traceback
+            if world.local_rank == 0:
+                _die_named(watchdog, f"{lost}. {how_to_resume(cfg)} (under torchrun "
+                                     f"--max-restarts the job restarts and resumes it itself)")
+            watchdog.exit(1)
         raise
     finally:
         watchdog.stop()
