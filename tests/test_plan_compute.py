@@ -116,6 +116,12 @@ def test_hsdp_is_searched_on_gpus_but_never_written_for_train():
     assert not trainable([hsdp[0], *result.plans], model, training).cand.hsdp
     spec = parse_layout("dp32 z3/hsdp8")
     assert (spec.zero, spec.shard_group) == (3, 8) and parse_layout("hsdp8").zero == 3
+    from paratrain.layout import Layout
+    from paratrain.plan.search import _hsdp_groups, _Problem
+
+    problem = _Problem(model, training, Cluster(gpu_preset("h100-80g"), 32), None, ("none",), 1.0)
+    assert _hsdp_groups(problem, Candidate(Layout(dp=32), 3, 1, 2), most=3) == [8, 16]
+    assert _hsdp_groups(problem, Candidate(Layout(dp=4, tp=8), 3, 1, 16), most=3) == []  # 1 rank a node
 
 
 def test_zero3_gather_choice_is_read_and_written_for_train():

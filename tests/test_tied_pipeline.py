@@ -46,10 +46,24 @@ def test_pp2_and_interleaved_equal_one_process(reference, tmp_path):
     _check(run_world(train_runs, 2, _configs(str(tmp_path), 2, layouts)), reference, layouts)
 
 
+def _nccl_path_runs(configs: dict) -> dict:
+    """``train_runs`` with the collectives NCCL's path takes (a reduce-scatter into each
+    rank's shard, not gloo's whole-buffer all-reduce: comm/backend.ring_path), so that the
+    tied gradients must be summed before ZeRO-1 reduces them, as on GPUs."""
+    from paratrain.comm import backend
+
+    original = backend.ring_path
+    backend.ring_path = lambda group, ring=None: bool(ring)
+    try:
+        return train_runs(configs)
+    finally:
+        backend.ring_path = original
+
+
 def test_dp2_pp2_zero1_and_tp2_pp2_equal_one_process(reference, tmp_path):
     layouts = {"dp2 pp2 zero1": dict(dp=2, pp=2, zero=1, microbatches=2),
                "tp2 pp2": dict(tp=2, pp=2, dp=1, microbatches=2)}
-    _check(run_world(train_runs, 4, _configs(str(tmp_path), 4, layouts)), reference, layouts)
+    _check(run_world(_nccl_path_runs, 4, _configs(str(tmp_path), 4, layouts)), reference, layouts)
 
 
 def test_a_pp2_checkpoint_holds_the_tensor_once_and_resumes_on_one_process(reference, tmp_path):
