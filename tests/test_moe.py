@@ -131,7 +131,8 @@ def _configs(tmp: str, nproc: int, ep: int) -> dict:
     return {"aux": tiny_config(tmp, nproc=nproc, ep=ep, **MOE),
             "bias": tiny_config(tmp, nproc=nproc, ep=ep, aux_loss_coef=0.0, bias_update=0.01, **MOE),
             "accumulate": tiny_config(tmp, nproc=nproc, ep=ep, micro_batch=8 // nproc // 2, **MOE),
-            "recompute": tiny_config(tmp, nproc=nproc, ep=ep, recompute="full", **MOE)}
+            "recompute": tiny_config(tmp, nproc=nproc, ep=ep, recompute="full", **MOE),
+            "capacity": tiny_config(tmp, nproc=nproc, ep=ep, capacity_factor=1.0, **MOE)}
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +143,9 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("nproc, ep", [(2, 2), (4, 2), (4, 4)])
 def test_expert_parallel_matches_one_process(nproc, ep, reference, tmp_path):
     runs = run_world(train_runs, nproc, _configs(str(tmp_path), nproc, ep))
+    drops = [json.loads(line)["dropped_tokens"]
+             for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(drops) > 0  # capacity 1.0 drops some assignments: per sequence, as on one process
     for name, want in reference.items():
         for rank, got in enumerate(runs):
             assert_same_run(got[name], want, what=f"{name} dp{nproc} ep{ep} rank {rank}")
@@ -153,7 +157,7 @@ def test_pipeline_stages_carry_the_aux_loss(reference, tmp_path):
     configs = {name: tiny_config(str(tmp_path), nproc=4, dp=2, pp=2, ep=2, micro_batch=2,
                                  **{**MOE, **kw}) for name, kw in
                [("aux", {}), ("bias", dict(aux_loss_coef=0.0, bias_update=0.01)), ("accumulate", {}),
-                ("recompute", dict(recompute="full"))]}
+                ("recompute", dict(recompute="full")), ("capacity", dict(capacity_factor=1.0))]}
     runs = run_world(train_runs, 4, configs)
     for name, want in reference.items():
         for rank, got in enumerate(runs):

@@ -91,8 +91,8 @@ class GPTConfig:
     """Step of the selection bias toward balance after each optimizer step (0: off;
     DeepSeek-V3's auxiliary-loss-free balancing)."""
     capacity_factor: float = 0.0
-    """Each expert takes at most capacity_factor · tokens · top_k / n_experts assignments
-    per microbatch, the rest dropped (0: dropless)."""
+    """Each expert takes at most capacity_factor · T · top_k / n_experts of a sequence's
+    T · top_k assignments, the rest dropped (0: dropless)."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:

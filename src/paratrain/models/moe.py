@@ -128,7 +128,7 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         weights = (weights * self.routed_scale).to(x.dtype)
         counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
-        keep = self._capacity_mask(chosen, counts) if self.capacity_factor else None
+        keep = self._capacity_mask(chosen.view(b, s * self.top_k)) if self.capacity_factor else None
         out = self._route(flat, chosen, weights, keep)
         if self.shared is not None:
             shared = self.shared(flat)
@@ -156,14 +156,15 @@ class MoE(nn.Module):
         w = weights.reshape(-1, 1) if keep is None else (weights * keep).reshape(-1, 1)
         return (full * w).view(-1, k, flat.shape[1]).sum(1)
 
-    def _capacity_mask(self, chosen: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Which assignments fit: each expert takes at most capacity_factor · T · k / E of
-        this call's assignments, earliest tokens first; the rest are dropped (counted)."""
-        tokens = chosen.shape[0]
-        capacity = int(self.capacity_factor * tokens * self.top_k / self.n_experts)
-        onehot = F.one_hot(chosen.reshape(-1), self.n_experts)
-        place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each assignment's place in its expert
-        return (place < capacity).view_as(chosen)
+    def _capacity_mask(self, per_seq: torch.Tensor) -> torch.Tensor:
+        """Which assignments fit (``per_seq``: each sequence's T · k chosen experts, in
+        token order): each expert takes at most capacity_factor · T · k / E of a sequence's
+        assignments, earliest tokens first, the rest dropped (counted). Per sequence, like
+        the balancing statistics, so that no layout or microbatch size changes what drops."""
+        capacity = int(self.capacity_factor * per_seq.shape[1] / self.n_experts)
+        onehot = F.one_hot(per_seq, self.n_experts)
+        place = (onehot.cumsum(1) * onehot).sum(-1) - 1  # each assignment's place in its expert
+        return (place < capacity).view(-1, self.top_k)
 
     def _balance(self, out, scores, chosen, counts, keep) -> torch.Tensor:
         """Record the load, and attach the auxiliary loss's gradient to ``out``."""
