@@ -141,7 +141,8 @@ class GPTConfig:
                           n_kv_heads=self.kv_heads, ffn_hidden=self.ffn_dim,
                           vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
                           tie_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias,
-                          qk_norm=self.qk_norm, n_experts=self.n_experts, top_k=self.top_k,
+                          qk_norm=self.qk_norm, n_experts=self.n_experts,
+                          top_k=self.top_k if self.n_experts else 0,
                           expert_ffn=self.expert_dim if self.n_experts else 0,
                           shared_ffn=self.shared_ffn, shared_gate=self.shared_gate,
                           moe_every=self.moe_every, moe_first_dense=self.moe_first_dense)

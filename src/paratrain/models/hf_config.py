@@ -246,7 +246,8 @@ def refuse_unmodelled(raw: dict, path: Path) -> None:
         key, count = next(iter(experts.items()))
         raise HFModelError(f"{name} is a mixture of experts ({key} = {count}): the planner "
                            f"models dense decoder-only transformers only and would plan it as "
-                           f"a dense model of the same width; MoE is not supported yet")
+                           f"a dense model of the same width; planning MoE is not supported yet "
+                           f"(`paratrain train` runs Mixtral and Qwen-MoE models: docs/moe.md)")
     if raw.get("is_encoder_decoder") is True or kind in _ENCODER_DECODER:
         raise HFModelError(f"{name} is an encoder-decoder model: the planner models "
                            f"decoder-only transformers only and would plan it as a decoder; "

@@ -124,12 +124,18 @@ def load_model(spec: str) -> ModelSpec:
 
 # ---- TOML ---------------------------------------------------------------------------------
 
+MOE_FIELDS = ("n_experts", "top_k", "expert_ffn", "shared_ffn", "moe_first_dense")
+"""A mixture of experts' shape fields, 0 in a dense model."""
+
 _IGNORED_GPT_FIELDS = (
     "rope_theta", "rope_scaling",  # rotary frequencies: the same tensors and FLOPs
     "norm_eps", "init_std",  # values, not shapes
     # paratrain computes full attention and refuses sequences longer than the window, so
     # every run train accepts costs what the planner counts without it.
     "sliding_window",
+    # how a mixture of experts routes and balances: values, not shapes (the experts, top_k
+    # and widths are the shape's; a dense plan carries the defaults)
+    "router", "norm_topk", "routed_scale", "aux_loss_coef", "bias_update", "capacity_factor",
 )
 """``GPTConfig`` fields that change neither memory nor time; every other field is
 modelled (``qkv_bias`` is a ``ModelSpec`` field). tests/test_plan_ux.py checks that each
@@ -170,7 +176,12 @@ def from_toml(path: str | Path) -> ModelSpec:
                          f"from, as in a train config's [model] table)")
     values = {"vocab_size": 256, "max_seq_len": 256, "n_kv_heads": 0, "ffn_hidden": 0,
               **{k: v for k, v in table.items() if k in known}}
-    check_values(path, values, zero_ok=("n_kv_heads", "ffn_hidden"))
+    check_values(path, values, zero_ok=("n_kv_heads", "ffn_hidden", *MOE_FIELDS))
+    if values.get("n_experts"):
+        raise ValueError(f"{path}: a mixture of experts (n_experts = {values['n_experts']}): the "
+                         f"planner models dense models only and would plan it as a dense one of "
+                         f"the same width; `paratrain train` runs it (docs/moe.md)")
+    values["top_k"] = 0  # a dense model routes nothing (GPTConfig's default 2 is for experts)
     values["n_kv_heads"] = values["n_kv_heads"] or values["n_heads"]
     values["ffn_hidden"] = values["ffn_hidden"] or default_ffn(values["d_model"])
     return ModelSpec(name=path.name, **values, preset=preset, carried=carried)
