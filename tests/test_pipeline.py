@@ -336,5 +336,6 @@ def test_split_layers_balances_costs_and_rejects_bad_sizes():
     assert split_layers(4, 2, layer_costs=[3, 1, 1, 1]) == [range(0, 1), range(1, 4)]
     with pytest.raises(LayoutError, match="at least one layer"):
         split_model(GPT(CFG), 0, CFG.n_layers + 3)
-    with pytest.raises(LayoutError, match="tie_embeddings"):
-        split_model(GPT(GPTConfig(n_layers=2, tie_embeddings=True)), 0, 2)
+    tied = split_model(GPT(GPTConfig(n_layers=2, tie_embeddings=True)), 1, 2)  # the last stage
+    head = tied[0].get_submodule("output").weight
+    assert head.numel() and head is not tied[0].get_submodule("norm").weight  # a copy of its own

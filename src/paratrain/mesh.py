@@ -67,9 +67,13 @@ class Mesh:
         if layout.pp > 1:  # the first and last stage: a tied embedding's two ends
             stages = layout.ranks_along(PP, rank)
             ends = [stages[0], stages[-1]]
+            # A middle stage makes a group of its own as well: torch names a group by its
+            # ranks and the count of groups its process made before, so every rank must
+            # make as many, or later groups get different names on different ranks.
+            group = dist.new_group(ends if rank in ends else [rank], timeout=timeout,
+                                   use_local_synchronization=True, group_desc=EMBEDDING)
             if rank in ends:
-                groups[frozenset((EMBEDDING,))] = dist.new_group(
-                    ends, timeout=timeout, use_local_synchronization=True, group_desc=EMBEDDING)
+                groups[frozenset((EMBEDDING,))] = group
         if layout.ep > 1:
             # Folded onto dp, yet groups of their own even where the ranks are dp's: the
             # all-to-alls run inside backward while DDP's buckets reduce over dp, in an

@@ -95,7 +95,7 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
               else model.get_submodule(desc.blocks))
     apply_recompute(blocks, opts.recompute, core=desc.attention_core)
     group = mesh.group(DP_CP)
-    plan = step_plan(model, mesh, opts)
+    plan = step_plan(model, mesh, opts, moe=desc.shape.n_experts > 0)
     plan.tied_copy = ((f"{desc.head}.weight", f"{desc.embedding}.weight")
                       if p.pp > 1 and not untied else None)
     compress = dataclasses.replace(opts.compress, place=place(mesh))
@@ -121,9 +121,10 @@ def place(mesh: Mesh) -> str:
     return ".".join(f"{axis}{mesh.coord(axis)}of{mesh.size(axis)}" for axis in (DP, TP, PP, CP))
 
 
-def step_plan(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> StepPlan:
+def step_plan(model: nn.Module, mesh: Mesh, opts: ParallelOptions, moe: bool = False) -> StepPlan:
     """What every step of the run shares (see parallel/step.py). Under pipeline parallelism
-    ``model`` is the module list of this rank's chunks."""
+    ``model`` is the module list of this rank's chunks; ``moe``: the model has mixture-of-
+    experts layers (on some stage: every stage then sums their figures with the others)."""
     p = opts.parallel
     local_seq = opts.seq_len // p.cp  # context parallelism: this rank's share
     stream_seq = local_seq // p.tp if p.sp else local_seq  # SP cuts the stream between stages
@@ -142,4 +143,4 @@ def step_plan(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> StepPlan:
         autocast_bf16=opts.precision == "bf16" and not p.zero,
         recorder=Recorder(rank=mesh.coord(PP)) if opts.timeline and p.pp > 1 else None,
         balance=Balance.find(list(model) if p.pp > 1 else [model], mesh.group(DP_CP),
-                             mesh.group(PP) if p.pp > 1 else None))
+                             mesh.group(PP) if p.pp > 1 else None) if moe else None)

@@ -56,7 +56,8 @@ class Balance:
         device = next((p.device for m in self.layers for p in m.parameters()), torch.device("cpu"))
         load, aux = load.to(device), aux.to(device)
         if self.data_group is not None:  # each rank routed tokens of its own
-            C.all_reduce(load, self.data_group)
+            if load.numel():  # a stage without MoE layers has none (its dp peers neither)
+                C.all_reduce(load, self.data_group)
             C.all_reduce(aux, self.data_group)
         for m, layer_load in zip(self.layers, load):
             if update:

@@ -21,7 +21,8 @@ from ..comm import compress
 from ..layout import Layout, LayoutError, parse_domain
 from ..models import hf, shape_base
 from ..data.dataset import read_meta
-from ..models.gpt import PRESETS, GPTConfig, parse_rope_scaling, preset
+from ..models.gpt import PRESETS, GPTConfig, preset
+from ..models.rope import parse_rope_scaling
 from . import schema
 from .sections import DataConfig, OptimConfig, ParallelConfig, TrainConfig
 from .task import load_task, task_names, task_sections
@@ -144,13 +145,13 @@ class Config:
         """The language model's checks: its shape against the layout, its preset, resume."""
         m, p = self.model, self.parallel
         try:
+            # self.layout: the order string (--order) parses and names every axis once
             rules.check_split(m.shape, self.layout, virtual_stages=p.virtual_stages,
                               seq_len=self.data.seq_len, cp_method=p.cp_method)
             rules.sequence_parallel(p.sp, p.tp, p.cp, self.data.seq_len)
             rules.tied_embeddings(m.tie_embeddings, p.pp, p.zero, p.compress.endswith(":update"))
             rules.virtual_stages(p.virtual_stages, p.schedule)
             rules.expert_strategies(m.n_experts, p.ep, p.zero, p.compress)
-            self.layout  # the order string (--order) parses and names every axis once
         except LayoutError as exc:
             raise ConfigError(str(exc)) from None
         if m.rope_scaling:
