@@ -132,6 +132,9 @@ def _configs(tmp: str, nproc: int, ep: int) -> dict:
             "bias": tiny_config(tmp, nproc=nproc, ep=ep, aux_loss_coef=0.0, bias_update=0.01, **MOE),
             "accumulate": tiny_config(tmp, nproc=nproc, ep=ep, micro_batch=8 // nproc // 2, **MOE),
             "recompute": tiny_config(tmp, nproc=nproc, ep=ep, recompute="full", **MOE),
+            # recomputed forwards must not count their tokens again: the bias moves as without
+            "bias recompute": tiny_config(tmp, nproc=nproc, ep=ep, aux_loss_coef=0.0, bias_update=0.01,
+                                          recompute="full", **MOE),
             "capacity": tiny_config(tmp, nproc=nproc, ep=ep, capacity_factor=1.0, **MOE)}
 
 
@@ -149,6 +152,7 @@ def test_expert_parallel_matches_one_process(nproc, ep, reference, tmp_path):
     for name, want in reference.items():
         for rank, got in enumerate(runs):
             assert_same_run(got[name], want, what=f"{name} dp{nproc} ep{ep} rank {rank}")
+            assert_same_run(got["bias recompute"], reference["bias"], what=f"bias recompute rank {rank}")
 
 
 def test_pipeline_stages_carry_the_aux_loss(reference, tmp_path):
@@ -157,7 +161,8 @@ def test_pipeline_stages_carry_the_aux_loss(reference, tmp_path):
     configs = {name: tiny_config(str(tmp_path), nproc=4, dp=2, pp=2, ep=2, micro_batch=2,
                                  **{**MOE, **kw}) for name, kw in
                [("aux", {}), ("bias", dict(aux_loss_coef=0.0, bias_update=0.01)), ("accumulate", {}),
-                ("recompute", dict(recompute="full")), ("capacity", dict(capacity_factor=1.0))]}
+                ("recompute", dict(recompute="full")), ("capacity", dict(capacity_factor=1.0)),
+                ("bias recompute", dict(aux_loss_coef=0.0, bias_update=0.01, recompute="full"))]}
     runs = run_world(train_runs, 4, configs)
     for name, want in reference.items():
         for rank, got in enumerate(runs):
@@ -212,3 +217,20 @@ def test_a_checkpoint_at_ep4_resumes_at_ep2_and_on_one_process(tmp_path):
     for rank, got in enumerate(run_world(train_runs, 2, {"b": config(tmp_path / "b", 2, ep=2,
                                                                           resume=ckpt)})):
         assert_same_run(tail(got["b"]), want, what=f"ep2 rank {rank}")
+
+
+def test_recomputed_forwards_do_not_count_their_tokens_again():
+    """Under full recomputation each MoE layer's forward runs again inside backward: the
+    load, aux and drops it records count each token once (the metrics, the bias's input)."""
+    from paratrain.parallel.recompute import apply_recompute
+
+    cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, **MOE)
+    model = GPT(cfg, seed=3).train()
+    apply_recompute(model.layers, "full", core="attn.core")
+    tokens = torch.randint(0, 64, (2, 8))
+    # torch stops a recomputation once it has the tensors backward needs, which today is
+    # before the statistics; without that early stop the whole forward runs again
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        model(tokens, tokens).backward()
+    for block in model.layers:
+        assert int(block.mlp.stats.load.sum()) == tokens.numel() * cfg.top_k
