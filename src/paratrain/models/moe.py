@@ -111,9 +111,6 @@ class MoE(nn.Module):
         self.loss_scale = 1.0
         """d(objective)/d(summed token loss) of the step running: the aux loss's gradient
         is ``loss_scale · aux_coef · T`` (set by the step, parallel/step.py)."""
-        self.seq_group = None
-        """The ranks that share each sequence (context or sequence parallelism): counts
-        per sequence are summed over it. None: each rank holds whole sequences."""
         self.stats = MoEStats(cfg.n_experts)
         """What this layer routed since the stats were last read (metrics)."""
 
@@ -174,12 +171,7 @@ class MoE(nn.Module):
             return out
         b, s, _ = scores.shape
         per_seq = F.one_hot(chosen, self.n_experts).sum((1, 2)).float()  # (b, E)
-        tokens = s
-        if self.seq_group is not None:  # each rank holds a slice of every sequence
-            from ..comm import collectives as C
-
-            C.all_reduce(per_seq, self.seq_group)
-            tokens = s * C.size(self.seq_group)
+        tokens = s  # whole sequences on this rank: tp and cp, which cut them, are refused
         f = per_seq / (tokens * self.top_k)
         probs = scores if self.router_kind == "softmax" else scores / scores.sum(-1, keepdim=True)
         aux = self.n_experts * (f * probs.sum(1) / tokens).sum()  # this rank's part, Σ over seqs
