@@ -82,6 +82,9 @@ def step_peak(cfg, mesh) -> dict[str, int]:
     return {"peak": mode.peak, "start": mode.start, "pp": mesh.coord("pp")}
 
 
+MOE = dict(n_experts=4, expert_ffn=64)
+"""Four experts as wide as half the dense MLP (ffn 128); top_k set per case."""
+
 # Per world: activation-heavy settings (seq 64, 8 sequences) so that activations and
 # buffers, not model states, are most of each peak.
 MATRIX = {
@@ -91,7 +94,13 @@ MATRIX = {
         dict(dp=2, zero=1, precision="bf16"), dict(tp=2), dict(tp=2, sp=True),
         dict(pp=2), dict(pp=2, schedule="gpipe"), dict(pp=2, recompute="full"),
         dict(pp=2, tie_embeddings=True),  # the last stage's copy of the embedding
-        dict(cp=2), dict(cp=2, cp_method="ulysses")],
+        dict(cp=2), dict(cp=2, cp_method="ulysses"),
+        # mixtures of experts (docs/plan.md, "Mixtures of experts"): ep1 routes top-2 as it
+        # likes; at ep2 every token goes to all 4 experts, so each rank receives the
+        # balanced load the planner assumes (a rank that receives more holds more)
+        dict(dp=2, **MOE), dict(dp=2, ep=2, **MOE, top_k=4),
+        dict(dp=2, ep=2, precision="bf16", **MOE, top_k=4),
+        dict(dp=2, ep=2, recompute="full", **MOE, top_k=4)],
     4: [dict(dp=2, tp=2, sp=True), dict(dp=2, pp=2, zero=1), dict(tp=2, cp=2),
         dict(dp=2, pp=2, zero=1, tie_embeddings=True),
         dict(pp=2, dp=2, schedule="interleaved", virtual_stages=2, n_layers=4),

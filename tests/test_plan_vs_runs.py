@@ -72,7 +72,13 @@ def test_state_bytes_equal_the_planners(nproc, tmp_path):
 MODEL_PARALLEL = [dict(dp=2, tp=2, zero=1), dict(tp=4, vocab_size=250),
                   dict(dp=2, pp=2, zero=1, n_layers=4), dict(tp=2, pp=2, n_layers=4, vocab_size=250),
                   dict(dp=2, cp=2, zero=3), dict(tp=2, cp=2, zero=2, precision="bf16"),
-                  dict(dp=2, pp=2, zero=3, n_layers=4), dict(dp=2, pp=2, zero=2, n_layers=4, precision="bf16")]
+                  dict(dp=2, pp=2, zero=3, n_layers=4), dict(dp=2, pp=2, zero=2, n_layers=4, precision="bf16"),
+                  # mixtures of experts: each rank holds n_experts / ep experts of each MoE
+                  # block, and the selection bias without gradient or optimizer state
+                  dict(dp=4, n_experts=4, top_k=2, expert_ffn=48),
+                  dict(dp=4, ep=2, n_experts=4, top_k=2, expert_ffn=48, moe_first_dense=1),
+                  dict(dp=4, ep=4, n_experts=4, top_k=1, expert_ffn=48, shared_ffn=32,
+                       shared_gate=True, precision="bf16")]
 
 
 def test_model_parallel_state_bytes_equal_the_planners(tmp_path):

@@ -228,26 +228,29 @@ def sliding_window(raw: dict, directory: Path) -> int:
 # ---- what the planner refuses -------------------------------------------------------------
 
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+MOE_PLANNED = ("mixtral", "qwen2_moe", "qwen3_moe")
+"""Mixtures of experts the planner reads (``plan/hf_config.py``, through ``models/hf_moe.py``
+as train does): the ones train runs; any other is refused by name."""
 _ENCODER_DECODER = {"t5", "mt5", "umt5", "longt5", "switch_transformers", "bart", "mbart",
                     "pegasus", "marian", "whisper", "encoder-decoder"}
 
 
 def refuse_unmodelled(raw: dict, path: Path) -> None:
     """Raise HFModelError, naming the model, for architectures the planner would misread
-    as a dense decoder: mixtures of experts (their parameters, memory and FLOPs depend on
-    the experts and expert parallelism) and encoder-decoders (two stacks, cross attention)."""
+    as a dense decoder: mixtures of experts other than ``MOE_PLANNED`` (DeepSeek's, ...) and
+    encoder-decoders (two stacks, cross attention)."""
     kind = str(raw.get("model_type", "?"))
     # a config.json is named by its model's directory; any other file by its own path
     shown = path.parent.name if path.name == "config.json" and path.parent.name else str(path)
     name = f"{shown} (model_type {kind!r})"
     experts = {k: raw[k] for k in _EXPERT_KEYS
                if isinstance(raw.get(k), int) and not isinstance(raw.get(k), bool) and raw[k] > 1}
-    if experts:
+    if experts and kind not in MOE_PLANNED:
         key, count = next(iter(experts.items()))
-        raise HFModelError(f"{name} is a mixture of experts ({key} = {count}): the planner "
-                           f"models dense decoder-only transformers only and would plan it as "
-                           f"a dense model of the same width; planning MoE is not supported yet "
-                           f"(`paratrain train` runs Mixtral and Qwen-MoE models: docs/moe.md)")
+        raise HFModelError(f"{name} is a mixture of experts ({key} = {count}) the planner does "
+                           f"not model (it would plan it as a dense model of the same width); "
+                           f"it plans the ones `paratrain train` runs: "
+                           f"{', '.join(TRAINED[k] for k in MOE_PLANNED)} (docs/moe.md)")
     if raw.get("is_encoder_decoder") is True or kind in _ENCODER_DECODER:
         raise HFModelError(f"{name} is an encoder-decoder model: the planner models "
                            f"decoder-only transformers only and would plan it as a decoder; "

@@ -168,6 +168,18 @@ class Candidate:
         return self.dp * self.cp
 
     @property
+    def ep(self) -> int:
+        """Expert-parallel ranks (``layout.ep``, folded onto the dp x cp ranks): each MoE
+        block's experts are split over them."""
+        return self.layout.ep
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks holding the same experts (dp x cp / ep): the expert gradients' reduction
+        group, which ZeRO shards expert states over."""
+        return self.shard // self.layout.ep
+
+    @property
     def zero_shard(self) -> int:
         """Ranks the ZeRO states are sharded over (the HSDP group, else ``shard``)."""
         return self.shard_group or self.shard
@@ -183,7 +195,8 @@ class Candidate:
     def as_dict(self) -> dict[str, object]:
         """The flat form ``plan --json`` prints: axis sizes, then the strategy choices."""
         choices = {name: getattr(self, name) for name in _CANDIDATE_FIELDS if name != "layout"}
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, **choices, "sp": self.sp}
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.layout.ep,
+                **choices, "sp": self.sp}
 
     def describe(self) -> str:
         """Compact form such as ``dp8 tp8 pp2 cp1 z1 1f1b mb1 rc=sel``."""
@@ -192,6 +205,7 @@ class Candidate:
         hsdp = f"/hsdp{self.shard_group}" if self.hsdp else ""
         hsdp += self.gather_choice
         uly = "/ulysses" if self.cp > 1 and self.cp_method == "ulysses" else ""
+        uly += f" ep{self.layout.ep}" if self.layout.ep > 1 else ""
         return (f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}{uly} z{self.zero}{hsdp}{sched} "
                 f"mb{self.micro_batch}x{self.microbatches} rc={self.recompute}")
 

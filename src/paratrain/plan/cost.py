@@ -51,6 +51,7 @@ from .candidate import Candidate, Training
 from .compute import attention_time, elementwise_bytes, matmul_time, unfused_attention_time
 from .flops import attention_core_flops, layer_matmuls
 from .hardware import Cluster, Link, members_per_node
+from . import moe
 from .models import ModelSpec
 from .overlap import exposed, link_collective_time, p2p_time, prefetched
 
@@ -78,10 +79,14 @@ class StepTime:
     """Exposed gradient reduction and ZeRO gathers."""
     optimizer: float
     """Optimizer update (memory-bound)."""
+    ep: float | None = None
+    """Exposed expert-parallel all-to-alls (``plan/moe.py``); None for a dense model, which
+    has no such column."""
 
     @property
     def step(self) -> float:
-        return self.compute + self.bubble + self.tp + self.cp + self.pp + self.dp + self.optimizer
+        return (self.compute + self.bubble + self.tp + self.cp + self.pp + self.dp
+                + self.optimizer + (self.ep or 0.0))
 
 
 def max_stage_params(model: ModelSpec, cand: Candidate) -> int:
@@ -176,7 +181,8 @@ def _block(model: ModelSpec, training: Training, cluster: Cluster, tp: int, cp: 
 
 @lru_cache(maxsize=1 << 14)
 def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: int, cp: int,
-                   pp: int, b: int, recompute: str, v: int = 1, sp: bool = True) -> _Micro:
+                   pp: int, b: int, recompute: str, v: int = 1, sp: bool = True,
+                   ep: int = 1) -> _Micro:
     blk = _block(model, training, cluster, tp, cp, b, sp)
     attention, memory_bound = blk.attention, blk.memory_bound
     rerun = {"none": 0.0, "selective": attention,
@@ -186,14 +192,20 @@ def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: i
     block_bwd = blk.matmul_bwd + 2 * (attention + memory_bound + fixed) + rerun + (
         fixed if recompute == "full" else 0.0)
 
-    def stage(layers: int, last: bool) -> tuple[float, float]:
-        return (layers * block_fwd + (blk.head_fwd if last else 0.0),
-                layers * block_bwd + (blk.head_bwd if last else 0.0))
+    moe_fwd = moe_bwd = 0.0
+    if model.n_experts:
+        moe_fwd, moe_bwd = moe.block_time(model, training, cluster, tp, cp, b, sp, ep)
+        moe_bwd += moe_fwd if recompute == "full" else 0.0
+
+    def stage(s: int, layers: int) -> tuple[float, float]:
+        last, experts = s == pp - 1, model.stage_moe_layers(pp, s, v)
+        return (layers * block_fwd + experts * moe_fwd + (blk.head_fwd if last else 0.0),
+                layers * block_bwd + experts * moe_bwd + (blk.head_bwd if last else 0.0))
 
     # The slowest stage sets the pace: the last (it runs the logits) or, with uneven
     # stages, one holding more blocks.
     counts = model.stage_layer_counts(pp, v)
-    fwd, bwd = max((stage(n, s == pp - 1) for s, n in enumerate(counts)), key=sum)
+    fwd, bwd = max((stage(s, n) for s, n in enumerate(counts)), key=sum)
     return _Micro(fwd, bwd, attention)
 
 
@@ -201,16 +213,21 @@ def step_time(model: ModelSpec, training: Training, cluster: Cluster,
               cand: Candidate) -> StepTime:
     """Predicted time of one optimizer step of ``cand`` (see the module docstring)."""
     micro = _micro_compute(model, training, cluster, cand.tp, cand.cp, cand.pp,
-                           cand.micro_batch, cand.recompute, cand.virtual_stages, cand.sp)
+                           cand.micro_batch, cand.recompute, cand.virtual_stages, cand.sp,
+                           cand.ep)
     tp, cp, pp = _micro_comm(model, training, cluster, Candidate(
         cand.layout, 0, cand.micro_batch, 1, cand.schedule,
         cand.virtual_stages, cand.recompute, cand.sequence_parallel, cp_method=cand.cp_method))
     m, p, v = cand.microbatches, cand.pp, cand.virtual_stages
-    per_micro = micro.fwd + micro.bwd + tp + cp + pp
+    # the fullest stage's MoE blocks' all-to-alls, on the critical path like pp's sends
+    ep = moe.all_to_all_time(model, training, cluster, cand, max(
+        model.stage_moe_layers(p, s, v) for s in range(p))) if model.n_experts else None
+    per_micro = micro.fwd + micro.bwd + tp + cp + pp + (ep or 0.0)
     bubble = (p - 1) / v * per_micro
     return StepTime(compute=m * (micro.fwd + micro.bwd), bubble=bubble, tp=m * tp, cp=m * cp,
                     pp=m * pp, dp=_dp_time(model, training, cluster, cand, micro),
-                    optimizer=_optimizer_time(model, training, cluster, cand))
+                    optimizer=_optimizer_time(model, training, cluster, cand),
+                    ep=None if ep is None else m * ep)
 
 
 @lru_cache(maxsize=1 << 14)
@@ -219,7 +236,8 @@ def _micro_comm(model: ModelSpec, training: Training, cluster: Cluster,
     """Exposed tp, cp and pp time per microbatch (independent of the ZeRO stage and the
     microbatch count, which ``cand`` carries as 0 and 1 so the search shares them)."""
     micro = _micro_compute(model, training, cluster, cand.tp, cand.cp, cand.pp,
-                           cand.micro_batch, cand.recompute, cand.virtual_stages, cand.sp)
+                           cand.micro_batch, cand.recompute, cand.virtual_stages, cand.sp,
+                           cand.ep)
     return (_tp_time(model, training, cluster, cand),
             _cp_time(model, training, cluster, cand, micro),
             _pp_time(model, training, cluster, cand))
@@ -297,11 +315,30 @@ def _pp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
 
 def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate,
              micro: _Micro) -> float:
-    n = cand.shard
-    if n == 1:
+    if cand.shard == 1:
         return 0.0
     link = cluster.link(cand.sizes(), ORDER, ("cp", "dp"))
     psi = max_stage_params(model, cand)
+    experts = moe.stage_max_expert_params(model, cand)
+    if not experts or cand.expert_shard == 1:  # every expert on its own rank: nothing to reduce
+        return _reduce_time(model, training, cluster, cand, micro, psi, cand.shard, link)
+    # A MoE model's expert gradients reduce over the ranks holding the same experts
+    # (moe.expert_reduction): its own group and link, in the same backward window.
+    edp = moe.group_link(cluster, moe.expert_data_group(cand.layout))
+    if cand.zero == 0:  # one DDP reduction per group, hidden behind the same backward
+        grad = 4 if cluster.kind == "local" else training.act_bytes
+        comm = (link_collective_time(cluster, link, "all-reduce", psi * grad, cand.shard)
+                + link_collective_time(cluster, edp, "all-reduce", experts * grad, cand.expert_shard))
+        return exposed(comm, micro.bwd if training.dp_overlap else 0.0, cluster.gpu.overlap_cost)
+    return (_reduce_time(model, training, cluster, cand, micro, psi, cand.shard, link)
+            + _reduce_time(model, training, cluster, cand.but(zero=min(cand.zero, 2)), micro,
+                           experts, cand.expert_shard, edp))
+
+
+def _reduce_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate,
+                 micro: _Micro, psi: float, n: int, link: Link) -> float:
+    """Exposed seconds of reducing (and under ZeRO gathering) ``psi`` parameters' gradients
+    over ``n`` ranks on ``link``."""
     weight = grad = training.act_bytes
     if cluster.kind == "local" and cand.zero == 0:
         grad = 4  # paratrain's bf16 data parallelism is autocast over fp32 weights and grads
@@ -391,5 +428,6 @@ def _optimizer_time(model: ModelSpec, training: Training, cluster: Cluster,
                     cand: Candidate) -> float:
     psi = max_stage_params(model, cand)
     local = psi / (cand.zero_shard if cand.zero >= 1 else 1)  # HSDP: its group
+    local += moe.stage_max_expert_params(model, cand) / (cand.expert_shard if cand.zero >= 1 else 1)
     return local * OPTIMIZER_BYTES[training.optimizer] / (cluster.gpu.optimizer_bw
                                                           or cluster.gpu.hbm_bw)

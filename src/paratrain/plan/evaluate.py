@@ -4,7 +4,8 @@ breakdown even when it does not fit, why not and by how much, and where it would
 A layout spec fixes any subset of the choices, written as the tables print them:
 ``dp8 tp8 pp4 cp1 v2 zero1 mb1 recompute=selective`` (also ``z1``, ``tp8+sp``,
 ``rc=sel``, ``mb1x16``, ``gpipe`` / ``1f1b`` / ``interleaved`` / ``interleaved/v2``,
-``ring`` / ``ulysses`` or ``cp2/ulysses`` for context parallelism's attention,
+``ring`` / ``ulysses`` or ``cp2/ulysses`` for context parallelism's attention, ``ep2``
+for a mixture of experts' expert parallelism,
 ``reshard=yes|no`` or ``z3/reshard`` / ``z3/keep`` for ZeRO-3's gathered parameters).
 What it leaves out is searched: the best completion that fits is shown, or, when none
 fits, the one closest to fitting.
@@ -26,7 +27,7 @@ from .models import ModelSpec
 from .results import SearchResult, rank_key
 from .search import _holds, _virtual_stages, divisors, layout_problems
 
-_SIZE = re.compile(r"(dp|tp|pp|cp)(\d+)(\+sp)?(?:/(ring|ulysses))?")
+_SIZE = re.compile(r"(dp|tp|pp|cp|ep)(\d+)(\+sp)?(?:/(ring|ulysses))?")
 _ALIASES = {"sel": "selective", "no": "none", "off": "none"}
 
 
@@ -42,6 +43,9 @@ class LayoutSpec:
     """Pipeline stages."""
     cp: int | None = None
     """Context-parallel ranks."""
+    ep: int | None = None
+    """Expert-parallel ranks of a mixture of experts (folded onto dp x cp: not a factor of
+    the world)."""
     zero: int | None = None
     """ZeRO stage."""
     micro_batch: int | None = None
@@ -142,7 +146,7 @@ def _read_token(token: str) -> dict:
     else:
         raise ValueError(f"--layout: cannot read {token!r}; write e.g. 'dp8 tp8 pp4 cp1 v2 "
                          f"zero1 mb1 1f1b recompute=selective' (any subset)")
-    if any(values.get(k) == 0 for k in ("dp", "tp", "pp", "cp", "micro_batch",
+    if any(values.get(k) == 0 for k in ("dp", "tp", "pp", "cp", "ep", "micro_batch",
                                          "microbatches", "virtual_stages")):
         raise ValueError(f"--layout {token!r}: sizes must be positive")
     return values
@@ -199,6 +203,9 @@ def candidates(spec: LayoutSpec, model: ModelSpec, training: Training,
     piped = spec.schedule in ("gpipe", "interleaved") or (spec.virtual_stages or 1) > 1
     _needs_more_than_one(spec, "pp", piped, "a pipeline schedule or v")
     _needs_more_than_one(spec, "cp", spec.cp_method == "ulysses", "ulysses")
+    if (spec.ep or 1) > 1 and not model.n_experts:
+        raise ValueError(f"--layout {spec.text!r}: ep{spec.ep} splits a mixture of experts' "
+                         f"experts, and {model.name} has none")
     for tp in _options(spec.tp, divisors(n)):
         for cp in _options(spec.cp, divisors(n // tp) if n % tp == 0 else ()):
             for pp in _options(spec.pp, divisors(n // (tp * cp)) if n % (tp * cp) == 0 else ()):
@@ -232,10 +239,21 @@ def _choices(spec, model, training, dp, tp, pp, cp):
                 for mb in _options(spec.micro_batch, divisors(per_replica)):
                     for rc in _options(spec.recompute, RECOMPUTE):
                         for method in _options(spec.cp_method, ("ring", "ulysses") if cp > 1 else ("ring",)):
-                            yield Candidate(Layout(dp=dp, tp=tp, pp=pp, cp=cp), zero, mb, max(per_replica // mb, 1),
-                                            schedule, v, rc, sp,
-                                            shard_group=spec.shard_group or 0, cp_method=method,
-                                            reshard_after_forward=spec.reshard_after_forward)
+                            for layout in _expert_layouts(spec, model, dp, tp, pp, cp):
+                                yield Candidate(layout, zero, mb, max(per_replica // mb, 1),
+                                                schedule, v, rc, sp,
+                                                shard_group=spec.shard_group or 0, cp_method=method,
+                                                reshard_after_forward=spec.reshard_after_forward)
+
+
+def _expert_layouts(spec: LayoutSpec, model: ModelSpec, dp: int, tp: int, pp: int, cp: int):
+    """The layout with each expert-parallel degree of the spec (or, unnamed, of a mixture
+    of experts: those dividing n_experts); those that do not divide dp x cp, where ep is
+    folded, have no layout."""
+    eps = (spec.ep,) if spec.ep else (divisors(model.n_experts) if model.n_experts else (1,))
+    for ep in eps:
+        if (dp * cp) % ep == 0:
+            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
 
 
 def evaluate_candidate(model: ModelSpec, training: Training, cluster: Cluster,
@@ -313,7 +331,7 @@ def evaluate(spec: LayoutSpec, model: ModelSpec, training: Training, cluster: Cl
     return best
 
 
-_SEARCHED = ("dp", "tp", "pp", "cp", "zero", "micro_batch", "schedule", "virtual_stages",
+_SEARCHED = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "schedule", "virtual_stages",
              "recompute", "cp_method")
 """Spec fields a search plan can be matched on; a spec fixing any other choice (HSDP,
 reshard, +sp, the microbatch count) is completed by enumeration."""

@@ -6,7 +6,8 @@ The config has three tables (the mapping from a plan):
                ffn_hidden, max_seq_len (at least the planned seq_len), tie_embeddings.
                paratrain's model is Llama-style, so a GPT-3/BLOOM shape becomes the
                Llama-style model of the same size.
-``[parallel]`` dp, tp, pp, cp, cp_method, zero from the layout; sp = (tp > 1);
+``[parallel]`` dp, tp, pp, cp, cp_method, zero from the layout (and ep for a mixture of
+               experts); sp = (tp > 1);
                schedule ("gpipe" | "1f1b" | "interleaved"; "1f1b" when pp = 1, where it
                has no effect); microbatches (per step per replica, i.e. gradient
                accumulation steps); virtual_stages; reshard_after_forward ("yes" |
@@ -26,7 +27,7 @@ from .candidate import Candidate, Training
 from .hardware import GiB
 from .memory import rank_memory
 from .models import TRAIN_PRESETS, ModelSpec
-from .report import MEMORY_PARTS, TIME_PARTS, layout_label
+from .report import MEMORY_PARTS, layout_label, time_parts
 from .results import Plan
 
 
@@ -41,7 +42,8 @@ def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str,
         raise ValueError(f"{c.describe()}: {why}")
     return {
         "model": _model_table(model, training.seq_len),
-        "parallel": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "zero": c.zero,
+        "parallel": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp,
+                     **({"ep": c.ep} if model.n_experts else {}), "zero": c.zero,
                      "sp": c.sp, "cp_method": c.cp_method,
                      "schedule": c.schedule if c.pp > 1 else "1f1b",
                      "microbatches": c.microbatches, "virtual_stages": c.virtual_stages,
@@ -95,6 +97,7 @@ def refusal(cand: Candidate, model: ModelSpec, training: Training) -> str | None
     try:
         rules.tied_embeddings(model.tie_embeddings, cand.pp, cand.zero)
         rules.sequence_parallel(cand.sp, cand.tp, cand.cp, training.seq_len)
+        rules.expert_strategies(model.n_experts, cand.ep, cand.zero, "none")
     except LayoutError as err:
         return str(err)
     return None
@@ -190,7 +193,8 @@ def plot(path: str | Path, plans: list[Plan], limit: float, title: str = "") -> 
     fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(max(8, 2.4 * len(plans)), 5))
     for ax, parts, value, unit in (
             (mem_ax, MEMORY_PARTS, lambda p, k: getattr(p.memory, k) / GiB, "GiB per rank"),
-            (time_ax, TIME_PARTS, lambda p, k: getattr(p.time, k), "seconds per step")):
+            (time_ax, time_parts(plans[0].time), lambda p, k: getattr(p.time, k),
+             "seconds per step")):
         bottom = [0.0] * len(plans)
         for part in parts:
             heights = [value(p, part) for p in plans]

@@ -6,11 +6,14 @@ forward; full recompute adds one forward of every block, selective recompute one
 of the attention core. For the standard GPT block this is exactly Megatron's
 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) with full recompute; without recompute it is the
 72·… formula plus 1.5·B·s·h·V (that formula scales the logits term by 3/4 too, although
-the logits are never recomputed). How long they take is ``plan/cost.py``'s business.
+the logits are never recomputed). A mixture of experts' blocks count their active
+weights: the router, top_k experts and the shared expert (``plan/moe.py``). How long they
+take is ``plan/cost.py``'s business.
 """
 
 from __future__ import annotations
 
+from . import moe
 from .candidate import Training
 from .models import ModelSpec
 
@@ -44,4 +47,8 @@ def step_flops(model: ModelSpec, training: Training, recompute: str = "none") ->
     core = attention_core_flops(model, training.global_batch, s, s, 1)
     extra = {"none": 0.0, "selective": core, "full": matmul + core}[recompute]
     logits = 2 * tokens * model.d_model * model.vocab_size
-    return model.n_layers * (3 * (matmul + core) + extra) + 3 * logits
+    total = model.n_layers * (3 * (matmul + core) + extra) + 3 * logits
+    if model.n_experts:  # a MoE block's active weights (router, top_k experts, shared) for its MLP
+        moe_layers = sum(map(model.is_moe, range(model.n_layers)))
+        total += moe_layers * (3 + (recompute == "full")) * moe.flops_delta(model, tokens)
+    return total

@@ -9,7 +9,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..models import has_weights
-from ..models.hf_config import TRAINED, load, read_shape, refuse_unmodelled
+from ..models.hf_config import MOE_PLANNED, TRAINED, load, read_shape, refuse_unmodelled
+from ..models.hf_moe import read_fields
+from .moe import SHAPE_FIELDS
 from .models import ModelSpec, of_shape
 
 
@@ -20,6 +22,9 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     refuse_unmodelled(raw, path)
     shape = read_shape(raw, path)
     kind = str(raw.get("model_type", "llama"))
+    experts = read_fields(raw, path) if kind in MOE_PLANNED else {}
+    if experts:  # the experts as train reads them; the routing values are carried to --out
+        shape = replace(shape, **{k: v for k, v in experts.items() if k in SHAPE_FIELDS + ("qk_norm",)})
     window = raw.get("sliding_window") if (kind == "mistral" or raw.get("use_sliding_window")) else None
     if isinstance(window, int) and not isinstance(window, bool) and window > 0:
         shape = replace(shape, max_seq_len=min(shape.max_seq_len, window))  # paratrain trains within it
@@ -29,7 +34,9 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     # builds with random weights, as it builds --model llama3-8b.
     return of_shape(shape, f"{path.parent.name or path.name} ({kind})",
                     preset=str(path.parent.resolve()) if trained and has_weights(path.parent) else "",
-                    carried=_carried(raw) if trained else ())
+                    carried=(_carried(raw) + tuple((k, v) for k, v in experts.items()
+                                                   if k not in SHAPE_FIELDS + ("qk_norm",)))
+                    if trained else ())
 
 
 def _carried(raw: dict) -> tuple[tuple[str, object], ...]:

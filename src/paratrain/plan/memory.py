@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..parallel.pipeline.posting import receives_ahead
-from . import runtime
+from . import moe, runtime
 from .candidate import Candidate, Training
 from .models import ModelSpec
 from .runtime import paratrain_state_bytes  # noqa: F401 - part of this module's API
@@ -188,23 +188,41 @@ def rank_states(model: ModelSpec, training: Training, cand: Candidate,
     ``states`` of ``rank_memory`` without counting activations (the search's first test)."""
     if paratrain:
         return rank_memory(model, training, cand, paratrain).states
+    return max(sum(_state_bytes(model, training, cand, s))
+               for s in {0, min(1, cand.pp - 1), cand.pp - 1})
+
+
+def _state_bytes(model: ModelSpec, training: Training, cand: Candidate,
+                 stage: int) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes of one rank of ``stage``: the dense parameters
+    sharded by ZeRO over dp x cp, a MoE model's routed experts (n_experts / ep of each
+    MoE block) over the dp x cp / ep ranks that hold the same experts."""
     weight, grad, k = training_bytes_per_param(training)
     zero = cand.zero if cand.shard > 1 else 0
-    psi = max(model.stage_params(cand.tp, cand.pp, s, cand.virtual_stages)
-              for s in {0, min(1, cand.pp - 1), cand.pp - 1})
-    return sum(model_state_bytes(psi, cand.zero_shard, zero, weight, grad, k))
+    psi = model.stage_params(cand.tp, cand.pp, stage, cand.virtual_stages)
+    dense = model_state_bytes(psi, cand.zero_shard, zero, weight, grad, k)
+    if not model.n_experts:
+        return dense
+    experts = model.stage_expert_params(cand.pp, stage, cand.virtual_stages, cand.ep)
+    held = model_state_bytes(experts, cand.expert_shard, zero if cand.expert_shard > 1 else 0,
+                             weight, grad, k)
+    return tuple(a + b for a, b in zip(dense, held))
 
 
 def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: int) -> Memory:
     """Peak bytes of one rank of pipeline ``stage``."""
-    weight, grad, k = training_bytes_per_param(training)
     psi = model.stage_params(cand.tp, cand.pp, stage, cand.virtual_stages)
     zero = cand.zero if cand.shard > 1 else 0
-    params, grads, opt = model_state_bytes(psi, cand.zero_shard, zero, weight, grad, k)
+    params, grads, opt = _state_bytes(model, training, cand, stage)
     s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
     per_layer = layer_activation_bytes(model, s, b, cand.tp, cand.sp, cand.recompute, elem,
                                        training.flash_attention)
     per_micro = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages)
+    if model.n_experts and cand.recompute != "full":  # full recompute keeps the block input only
+        tokens = s * b // (cand.tp if cand.sp else 1)  # each tp rank routes its own shard
+        per_micro += model.stage_moe_layers(cand.pp, stage, cand.virtual_stages) * \
+            moe.activation_delta(model, tokens, cand.tp, elem)
+    psi += model.stage_expert_params(cand.pp, stage, cand.virtual_stages, cand.ep)
     held_grad = bytes_per_param(training.precision, training.optimizer)[1] * psi
     inflight, fraction = peak_moment(cand, stage, per_micro, held_grad)
     buffers = _buffers(model, training, cand, stage, zero, inflight, fraction)
@@ -220,6 +238,10 @@ def _paratrain_stage_memory(model: ModelSpec, training: Training, cand: Candidat
     per_layer = runtime.paratrain_layer_activation_bytes(model, s, b, cand.tp, cand.sp,
                                                          cand.recompute, mode)
     per_micro = per_layer * model.stage_layers(cand.pp, stage, cand.virtual_stages)
+    if model.n_experts and cand.recompute != "full":
+        tokens = s * b // (cand.tp if cand.sp else 1)
+        per_micro += model.stage_moe_layers(cand.pp, stage, cand.virtual_stages) * \
+            moe.paratrain_activation_delta(model, tokens, b, mode, cand.ep)
     held_grad = runtime.held_grad_bytes(model, cand, stage, training.precision)
     inflight, fraction = peak_moment(cand, stage, per_micro, held_grad)
     buffers = runtime.paratrain_buffer_bytes(model, training, cand, stage, receives_ahead,
@@ -265,14 +287,18 @@ def _buffers(model: ModelSpec, training: Training, cand: Candidate, stage: int, 
     weight, grad, _ = bytes_per_param(training.precision, training.optimizer)
     s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
     total = 0.0
+    v = cand.virtual_stages
+    psi = model.stage_params(cand.tp, cand.pp, stage, v) + model.stage_expert_params(
+        cand.pp, stage, v, cand.ep)
     if zero >= 2 and cand.pp > 1:  # the stage's full gradient, accumulated through the step
-        total += grad_fraction * model.stage_params(cand.tp, cand.pp, stage,
-                                                    cand.virtual_stages) * grad
+        total += grad_fraction * psi * grad
     if zero == 3 and not cand.reshards:  # every unit kept gathered through the step
-        total += model.stage_params(cand.tp, cand.pp, stage, cand.virtual_stages) * weight
+        total += psi * weight
     if zero == 3:  # the unit in use, the prefetched one, and one unit's unsharded grads
-        total += model.layer_params(cand.tp) * ((2 * weight if cand.reshards else 0)
-                                                + (grad if cand.pp == 1 else 0))
+        unit = model.layer_params(cand.tp)
+        if model.stage_moe_layers(cand.pp, stage, v):  # a MoE block is the largest unit
+            unit += moe.replicated_delta(model, cand.tp) + moe.expert_params(model) // cand.ep
+        total += unit * ((2 * weight if cand.reshards else 0) + (grad if cand.pp == 1 else 0))
     elif zero in (1, 2):  # reduce-scatter staging; DDP's buckets are the gradients
         total += 2 * BUCKET_BYTES
     if stage == cand.pp - 1:  # vocab-parallel logits and their fp32 softmax
@@ -282,6 +308,9 @@ def _buffers(model: ModelSpec, training: Training, cand: Candidate, stage: int, 
         full = layer_activation_bytes(model, s, b, cand.tp, cand.sp, "none", elem, flash)
         total += full - layer_activation_bytes(model, s, b, cand.tp, cand.sp,
                                                cand.recompute, elem, flash)
+        if cand.recompute == "full" and model.stage_moe_layers(cand.pp, stage, v):
+            tokens = s * b // (cand.tp if cand.sp else 1)
+            total += moe.activation_delta(model, tokens, cand.tp, elem)
     return total
 
 

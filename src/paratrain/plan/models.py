@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..models import CUSTOM, shape_base
 from ..models.shape import ModelShape, default_ffn
+from . import moe
 from .keys import cached_hash
 
 
@@ -46,11 +47,30 @@ class ModelSpec(ModelShape):
     def stage_params(self, tp: int, pp: int, stage: int, v: int = 1) -> int:
         """Parameters one rank of pipeline ``stage`` holds."""
         n = self.stage_layers(pp, stage, v) * self.layer_params(tp)
+        if self.n_experts:  # its MoE blocks' router and shared expert for the dense MLP
+            n += self.stage_moe_layers(pp, stage, v) * moe.replicated_delta(self, tp)
         if stage == 0:
             n += self.embedding_params(tp)
         if stage == pp - 1:
             n += self.head_params(tp, own_copy=pp > 1 and self.tie_embeddings)
         return n
+
+    @lru_cache(maxsize=1024)  # noqa: B019 - as stage_params
+    def stage_moe_layers(self, pp: int, stage: int, v: int = 1) -> int:
+        """Mixture-of-experts blocks one rank of pipeline ``stage`` holds (virtual stages
+        stage, stage + pp, ...; 0 for a dense model)."""
+        return sum(map(self.is_moe, self.stage_blocks(pp, stage, v))) if self.n_experts else 0
+
+    def stage_blocks(self, pp: int, stage: int, v: int = 1) -> list[int]:
+        """The blocks one rank of pipeline ``stage`` holds, in model order."""
+        runs = self.stage_runs(pp, v)
+        return [i for c in range(stage, pp * v, pp) for i in runs[c]]
+
+    def stage_expert_params(self, pp: int, stage: int, v: int = 1, ep: int = 1) -> int:
+        """Routed-expert parameters one rank of pipeline ``stage`` holds: n_experts / ep
+        experts of each of its MoE blocks (sharded by ZeRO over dp x cp / ep, not dp x cp).
+        ``stage_params`` counts everything else."""
+        return self.stage_moe_layers(pp, stage, v) * moe.expert_params(self) // ep
 
     def gpt_fields(self, seq_len: int = 0) -> dict:
         """The ``GPTConfig`` fields of paratrain's model with this shape."""
@@ -59,7 +79,9 @@ class ModelSpec(ModelShape):
                 "n_kv_heads": self.n_kv_heads, "ffn_hidden": self.ffn_hidden,
                 "max_seq_len": max(self.max_seq_len, seq_len),
                 "tie_embeddings": self.tie_embeddings,
-                **({"qkv_bias": True} if self.qkv_bias else {}), **dict(self.carried)}
+                **({"qkv_bias": True} if self.qkv_bias else {}),
+                **({"qk_norm": True} if self.qk_norm else {}), **moe.gpt_fields(self),
+                **dict(self.carried)}
 
 
 _GPT_STYLE = dict(gated_mlp=False, bias=True, norm="layernorm")
@@ -177,11 +199,13 @@ def from_toml(path: str | Path) -> ModelSpec:
     values = {"vocab_size": 256, "max_seq_len": 256, "n_kv_heads": 0, "ffn_hidden": 0,
               **{k: v for k, v in table.items() if k in known}}
     check_values(path, values, zero_ok=("n_kv_heads", "ffn_hidden", *MOE_FIELDS))
-    if values.get("n_experts"):
-        raise ValueError(f"{path}: a mixture of experts (n_experts = {values['n_experts']}): the "
-                         f"planner models dense models only and would plan it as a dense one of "
-                         f"the same width; `paratrain train` runs it (docs/moe.md)")
-    values["top_k"] = 0  # a dense model routes nothing (GPTConfig's default 2 is for experts)
+    if values.get("n_experts"):  # GPTConfig's defaults: top_k 2, experts as wide as ffn_hidden
+        values["top_k"] = values.get("top_k") or 2
+        values["ffn_hidden"] = values["ffn_hidden"] or default_ffn(values["d_model"])
+        values["expert_ffn"] = values.get("expert_ffn") or values["ffn_hidden"]
+        moe.check_shape(path, values)
+    else:
+        values["top_k"] = 0  # a dense model routes nothing (GPTConfig's default 2 is for experts)
     values["n_kv_heads"] = values["n_kv_heads"] or values["n_heads"]
     values["ffn_hidden"] = values["ffn_hidden"] or default_ffn(values["d_model"])
     return ModelSpec(name=path.name, **values, preset=preset, carried=carried)
@@ -224,10 +248,15 @@ def check_values(path: Path, values: dict, names: dict | None = None,
 
 def describe(model: ModelSpec) -> str:
     """One line: name, parameters and shape."""
-    n = model.num_params()
-    count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    count = _count(model.num_params())
+    if model.n_experts:  # what a token passes through beside what the ranks hold
+        count += f" ({_count(model.active_params())} active)"
     return (f"{model.name}: {count} params, {model.n_layers} layers, "
             f"h={model.d_model}, heads={model.n_heads}/{model.n_kv_heads} kv, "
             f"ffn={model.ffn_hidden}{' (SwiGLU)' if model.gated_mlp else ''}, "
-            f"vocab={model.vocab_size}")
+            f"vocab={model.vocab_size}{moe.describe(model)}")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 

@@ -14,6 +14,18 @@ TIME_PARTS = ("compute", "bubble", "tp", "cp", "pp", "dp", "optimizer")
 MiB = 2**20
 
 
+def time_parts(time) -> tuple[str, ...]:
+    """The columns of a step time: ``TIME_PARTS``, with a mixture of experts' all-to-alls
+    (``ep``) after pp's sends (a dense model's tables have no such column)."""
+    if time is None or time.ep is None:
+        return TIME_PARTS
+    return TIME_PARTS[:5] + ("ep",) + TIME_PARTS[5:]
+
+
+def _short(part: str) -> str:
+    return "optim" if part == "optimizer" else part
+
+
 def size(nbytes: float, signed: bool = False) -> str:
     """Bytes in GiB, or MiB below one GiB (local models are small)."""
     unit, scale = ("GiB", GiB) if abs(nbytes) >= GiB else ("MiB", MiB)
@@ -46,6 +58,7 @@ def layout_label(plan: Plan) -> str:
         f"/v{c.virtual_stages}" if c.virtual_stages > 1 else "")
     hsdp = c.gather_choice + (f"/hsdp{c.shard_group} (planner only)" if c.hsdp else "")
     uly = "/ulysses" if c.cp > 1 and c.cp_method == "ulysses" else ""
+    uly += f" ep{c.ep}" if c.ep > 1 else ""
     return (f"dp{c.dp} tp{c.tp}{'+sp' if c.sp else ''} pp{c.pp} cp{c.cp}{uly} "
             f"zero{c.zero}{hsdp}{sched}")
 
@@ -62,7 +75,8 @@ def summary(result: SearchResult, model: ModelSpec, training: Training, cluster:
     unit, scale = ("GiB", GiB) if max(p.memory.total for p in plans) >= GiB else ("MiB", MiB)
     mem = [[str(i), layout_label(p)] + [f"{getattr(p.memory, k) / scale:.1f}" for k in MEMORY_PARTS]
            + [f"{p.memory.total / scale:.1f}"] for i, p in enumerate(plans, 1)]
-    times = [[str(i), layout_label(p)] + [f"{getattr(p.time, k):.3g}" for k in TIME_PARTS]
+    parts = time_parts(plans[0].time)
+    times = [[str(i), layout_label(p)] + [f"{getattr(p.time, k):.3g}" for k in parts]
              + [f"{p.time.step:.3g}"] for i, p in enumerate(plans, 1)]
     return "\n\n".join([
         header(model, training, cluster),
@@ -70,7 +84,7 @@ def summary(result: SearchResult, model: ModelSpec, training: Training, cluster:
         f"memory per rank, {unit} (worst pipeline stage)\n" + table(
             ["#", "layout", "params", "grads", "optim", "activ", "buffers", "total"], mem),
         "time per step, s (comm columns are the exposed part)\n" + table(
-            ["#", "layout", "compute", "bubble", "tp", "cp", "pp", "dp", "optim", "step"], times),
+            ["#", "layout", *map(_short, parts), "step"], times),
         search_line(result),
     ])
 
@@ -87,7 +101,7 @@ def search_line(result: SearchResult) -> str:
 
 def _deltas(plan: Plan, other: Plan) -> str:
     """The time components that differ most, largest first."""
-    diffs = [(getattr(other.time, k) - getattr(plan.time, k), k) for k in TIME_PARTS]
+    diffs = [(getattr(other.time, k) - getattr(plan.time, k), k) for k in time_parts(plan.time)]
     diffs.sort(key=lambda d: -abs(d[0]))
     shown = [f"{k} {d:+.3g} s" for d, k in diffs if abs(d) >= 0.005 * plan.time.step][:3]
     mem = size(other.memory.total - plan.memory.total, signed=True)
@@ -111,12 +125,13 @@ def explain(result: SearchResult, cluster: Cluster) -> str:
         return "nothing fits: see --show-rejected"
     best = result.plans[0]
     t, m = best.time, best.memory
-    comm = t.tp + t.cp + t.pp + t.dp
+    comm = t.tp + t.cp + t.pp + t.dp + (t.ep or 0.0)
+    experts = "" if t.ep is None else f", ep {t.ep:.3g}"
     lines = [
         f"winner: {layout_label(best)}, microbatch {best.cand.micro_batch} x "
         f"{best.cand.microbatches}, recompute {best.cand.recompute}",
         f"  step {t.step:.3g} s = compute {t.compute:.3g} + bubble {t.bubble:.3g} + exposed "
-        f"comm {comm:.3g} (tp {t.tp:.3g}, cp {t.cp:.3g}, pp {t.pp:.3g}, dp {t.dp:.3g}) + "
+        f"comm {comm:.3g} (tp {t.tp:.3g}, cp {t.cp:.3g}, pp {t.pp:.3g}{experts}, dp {t.dp:.3g}) + "
         f"optimizer {t.optimizer:.3g}",
         f"  memory {size(m.total)} of {size(cluster.memory_limit)} usable on stage {m.stage} "
         f"(states {size(m.states)}, activations {size(m.activations)}, "
@@ -124,7 +139,7 @@ def explain(result: SearchResult, cluster: Cluster) -> str:
     ]
     if len(result.plans) > 1:
         lines.append("  " + _versus(best, result.plans[1], "runner-up"))
-    for knob in ("tp", "pp", "cp", "zero", "recompute"):
+    for knob in ("tp", "pp", "cp", *(("ep",) if t.ep is not None else ()), "zero", "recompute"):
         mine = getattr(best.cand, knob)
         other = next((p for p in result.plans if getattr(p.cand, knob) != mine), None)
         if other is None:
@@ -157,7 +172,8 @@ def plan_dict(plan: Plan) -> dict:
         "layout": {**c.as_dict(), "reshards": c.reshards, "planner_only": c.hsdp},
         "memory_bytes": {**{k: getattr(plan.memory, k) for k in MEMORY_PARTS},
                          "total": plan.memory.total, "stage": plan.memory.stage},
-        "time_s": {**{k: getattr(plan.time, k) for k in TIME_PARTS}, "step": plan.time.step},
+        "time_s": {**{k: getattr(plan.time, k) for k in time_parts(plan.time)},
+                   "step": plan.time.step},
         "tokens_per_s": plan.tokens_per_s,
         "mfu": plan.mfu,
     }
@@ -166,7 +182,8 @@ def plan_dict(plan: Plan) -> dict:
 def setting_dict(model: ModelSpec, training: Training, cluster: Cluster) -> dict:
     """The model, cluster (with its usable memory) and training a plan is for."""
     return {
-        "model": {**asdict(model), "params": model.num_params()},
+        "model": {**asdict(model), "params": model.num_params(),
+                  **({"active_params": model.active_params()} if model.n_experts else {})},
         "cluster": {"gpu": {k: v if v != float("inf") else None  # JSON has no infinity
                             for k, v in asdict(cluster.gpu).items()}, "n_gpus": cluster.n_gpus,
                     "gpus_per_node": cluster.node_size, "intra_bw": cluster.intra_bw,
@@ -231,9 +248,9 @@ def layout_report(evaluations: list, result: SearchResult, model: ModelSpec,
                              + [f"{ev.memory.total / scale:.2f}",
                                 f"{cluster.memory_limit / scale:.2f}"]]),
                       "", "time per step, s (comm columns are the exposed part)",
-                      table(["#", "layout"] + list(TIME_PARTS) + ["step", "tokens/s", "MFU"],
+                      table(["#", "layout"] + list(time_parts(ev.time)) + ["step", "tokens/s", "MFU"],
                             [["1", _eval_label(ev)]
-                             + [f"{getattr(ev.time, k):.4g}" for k in TIME_PARTS]
+                             + [f"{getattr(ev.time, k):.4g}" for k in time_parts(ev.time)]
                              + [f"{ev.time.step:.4g}", f"{ev.tokens_per_s:,.0f}",
                                 f"{ev.mfu:.1%}"]])]
         return "\n".join(lines)
@@ -242,7 +259,8 @@ def layout_report(evaluations: list, result: SearchResult, model: ModelSpec,
     legend = [f"#{i}  {_eval_label(ev)}" for i, ev in enumerate(evaluations, 1)]
     rows = [["layout"], ["status"], ["rank"]]
     rows += [[f"mem {k}"] for k in MEMORY_PARTS] + [["mem total"]]
-    rows += [[f"time {k}, s"] for k in TIME_PARTS] + [["step, s"], ["tokens/s"], ["MFU"]]
+    parts = time_parts(next((ev.time for ev in evaluations if ev.time is not None), None))
+    rows += [[f"time {k}, s"] for k in parts] + [["step, s"], ["tokens/s"], ["MFU"]]
     for i, ev in enumerate(evaluations, 1):
         col = [f"#{i}", "fits" if ev.fits else "REJECTED",
                f"#{ev.rank} of {ev.ranked}" if ev.rank else "-"]
@@ -250,7 +268,7 @@ def layout_report(evaluations: list, result: SearchResult, model: ModelSpec,
             col += ["-"] * (len(rows) - 3)
         else:
             col += [size(getattr(ev.memory, k)) for k in MEMORY_PARTS] + [size(ev.memory.total)]
-            col += [f"{getattr(ev.time, k):.4g}" for k in TIME_PARTS]
+            col += [f"{getattr(ev.time, k):.4g}" for k in parts]
             col += [f"{ev.time.step:.4g}", f"{ev.tokens_per_s:,.0f}", f"{ev.mfu:.1%}"]
         for row, cell in zip(rows, col):
             row.append(cell)

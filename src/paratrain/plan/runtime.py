@@ -29,6 +29,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from ..parallel.pipeline import posting, schedules
+from . import moe
 from .candidate import Candidate, Training
 from .models import ModelSpec
 
@@ -70,7 +71,12 @@ def unit_params(model: ModelSpec, tp: int = 1, pp: int = 1, stage: int = 0,
     units = []
     if stage == 0:
         units.append(vocab * h)
-    units += [block_params(model, tp)] * model.stage_layers(pp, stage, v)
+    if model.n_experts:  # a MoE block: router, shared expert, gate and selection bias
+        delta = moe.replicated_delta(model, tp) + moe.expert_bias_params(model)
+        units += [block_params(model, tp) + (delta if model.is_moe(i) else 0)
+                  for i in model.stage_blocks(pp, stage, v)]
+    else:
+        units += [block_params(model, tp)] * model.stage_layers(pp, stage, v)
     if stage == pp - 1:
         units.append(h)
         if not model.tie_embeddings or pp > 1:
@@ -86,14 +92,28 @@ def paratrain_state_bytes(model: ModelSpec, layout, precision: str, optimizer: s
     dp, tp, pp, cp and zero are read)."""
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision {precision!r}: paratrain trains in fp32 or bf16")
-    zero, n = layout.zero, layout.dp * layout.cp
-    units = unit_params(model, layout.tp, layout.pp, stage,
-                        getattr(layout, "virtual_stages", 1))
-    padded = sum(-(-u // n) * n for u in units) if zero else sum(units)
+    zero, n, v = layout.zero, layout.dp * layout.cp, getattr(layout, "virtual_stages", 1)
+    units = unit_params(model, layout.tp, layout.pp, stage, v)
     w, g, k = state_bytes_per_param(precision, zero, optimizer)
-    return {"param_bytes": w * padded // (n if zero >= 3 else 1),
-            "grad_bytes": g * padded // (n if zero >= 2 else 1),
-            "optim_bytes": k * padded // (n if zero >= 1 else 1)}
+    states = _sharded(units, n, zero, (w, g, k))
+    if model.n_experts:
+        # each MoE block's n_experts / ep experts, sharded over the ranks holding the same
+        # experts; the selection biases (in ``units``) have neither gradient nor optimizer
+        # state
+        experts = [model.stage_expert_params(layout.pp, stage, v, layout.ep)]
+        held = _sharded(experts, n // layout.ep, zero, (w, g, k))
+        biases = model.stage_moe_layers(layout.pp, stage, v) * moe.expert_bias_params(model)
+        untrained = (0, g * biases, k * biases) if not zero else (0, 0, 0)
+        states = tuple(a + b - c for a, b, c in zip(states, held, untrained))
+    return dict(zip(("param_bytes", "grad_bytes", "optim_bytes"), states))
+
+
+def _sharded(units: list[int], n: int, zero: int, sizes: tuple[int, int, int]) -> tuple[int, ...]:
+    """(param, grad, optimizer) bytes of ``units`` on one rank: ZeRO pads each unit to a
+    multiple of the ``n`` ranks it shards over and shards (weights ≥ 3, gradients ≥ 2,
+    optimizer ≥ 1); without ZeRO every rank holds all of them, unpadded."""
+    padded = sum(-(-u // n) * n for u in units) if zero else sum(units)
+    return tuple(b * padded // (n if zero >= stage else 1) for b, stage in zip(sizes, (3, 2, 1)))
 
 
 def paratrain_layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int = 1,
@@ -170,6 +190,10 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
         norms = model.d_model * (2 * model.stage_layers(cand.pp, stage, cand.virtual_stages)
                                  + (stage == cand.pp - 1))
         matrices = sum(units) - norms - (units[0] if stage == 0 else 0)  # no embedding cast
+        if model.n_experts:  # each local expert cast too; the selection biases are not
+            v = cand.virtual_stages
+            matrices += model.stage_expert_params(cand.pp, stage, v, cand.ep) - \
+                model.stage_moe_layers(cand.pp, stage, v) * moe.expert_bias_params(model)
         total += 2 * matrices
     shard = model.d_model * tokens / (cand.tp if cand.sp else 1)
     if cand.pp > 1:  # received and not yet read; sent and not yet waited for
@@ -177,6 +201,10 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
                                   cand.virtual_stages, stage, receives_ahead)) * r * shard
     total += held_zero_bytes(units, cand, weight, grad_fraction)
     block = 2 * c * model.ffn_hidden / cand.tp * tokens
+    experts = model.stage_moe_layers(cand.pp, stage, cand.virtual_stages)
+    if experts:  # a MoE block's gate and up gradients, and its dispatched rows' in and out,
+        # are its routed rows' (tokens · top_k)
+        block = max(block, 2 * c * (model.expert_ffn + model.d_model) * model.top_k * tokens)
     if cand.zero == 3 and cand.reshards:  # the unit in use and the prefetched one
         block += 2 * max(units) * weight
     if cand.zero >= 2 and cand.pp == 1:  # the gradient being reduced and the one assembled
@@ -185,6 +213,8 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
         full, kept = (paratrain_layer_activation_bytes(model, s, b, cand.tp, cand.sp, policy, mode)
                       for policy in ("none", cand.recompute))
         block += full - (kept if cand.recompute == "selective" else 0)
+        if experts and cand.recompute == "full":  # a MoE block recomputed whole
+            block += moe.paratrain_activation_delta(model, tokens, b, mode, cand.ep)
     head = paratrain_head_bytes(model, s, b, cand, mode) if stage == cand.pp - 1 else 0.0
     return total + max(head, block)
 

@@ -92,28 +92,65 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
                        (recompute,) if recompute else RECOMPUTE, step_flops(model, training),
                        context_parallel, sequence_parallel,
                        hsdp and cluster.kind != "local" and 3 in zero, uneven_stages, ulysses)
-    for shape in _cp_methods(problem, _shapes(problem, result), result):
+    for shape in _cp_methods(problem, _expert_splits(problem, _shapes(problem, result), result),
+                             result):
         for cand in _schedules(problem, shape, result):
             first = len(result.plans)
             fitted: set = set()
             # Every stage is timed: ZeRO-2/3 send more than the stage below but can hide
             # more of it (ZeRO-3 gathers each unit behind the previous one's compute,
             # where ZeRO-1/2's gather of the updated parameters waits after the step).
-            for stage in zero if cand.shard > 1 else (0,):
+            for stage in _zero_stages(problem, cand, zero, result):
                 fitted = _sweep(problem, cand.but(zero=stage), result, set())
-            if 3 in zero and cand.shard > 1:
+            if 3 in zero and cand.shard > 1 and _experts_allow(problem, cand.but(zero=3)):
                 # ZeRO-3's other choice: under a pipeline, regathering every microbatch
                 # (less memory, more traffic and the same overlap: only where keeping did
                 # not fit); without one, keeping the units gathered (more memory, fewer
                 # gathers).
                 other = cand.but(zero=3, reshard_after_forward=cand.pp > 1)
                 _sweep(problem, other, result, fitted if cand.pp > 1 else set())
-            for group in _hsdp_groups(problem, cand) if 3 in zero else ():
+            for group in _hsdp_groups(problem, cand) if 3 in zero and _experts_allow(
+                    problem, cand.but(zero=3)) else ():
                 _sweep(problem, cand.but(zero=3, shard_group=group), result, set())
             _drop_dominated(result, first)
     result.plans.sort(key=lambda p: rank_key(p.time.step, p.memory.total))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _expert_splits(problem: _Problem, shapes, result: SearchResult):
+    """Each shape with every expert-parallel degree of a mixture of experts: ep dividing
+    n_experts and dp x cp (where ep is folded), kept where ``rules.check_split`` (its
+    ``rules.experts``) accepts it, as train does; a dense model's shapes as they are."""
+    for shape in shapes:
+        experts = problem.model.n_experts
+        if not experts:
+            yield shape
+            continue
+        for ep in divisors(experts):
+            if shape.shard % ep == 0 and (ep == 1 or _valid(
+                    problem, split := shape.but(layout=replace(shape.layout, ep=ep)), 1,
+                    f"{shape.describe().rsplit(' z', 1)[0]} ep{ep}", result)):
+                yield shape if ep == 1 else split
+
+
+def _zero_stages(problem: _Problem, cand: Candidate, zero: tuple[int, ...],
+                 result: SearchResult) -> list[int]:
+    """The ZeRO stages to time for ``cand``: every one asked for with dp x cp > 1 (0
+    otherwise), less those ``rules.expert_strategies`` refuses for a mixture of experts."""
+    return [z for z in (zero if cand.shard > 1 else (0,)) if _experts_allow(problem, cand.but(zero=z), result)]
+
+
+def _experts_allow(problem: _Problem, cand: Candidate, result: SearchResult | None = None) -> bool:
+    """Whether ``train`` runs a mixture of experts with ``cand``'s strategies
+    (``rules.expert_strategies``: its ZeRO stage with its ep); a refusal is tallied."""
+    try:
+        rules.expert_strategies(problem.model.n_experts, cand.ep, cand.zero, "none")
+    except LayoutError as err:
+        if result is not None:
+            result.reject(str(err).split(":")[0], cand.describe().rsplit(" mb", 1)[0], str(err))
+        return False
+    return True
 
 
 def _drop_dominated(result: SearchResult, first: int) -> None:
@@ -177,6 +214,10 @@ def layout_problems(model: ModelSpec, training: Training, cluster: Cluster,
             rules.interleaved_microbatches(cand.microbatches, cand.pp)
         except LayoutError as err:
             problems.append(str(err))
+    try:
+        rules.expert_strategies(model.n_experts, cand.ep, cand.zero, "none")
+    except LayoutError as err:
+        problems.append(str(err))
     return problems
 
 

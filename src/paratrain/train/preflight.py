@@ -40,8 +40,8 @@ def check_memory(cfg: Config, local_ranks: int) -> None:
     """The planner's per-rank memory prediction for this layout fits what each local rank
     can have: its GPU's free memory, or on CPU the machine's available RAM shared by the
     local ranks. Refused with both numbers, before any rank starts or allocates."""
-    if cfg.train.task != "lm" or parse_domain(cfg.parallel.domain) != (1, 1) or cfg.model.n_experts:
-        return  # the planner models dense language models (not yet mixtures of experts)
+    if cfg.train.task != "lm" or parse_domain(cfg.parallel.domain) != (1, 1):
+        return  # the planner models language models (dense or mixtures of experts)
     predicted = predicted_memory(cfg)
     available, what = available_memory(cfg, max(local_ranks, 1))
     if predicted.total > available:
