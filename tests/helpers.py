@@ -69,11 +69,13 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
     """The engine's current gradients, unsharded, under the plain model's names (collective:
     every rank calls it). Reads engine internals on purpose: this is an oracle's view."""
     tp = getattr(engine, "tp", None)
+    ep = getattr(engine, "ep", None) or getattr(engine, "expert", None)
+    experts = {n for n, p in engine.module.named_parameters() if ep is not None and ep.is_expert(p)}
     if hasattr(engine, "units"):  # ZeRO: each rank holds its slice of every unit's gradient
         local = {}
         for unit in engine.units:
             full = unit.grad_shard.new_empty(unit.flat.padded)
-            C.all_gather(full, unit.grad_shard.contiguous(), engine.group)
+            C.all_gather(full, unit.grad_shard.contiguous(), ep.data_group if unit.expert else engine.group)
             for name, view in zip(unit.flat.names, unit.flat.copy_out(full)):
                 local[name] = view.float().clone()
         if tp is not None:
@@ -81,9 +83,11 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
     elif tp is not None:
         local = {k: v.float() for k, v in tp.full_state_dict(engine.module, grads=True).items()}
     else:
-        ep = getattr(engine, "ep", None)
-        local = {n: (ep.gather(p.grad) if ep is not None and ep.is_expert(p) else p.grad).detach().float().clone()
+        local = {n: p.grad.detach().float().clone()
                  for n, p in engine.module.named_parameters() if p.grad is not None}
+    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    local = {n: ep.gather(g) if n in experts else g  # experts: all ep ranks'
+             for n, g in local.items() if n not in frozen}
     return {k: v.cpu() for k, v in drop_copy(merge_stages(local, engine.pp_group), engine.plan).items()}
 
 

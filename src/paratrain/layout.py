@@ -85,18 +85,18 @@ class Layout:
     domw: int = 1
     """Domain-parallel ranks over the width of each sample."""
     ep: int = 1
-    """Expert-parallel ranks, folded onto the data-parallel axis (not an axis of its own):
-    each mixture-of-experts layer's experts are split over ep consecutive data-parallel
-    coordinates, which exchange tokens; dense layers keep their layout."""
+    """Expert-parallel ranks, folded onto the data- and context-parallel ranks (not an axis
+    of its own): each mixture-of-experts layer's experts are split over ep consecutive
+    ranks of the dp x cp group, which exchange tokens; dense layers keep their layout."""
 
     def __post_init__(self) -> None:
         for axis in ALL_AXES:
             size = getattr(self, axis)
             if not isinstance(size, int) or size < 1:
                 raise LayoutError(f"{axis}={size!r}: every axis size must be a positive integer")
-        if not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
-            raise LayoutError(f"ep={self.ep!r}: expert parallelism folds onto the data-parallel "
-                              f"ranks, so ep must divide dp={self.dp}")
+        if not isinstance(self.ep, int) or self.ep < 1 or (self.dp * self.cp) % self.ep:
+            raise LayoutError(f"ep={self.ep!r}: expert parallelism folds onto the data- and "
+                              f"context-parallel ranks, so ep must divide dp x cp = {self.dp * self.cp}")
         named = _as_axes(self.order)
         if sorted(a for a in named if a in AXES) != sorted(AXES) or len(set(named)) != len(named):
             raise LayoutError(
@@ -116,9 +116,6 @@ class Layout:
 
     @property
     def axis_order(self) -> tuple[str, ...]:
-        if not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
-            raise LayoutError(f"ep={self.ep!r}: expert parallelism folds onto the data-parallel "
-                              f"ranks, so ep must divide dp={self.dp}")
         named = _as_axes(self.order)
         return tuple(a for a in DOMAIN_AXES[::-1] if a not in named) + named
 
@@ -186,16 +183,17 @@ class Layout:
 
     # ---- validation ----------------------------------------------------------------------
     def expert_ranks(self, rank: int) -> list[int]:
-        """The ranks whose experts together make each MoE layer's (``ep`` consecutive
-        data-parallel coordinates, all else equal): ``rank``'s expert-parallel group."""
-        d = self.coords(rank)[DP]
-        return [r for r in self.ranks_along(DP, rank) if self.coords(r)[DP] // self.ep == d // self.ep]
+        """The ranks whose experts together make each MoE layer's (``ep`` consecutive ranks
+        of ``rank``'s dp x cp group): ``rank``'s expert-parallel group."""
+        group = self.ranks_along(DP_CP, rank)
+        at = group.index(rank) // self.ep * self.ep
+        return group[at:at + self.ep]
 
     def expert_data_ranks(self, rank: int) -> list[int]:
-        """The ranks holding the same experts as ``rank`` (data-parallel coordinates equal
-        modulo ``ep``): the group its expert gradients are averaged over."""
-        d = self.coords(rank)[DP]
-        return [r for r in self.ranks_along(DP, rank) if self.coords(r)[DP] % self.ep == d % self.ep]
+        """The ranks holding the same experts as ``rank`` (places in the dp x cp group
+        equal modulo ``ep``): the group its expert gradients are averaged over."""
+        group = self.ranks_along(DP_CP, rank)
+        return group[group.index(rank) % self.ep::self.ep]
 
     def check_world(self, world_size: int) -> None:
         """Raise unless the product of the axis sizes is ``world_size``."""

@@ -19,7 +19,7 @@ from .parallel.context import apply_context_parallel
 from .parallel.data import DataParallel
 from .parallel.balance import Balance
 from .parallel.engine import ReplicatedEngine
-from .parallel.expert import apply_expert_parallel
+from .parallel.expert import apply_expert_parallel, split_sequences
 from .parallel.local_update import LocalUpdateEngine
 from .parallel.pipeline import split_model
 from .parallel.pipeline import Recorder
@@ -74,12 +74,16 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
     """
     p = opts.parallel
     desc = describe(model)
+    # Experts first: tensor parallelism then counts this rank's share of them among the
+    # parameters it replicates.
+    ep = (apply_expert_parallel(model, desc, mesh.group(EP), mesh.group(EDP))
+          if p.ep > 1 else None)
     tp = (apply_tensor_parallel(model, mesh.group(TP), sequence_parallel=p.sp, description=desc)
           if p.tp > 1 else None)
     if p.cp > 1:
         apply_context_parallel(model, mesh.group(CP), p.cp_method, description=desc)
-    ep = (apply_expert_parallel(model, desc, mesh.group(EP), mesh.group(EDP))
-          if p.ep > 1 else None)
+    if desc.shape.n_experts and sequence_groups(mesh, p):  # routing counted per whole sequence
+        split_sequences(model, desc, sequence_groups(mesh, p))
     pp_group, tied = None, None
     shared = model.get_submodule(desc.embedding).weight
     untied = model.get_submodule(desc.head).weight is not shared
@@ -105,7 +109,7 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
         return ZeroDataParallel(model, group, p.zero, opts.optim, param_dtype=dtype,
                                 offload=p.offload, tp=tp, pp_group=pp_group,
                                 reshard_after_forward=opts.reshard_after_forward, compress=compress,
-                                plan=plan, tied=tied)
+                                plan=plan, tied=tied, expert=ep)
     allocate(model, mesh.device)
     dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=compress, defer=compress.update,
                       expert=ep, tied=tied)
@@ -119,6 +123,12 @@ def place(mesh: Mesh) -> str:
     what its gradient-compression state belongs to (``CompressSpec.place``). The same
     place holds the same parameter shard and data shard whatever the axes' order."""
     return ".".join(f"{axis}{mesh.coord(axis)}of{mesh.size(axis)}" for axis in (DP, TP, PP, CP))
+
+
+def sequence_groups(mesh: Mesh, p) -> tuple:
+    """The groups whose ranks hold different parts of the same sequences: cp, and tp under
+    sequence parallelism (plain tp repeats every token on each of its ranks)."""
+    return ((mesh.group(TP),) if p.sp and p.tp > 1 else ()) + ((mesh.group(CP),) if p.cp > 1 else ())
 
 
 def step_plan(model: nn.Module, mesh: Mesh, opts: ParallelOptions, moe: bool = False) -> StepPlan:
@@ -142,5 +152,7 @@ def step_plan(model: nn.Module, mesh: Mesh, opts: ParallelOptions, moe: bool = F
         # bf16 over fp32 weights needs autocast; ZeRO holds bf16 weights (fp32 masters).
         autocast_bf16=opts.precision == "bf16" and not p.zero,
         recorder=Recorder(rank=mesh.coord(PP)) if opts.timeline and p.pp > 1 else None,
-        balance=Balance.find(list(model) if p.pp > 1 else [model], mesh.group(DP_CP),
+        # MoE figures are summed over every rank that routed different tokens
+        balance=Balance.find(list(model) if p.pp > 1 else [model],
+                             (mesh.group(DP_CP),) + ((mesh.group(TP),) if p.sp and p.tp > 1 else ()),
                              mesh.group(PP) if p.pp > 1 else None) if moe else None)

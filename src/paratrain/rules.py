@@ -123,29 +123,29 @@ def sequence_parallel(sp: bool, tp: int, cp: int, seq_len: int) -> None:
 
 
 def experts(shape: ModelShape, layout: Layout) -> None:
-    """Expert parallelism splits each MoE layer's experts over ep data-parallel ranks; the
-    mixture-of-experts layer does not yet compose with tensor or context parallelism
-    (their ranks would split a sequence's routing statistics) or query/key norms with tp."""
+    """Expert parallelism splits each MoE layer's experts over ep of the dp x cp ranks;
+    query/key norms are not split by tp yet."""
     if layout.ep > 1 and not shape.n_experts:
         raise LayoutError(f"ep={layout.ep} splits experts over ranks, but the model has none: "
                           f"set n_experts (a mixture of experts) or drop --ep")
     if shape.n_experts % layout.ep:
         raise LayoutError(f"ep={layout.ep} must divide the {shape.n_experts} experts of each "
-                          f"MoE layer; use ep in {divisors(shape.n_experts)} dividing dp={layout.dp}")
-    if shape.n_experts and (layout.tp > 1 or layout.cp > 1):
-        raise LayoutError(f"a mixture of experts trains under dp, ep and pipelines, not yet "
-                          f"with tp={layout.tp} or cp={layout.cp}: set tp and cp to 1")
+                          f"MoE layer; use ep in {divisors(shape.n_experts)} dividing dp x cp = "
+                          f"{layout.dp * layout.cp}")
     if shape.qk_norm and layout.tp > 1:
         raise LayoutError(f"query/key norms (Qwen3) are not split by tensor parallelism yet: "
                           f"train with tp=1 (tp={layout.tp})")
 
 
-def expert_strategies(n_experts: int, ep: int, zero: int, compress: str) -> None:
-    """A mixture of experts runs with DDP's reduction only, for now."""
-    if n_experts and zero:
-        raise LayoutError(f"a mixture of experts under ZeRO-{zero} is not supported yet (ZeRO "
-                          f"would shard the experts over every data-parallel rank and the "
-                          f"selection bias with them): use zero=0")
+def expert_strategies(n_experts: int, ep: int, zero: int, compress: str, *,
+                      capacity_factor: float = 0.0, splits_sequences: bool = False) -> None:
+    """Expert parallelism's experts are averaged plainly over their own group; a capacity
+    limit decides drops by a token's place in its whole sequence, which no rank knows
+    where cp or sequence parallelism splits sequences."""
+    if n_experts and capacity_factor and splits_sequences:
+        raise LayoutError(f"capacity_factor={capacity_factor} drops tokens by their place in the "
+                          f"whole sequence, which cp and sequence parallelism split over ranks: "
+                          f"train dropless (capacity_factor 0) or with cp=1 and sp off")
     if ep > 1 and compress != "none":
         raise LayoutError(f"ep={ep} with --compress {compress} is not supported yet: use "
                           f"--compress none")

@@ -75,21 +75,37 @@ class ModelDescription:
     dispatcher: str = "mlp.dispatcher"
     """In a mixture-of-experts block: the module that runs rows sorted by expert through
     the experts (expert parallelism replaces it with an all-to-all)."""
+    sequences: str = "mlp.sequences"
+    """In a mixture-of-experts block: the module summing each sequence's routing counts
+    over the ranks holding its parts (context and sequence parallelism replace it)."""
     block_args: str = "rope"
     """The model's method giving, from the tokens' positions, the extra arguments every
     block is called with after the residual stream (GPT: cos and sin of the rotary angles);
     pipeline stages call it."""
 
-    def block_plan(self) -> list[tuple[str, Style]]:
-        """The tensor-parallel split of one block: (path in the block, style)."""
-        return [(self.q, "colwise"), (self.k, "colwise_kv"), (self.v, "colwise_kv"),
-                (self.o, "rowwise"), *((path, "colwise") for path in self.mlp_in),
-                (self.mlp_out, "rowwise")]
+    def has_experts(self, block) -> bool:
+        """Whether ``block`` (a module of the block list) is a mixture-of-experts block."""
+        try:
+            block.get_submodule(self.experts)
+        except AttributeError:
+            return False
+        return True
 
-    def block_regions(self) -> list[tuple[str, tuple[str, ...]]]:
+    def block_plan(self, experts: bool = False) -> list[tuple[str, Style]]:
+        """The tensor-parallel split of one block: (path in the block, style). A block
+        with ``experts`` splits its attention only: experts are whole on every rank, each
+        routing its own tokens (docs/moe.md)."""
+        attention = [(self.q, "colwise"), (self.k, "colwise_kv"), (self.v, "colwise_kv"),
+                     (self.o, "rowwise")]
+        if experts:
+            return attention
+        return [*attention, *((path, "colwise") for path in self.mlp_in), (self.mlp_out, "rowwise")]
+
+    def block_regions(self, experts: bool = False) -> list[tuple[str, tuple[str, ...]]]:
         """A block's tensor-parallel regions: (region path, the column layers reading its
         input). The entry collective runs before the region, the exit after it."""
-        return [(self.attention, (self.q, self.k, self.v)), (self.mlp, self.mlp_in)]
+        attention = (self.attention, (self.q, self.k, self.v))
+        return [attention] if experts else [attention, (self.mlp, self.mlp_in)]
 
     def model_plan(self) -> list[tuple[str, Style]]:
         """The split outside the blocks: the embedding and the head, over the vocabulary."""

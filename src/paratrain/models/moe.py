@@ -1,11 +1,13 @@
 """A mixture-of-experts MLP: a router picks ``top_k`` of ``n_experts`` SwiGLU experts for
 each token, plus optional shared experts every token goes through.
 
-Written like the rest of the model, with no parallel code. One seam exists for expert
-parallelism: ``MoE.dispatch`` takes the tokens sorted by expert and the count per expert
-and returns the experts' outputs in the same order. On one process it runs the local
-experts (``run_experts``); ``parallel/expert.py`` replaces it with an all-to-all to the
-ranks that hold each expert and back.
+Written like the rest of the model, with no parallel code. Two seams exist:
+``MoE.dispatcher`` takes the tokens sorted by expert and the count per expert and returns
+the experts' outputs in the same order. On one process it runs the local experts
+(``run_experts``); ``parallel/expert.py`` replaces it with an all-to-all to the ranks that
+hold each expert and back. ``MoE.sequences`` turns this rank's routing counts per sequence
+into the whole sequence's: on one process they are; where context or sequence parallelism
+gives each rank part of every sequence, ``parallel/expert.py`` sums them over those ranks.
 
 Balancing (docs/moe.md has the formulas): with ``aux_loss_coef`` > 0, each MoE layer adds
 the Switch/GShard loss computed per sequence,
@@ -86,6 +88,17 @@ class LocalDispatch(nn.Module):
         return experts(rows, counts.tolist())
 
 
+class WholeSequences(nn.Module):
+    """Each sequence's tokens per expert, from this rank's: the same where every rank holds
+    whole sequences; the seam sequence-splitting layouts replace (``parallel/expert.py``)."""
+
+    parts = 1
+    """Ranks each sequence is split over."""
+
+    def forward(self, per_seq: torch.Tensor) -> torch.Tensor:
+        return per_seq
+
+
 class MoE(nn.Module):
     """Router, routed experts and optional shared experts of one block (see module doc)."""
 
@@ -98,6 +111,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.expert_dim)
         self.dispatcher = LocalDispatch()
+        self.sequences = WholeSequences()
         self.shared = None
         if cfg.shared_ffn:
             from .gpt import SwiGLU  # the dense MLP, at the shared experts' width
@@ -170,8 +184,11 @@ class MoE(nn.Module):
             self.stats.add(counts, dropped, 0.0)
             return out
         b, s, _ = scores.shape
-        per_seq = F.one_hot(chosen, self.n_experts).sum((1, 2)).float()  # (b, E)
-        tokens = s  # whole sequences on this rank: tp and cp, which cut them, are refused
+        # f from the whole sequence (summed over the ranks holding its parts); P's sum over
+        # this rank's tokens only: the ranks' parts of aux then add up to aux, and each
+        # rank's tokens get exactly their share of its gradient.
+        per_seq = self.sequences(F.one_hot(chosen, self.n_experts).sum((1, 2)).float())  # (b, E)
+        tokens = s * self.sequences.parts
         f = per_seq / (tokens * self.top_k)
         probs = scores if self.router_kind == "softmax" else scores / scores.sum(-1, keepdim=True)
         aux = self.n_experts * (f * probs.sum(1) / tokens).sum()  # this rank's part, Σ over seqs

@@ -19,13 +19,15 @@ from ..comm import collectives as C
 class Balance:
     """This rank's MoE layers and the groups their step figures are summed over."""
 
-    def __init__(self, layers: list[nn.Module], data_group: ProcessGroup | None,
+    def __init__(self, layers: list[nn.Module], data_groups: tuple[ProcessGroup, ...],
                  stage_group: ProcessGroup | None):
         self.layers = layers
-        self.data_group, self.stage_group = data_group, stage_group
+        self.data_groups, self.stage_group = data_groups, stage_group
+        """The groups whose ranks routed different tokens (dp x cp; tp under sequence
+        parallelism), and the pipeline stages (holding different layers)."""
 
     @classmethod
-    def find(cls, chunks: list[nn.Module], data_group: ProcessGroup | None = None,
+    def find(cls, chunks: list[nn.Module], data_groups: tuple[ProcessGroup, ...] = (),
              stage_group: ProcessGroup | None = None) -> "Balance | None":
         """The MoE layers of ``chunks``, or None where there are none (a dense model, or a
         pipeline stage without MoE blocks; a stage group still needs every stage's figures,
@@ -34,7 +36,7 @@ class Balance:
                   if hasattr(m, "update_bias") and hasattr(m, "stats")]
         if not layers and stage_group is None:
             return None
-        return cls(layers, data_group, stage_group)
+        return cls(layers, data_groups, stage_group)
 
     def set_loss_scale(self, scale: float) -> None:
         """d(objective)/d(summed token loss) for the step about to run (parallel/step.py)."""
@@ -55,10 +57,10 @@ class Balance:
                            dtype=torch.float64)
         device = next((p.device for m in self.layers for p in m.parameters()), torch.device("cpu"))
         load, aux = load.to(device), aux.to(device)
-        if self.data_group is not None:  # each rank routed tokens of its own
+        for group in self.data_groups:  # each rank routed tokens of its own
             if load.numel():  # a stage without MoE layers has none (its dp peers neither)
-                C.all_reduce(load, self.data_group)
-            C.all_reduce(aux, self.data_group)
+                C.all_reduce(load, group)
+            C.all_reduce(aux, group)
         for m, layer_load in zip(self.layers, load):
             if update:
                 m.update_bias(layer_load)

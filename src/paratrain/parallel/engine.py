@@ -109,25 +109,23 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         return self._norm(max_norm)
 
     def _norm(self, max_norm: float) -> torch.Tensor:
-        # Replicated over data-parallel ranks, so no dp reduction; over tensor-parallel ranks
-        # each rank counts its shards and one rank counts each replicated parameter.
-        # Pipeline stages own disjoint parameters: their squared norms add up over pp.
-        grads = [p.grad for p in self.module.parameters()]
-        stages = (self.pp_group,) if self.pp_group is not None else ()
-        copy = self.tied.param if self.tied is not None and self.tied.is_copy else None
-        if copy is not None:  # the first stage counts the tied embedding
-            counted = [p.grad for p in self.module.parameters() if p is not copy]
-            owned = counted if self.tp is None else [p.grad for p in self.tp.owned_params() if p is not copy]
-            groups = stages if self.tp is None else (self.tp.group, *stages)
-            return clip_grad_norm_(owned, max_norm, groups=groups, scale=grads)
-        if self.ep is not None:  # experts partitioned over ep; the rest counted on its first rank
+        # Replicated over data-parallel ranks, so no dp reduction; every other parameter is
+        # counted on exactly one rank of the ranks holding it, and the sums added over them:
+        # over tp each rank counts its shards and one rank each replicated parameter; over
+        # ep each rank its experts and the first the rest; pipeline stages own disjoint
+        # parameters; the last stage's copy of a tied embedding is the first's to count.
+        params = list(self.module.parameters())
+        owned = set(self.tp.owned_params()) if self.tp is not None else set(params)
+        groups = (self.tp.group,) if self.tp is not None else ()
+        if self.ep is not None:
             first = C.rank(self.ep.group) == 0
-            owned = [p.grad for p in self.module.parameters() if first or self.ep.is_expert(p)]
-            return clip_grad_norm_(owned, max_norm, groups=(self.ep.group, *stages), scale=grads)
-        if self.tp is None:
-            return clip_grad_norm_(grads, max_norm, groups=stages)
-        owned = [p.grad for p in self.tp.owned_params()]
-        return clip_grad_norm_(owned, max_norm, groups=(self.tp.group, *stages), scale=grads)
+            owned = {p for p in owned if first or self.ep.is_expert(p)}
+            groups += (self.ep.group,)
+        if self.tied is not None and self.tied.is_copy:
+            owned.discard(self.tied.param)
+        groups += (self.pp_group,) if self.pp_group is not None else ()
+        grads = [p.grad for p in params]
+        return clip_grad_norm_([p.grad for p in params if p in owned], max_norm, groups=groups, scale=grads)
 
     def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -143,8 +141,10 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         if self.tp is not None:
             local = self.tp.full_state_dict(self.module)
         else:
-            local = {k: self.ep.gather(v) if self.ep is not None and self.ep.is_expert(v)
-                     else v.detach().clone() for k, v in self.module.named_parameters()}
+            local = {k: v.detach().clone() for k, v in self.module.named_parameters()}
+        if self.ep is not None:  # every ep rank's experts (whole on each tp rank)
+            experts = {k for k, v in self.module.named_parameters() if self.ep.is_expert(v)}
+            local = {k: self.ep.gather(v) if k in experts else v for k, v in local.items()}
         return drop_copy(merge_stages(local, self.pp_group), self.plan)
 
     def load_optimizer_state(self, moments: dict[str, dict[str, torch.Tensor]], step: int) -> None:

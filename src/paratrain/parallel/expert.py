@@ -25,6 +25,8 @@ by 1 / ep before that average (``DataParallel``'s expert buckets).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -56,6 +58,31 @@ class AllToAllDispatch(nn.Module):
         return all_to_all_v(y, send, recv, self.group)
 
 
+class SplitSequences(nn.Module):
+    """Each sequence's tokens per expert, summed over ``groups``: the ranks holding the
+    other parts of this rank's sequences (cp; tp under sequence parallelism). Counts carry
+    no gradient, so a plain all-reduce."""
+
+    def __init__(self, groups: tuple[ProcessGroup, ...]):
+        super().__init__()
+        self.groups = groups
+        self.parts = math.prod(C.size(g) for g in groups)
+
+    def forward(self, per_seq: torch.Tensor) -> torch.Tensor:
+        total = per_seq.detach().clone()
+        for group in self.groups:
+            C.all_reduce(total, group)
+        return total
+
+
+def split_sequences(model: nn.Module, description, groups: tuple[ProcessGroup, ...]) -> None:
+    """Make every MoE block of ``model`` count its routing per whole sequence over
+    ``groups`` (the seam ``models/moe.py`` calls ``sequences``)."""
+    for block in model.get_submodule(description.blocks):
+        if description.has_experts(block):
+            block.set_submodule(description.sequences, SplitSequences(groups))
+
+
 def _expert_major(per: torch.Tensor) -> torch.Tensor:
     """Row order regrouping rows received source by source (each source's rows sorted by
     expert) into expert by expert."""
@@ -80,6 +107,8 @@ class ExpertParallel:
         """The ranks holding the same experts (their gradients are averaged over it)."""
         self.specs: dict[nn.Parameter, ShardSpec] = {}
         """Each expert parameter's split: dim 0 (the experts), full size n_experts."""
+        self.modules: list[nn.Module] = []
+        """Each MoE block's experts (ZeRO makes each a unit of its own, over ``data_group``)."""
 
     @property
     def size(self) -> int:
@@ -113,15 +142,15 @@ def apply_expert_parallel(model: nn.Module, description, group: ProcessGroup,
     ep, rank = C.size(group), C.rank(group)
     result = ExpertParallel(group, data_group)
     for block in model.get_submodule(description.blocks):
-        try:
-            experts = block.get_submodule(description.experts)
-        except AttributeError:
-            continue  # a dense block
+        if not description.has_experts(block):
+            continue
+        experts = block.get_submodule(description.experts)
         names = [n for n, _ in experts.named_parameters(recurse=False)]
         n_experts = getattr(experts, names[0]).shape[0]
         if n_experts % ep:
             raise ValueError(f"{n_experts} experts cannot be split over ep={ep} ranks")
         local = n_experts // ep
+        result.modules.append(experts)
         for name in names:
             full = getattr(experts, name)
             with torch.no_grad():  # a copy: the whole tensor's storage is freed
@@ -129,6 +158,5 @@ def apply_expert_parallel(model: nn.Module, description, group: ProcessGroup,
             shard = nn.Parameter(part, requires_grad=full.requires_grad)
             setattr(experts, name, shard)
             result.specs[shard] = ShardSpec(dim=0, full_size=n_experts)
-        parent, _, attr = description.dispatcher.rpartition(".")
-        setattr(block.get_submodule(parent), attr, AllToAllDispatch(group, n_experts))
+        block.set_submodule(description.dispatcher, AllToAllDispatch(group, n_experts))
     return result

@@ -285,15 +285,18 @@ def _check_model(model: nn.Module, desc: ModelDescription, t: int) -> None:
 def _check_shapes(model: nn.Module, desc: ModelDescription) -> None:
     """The description's numbers against the model's first block and its embedding: a
     wrong count of KV heads, say, would otherwise pair query heads with the wrong ones."""
-    block = model.get_submodule(desc.blocks)[0]
+    blocks = model.get_submodule(desc.blocks)
     wanted = {desc.q: (desc.shape.n_heads * desc.shape.head_dim, "n_heads x head_dim"),
               desc.k: (desc.shape.n_kv_heads * desc.shape.head_dim, "n_kv_heads x head_dim"),
-              desc.v: (desc.shape.n_kv_heads * desc.shape.head_dim, "n_kv_heads x head_dim"),
-              **{path: (desc.shape.ffn_hidden, "ffn") for path in desc.mlp_in}}
-    for path, (rows, fields) in wanted.items():
-        got = block.get_submodule(path).weight.shape[0]
+              desc.v: (desc.shape.n_kv_heads * desc.shape.head_dim, "n_kv_heads x head_dim")}
+    dense = next((i for i, b in enumerate(blocks) if not desc.has_experts(b)), None)
+    checks = [(0, path, want) for path, want in wanted.items()]
+    if dense is not None:  # an MLP to check (a mixture of experts may have none)
+        checks += [(dense, path, (desc.shape.ffn_hidden, "ffn")) for path in desc.mlp_in]
+    for index, path, (rows, fields) in checks:
+        got = blocks[index].get_submodule(path).weight.shape[0]
         if got != rows:
-            raise ValueError(f"the model description says {fields} = {rows} for {desc.blocks}.0."
+            raise ValueError(f"the model description says {fields} = {rows} for {desc.blocks}.{index}."
                              f"{path}, whose weight has {got} rows: describe the model as it is built")
     vocab = model.get_submodule(desc.embedding).weight.shape[0]
     if vocab != desc.shape.vocab_size:
@@ -373,8 +376,9 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, sequence_par
     _hook_region(head, [head], tp, regions, exit=False)  # the loss reads vocabulary shards
     model.set_submodule(desc.loss, VocabParallelCrossEntropy(tp_group, desc.shape.vocab_size))
     for block in model.get_submodule(desc.blocks):
-        _apply_plan(block, desc.block_plan(), tp, regions, desc)
-        for region, columns in desc.block_regions():
+        experts = desc.has_experts(block)
+        _apply_plan(block, desc.block_plan(experts), tp, regions, desc)
+        for region, columns in desc.block_regions(experts):
             _hook_region(block.get_submodule(region), [block.get_submodule(c) for c in columns],
                          tp, regions)
     tp.collect_replicated(model)

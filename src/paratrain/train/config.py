@@ -151,7 +151,9 @@ class Config:
             rules.sequence_parallel(p.sp, p.tp, p.cp, self.data.seq_len)
             rules.tied_embeddings(m.tie_embeddings, p.pp, p.zero, p.compress.endswith(":update"))
             rules.virtual_stages(p.virtual_stages, p.schedule)
-            rules.expert_strategies(m.n_experts, p.ep, p.zero, p.compress)
+            rules.expert_strategies(m.n_experts, p.ep, p.zero, p.compress,
+                                    capacity_factor=m.capacity_factor,
+                                    splits_sequences=p.cp > 1 or (p.sp and p.tp > 1))
         except LayoutError as exc:
             raise ConfigError(str(exc)) from None
         if m.rope_scaling:

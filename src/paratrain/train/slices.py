@@ -137,13 +137,15 @@ def box_pieces(key: str, local_shape: tuple[int, ...], place: Placement, start: 
     return out
 
 
-def expert_placement(param: torch.Tensor, ep) -> Placement:
-    """Where this rank's experts sit in the stacked tensor of all of them (dim 0); the
-    first rank of the ranks holding the same experts writes them."""
+def expert_placement(param: torch.Tensor, ep, tp, replicated: bool = True) -> Placement:
+    """Where this rank's experts sit in the stacked tensor of all of them (dim 0). They
+    are whole on every tensor-parallel rank, the first of which writes them; among the
+    ranks holding the same experts, the first too where they are ``replicated`` (DDP),
+    each its own range where not (ZeRO)."""
     shape = tuple(param.shape)
     full = (ep.specs[param].full_size, *shape[1:])
-    return Placement(full, (ep.offset(param), *(0,) * (len(shape) - 1)), shape,
-                     C.rank(ep.data_group) == 0)
+    owner = (tp is None or C.rank(tp.group) == 0) and (not replicated or C.rank(ep.data_group) == 0)
+    return Placement(full, (ep.offset(param), *(0,) * (len(shape) - 1)), shape, owner)
 
 
 def replicated_pieces(engine, for_save: bool) -> list[Piece]:
@@ -156,7 +158,7 @@ def replicated_pieces(engine, for_save: bool) -> list[Piece]:
     pieces = []
     for name, p in engine.module.named_parameters():
         expert = ep is not None and ep.is_expert(p)
-        place = expert_placement(p, ep) if expert else placement(p, engine.tp)
+        place = expert_placement(p, ep, engine.tp) if expert else placement(p, engine.tp)
         if for_save and not (place.owner and (expert or first_replica)) or for_save and _copy(engine, name):
             continue
         state = engine.optimizer.state.get(p, {})
@@ -183,7 +185,8 @@ def zero_pieces(engine, for_save: bool) -> list[Piece]:
         cut = len(flat.decay_split(shard)[0])
         segments = [(a, b) for a, b in ((0, cut), (cut, flat.shard_size)) if b > a]  # as views
         for name, p, offset in zip(flat.names, flat.params, flat.offsets):
-            place = placement(p, engine.tp)
+            place = (expert_placement(p, engine.expert, engine.tp, replicated=False) if unit.expert
+                     else placement(p, engine.tp))
             if for_save and (not place.owner or _copy(engine, name)):
                 continue
             lo, hi = max(offset, start), min(offset + p.numel(), end)
@@ -203,7 +206,22 @@ def zero_pieces(engine, for_save: bool) -> list[Piece]:
                 source = moment[lo - start - a:hi - start - a] if moment is not None else None
                 pieces += box_pieces(f"{kind}/{key}", tuple(p.shape), place, lo - offset, hi - offset,
                                      source, torch.float32)
-    return pieces + (_rank_pieces(engine) if for_save else [])
+    return pieces + _frozen_pieces(engine, for_save) + (_rank_pieces(engine) if for_save else [])
+
+
+def _frozen_pieces(engine, for_save: bool) -> list[Piece]:
+    """ZeRO's frozen parameters, whole on every rank (in no unit): the first replica
+    writes them."""
+    if for_save and C.rank(engine.group) != 0:
+        return []
+    names = {p: n for n, p in engine.module.named_parameters()}
+    pieces = []
+    for p in engine.frozen:
+        place = placement(p, engine.tp)
+        if not for_save or place.owner:
+            pieces += box_pieces(f"param/{source_name(names[p], engine.plan)}", tuple(p.shape), place,
+                                 0, p.numel(), p.detach().reshape(-1), p.dtype)
+    return pieces
 
 
 def _copy(engine, name: str) -> bool:

@@ -47,7 +47,7 @@ from ..engine import MOMENTS, drop_copy, merge_stages, source_name
 from ..hooks import weakly
 from ..step import ScheduledStep, StepPlan
 from ..tensor import TensorParallel
-from .flat import build_unit, group_units
+from .flat import adopt, build_unit, group_units
 from .optim import ShardedAdamW
 from .units import Unit, default_units, merge_shared
 
@@ -60,7 +60,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
                  track_peak: bool = False, tp: TensorParallel | None = None,
                  pp_group: ProcessGroup | None = None, reshard_after_forward: bool = True,
                  compress: "str | CompressSpec" = "none", plan: StepPlan | None = None,
-                 ring_collectives: bool | None = None, tied=None):
+                 ring_collectives: bool | None = None, tied=None, expert=None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
@@ -70,11 +70,19 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         self.tied = tied  # this rank's end of a tied embedding under a pipeline (stage 1)
         self.reshard_after_forward = reshard_after_forward
         self.accumulate_full = pp_group is not None  # see the module docstring
+        self.expert = expert
+        """Expert parallelism (parallel/expert.py): its experts are units of their own,
+        sharded over its expert-data-parallel group; None without."""
+        self.frozen = [p for p in module.parameters() if not p.requires_grad]
+        """Parameters no gradient moves (an MoE router's selection bias): whole on every
+        rank, in no unit."""
+        allocate(self.frozen, self.plan.device)
         with torch.no_grad():  # replicas must start identical (a meta model is filled later)
             for tensor in [*module.parameters(), *module.buffers()]:
                 if not tensor.is_meta:
-                    C.broadcast(tensor, src=0, group=group)
-        self.units = _build_units(module, group, stage, param_dtype, self.plan.device)
+                    held_by = self._experts_group if self._is_expert(tensor) else group
+                    C.broadcast(tensor, src=0, group=held_by)
+        self.units = _build_units(module, group, stage, param_dtype, self.plan.device, expert)
         if tp is not None:  # replicated TP gradients are summed as backward makes them
             tp.register_grad_sync_hooks()  # (after build_unit: adopting a meta parameter drops hooks)
         self.optimizer = ShardedAdamW(self.units, optim_cfg, offload=offload)
@@ -82,10 +90,12 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         # (comm/compress.py) instead of a reduce-scatter; stages 2/3 are refused by check().
         # ring_collectives: the backend's flat collectives, or forced (comm/backend.py).
         self.ring = ring_collectives
-        self.reducer = GradReducer(check(compress, stage), [
-            (list(zip(u.flat.offsets, [p.shape for p in u.flat.params])), u.flat.padded)
-            for u in self.units], group, device=self.units[0].flat.device if self.units else None,
-            names=[u.flat.names for u in self.units], ring=ring_collectives)
+        self.reducer = _reducer([u for u in self.units if not u.expert], group, check(compress, stage),
+                                ring_collectives)
+        self.expert_reducer = (_reducer([u for u in self.units if u.expert], self._experts_group,
+                                        check("none", stage), ring_collectives)
+                               if expert is not None else None)
+        """The expert units' averages over the expert-data-parallel group."""
         self._sync = True
         self._in_flight: list[Unit] = []
         # Units in the order the first forward ran them (registration order need not be
@@ -113,6 +123,17 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    @property
+    def _experts_group(self) -> ProcessGroup | None:
+        return self.expert.data_group if self.expert is not None else None
+
+    def _is_expert(self, param: torch.Tensor) -> bool:
+        return self.expert is not None and self.expert.is_expert(param)
+
+    def _group_of(self, unit: Unit) -> ProcessGroup:
+        """The ranks a unit is sharded over."""
+        return self._experts_group if unit.expert else self.group
+
     # ---- stage 3: gather, free, prefetch ---------------------------------------------------
     def _gather(self, index: int, wait: bool) -> None:
         if not 0 <= index < len(self.units):
@@ -120,7 +141,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         unit = self.units[index]
         if unit.gather_work is None and not unit.flat.gathered:
             unit.flat.allocate()
-            unit.gather_work = C.all_gather(unit.flat.flat, unit.shard, self.group, async_op=True)
+            unit.gather_work = C.all_gather(unit.flat.flat, unit.shard, self._group_of(unit), async_op=True)
             self._record_peak()
         if wait and unit.gather_work is not None:
             unit.gather_work.wait()
@@ -191,7 +212,10 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         # most two units' full gradients (that one and the one being produced) exist at once.
         if self.stage >= 2 and self._in_flight:
             self._in_flight.pop(0).finish_reduce()
-        unit.start_reduce(self.reducer)
+        if unit.expert:  # ep ranks' tokens, averaged over dp x cp / ep replicas (expert.py)
+            unit.start_reduce(self.expert_reducer, 1 / self.expert.size)
+        else:
+            unit.start_reduce(self.reducer)
         self._in_flight.append(unit)
         if self.stage == 3 and (self._sync or self.reshard_after_forward):
             self._release(unit)  # kept otherwise: the next microbatch of the step needs it
@@ -257,8 +281,10 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         self.optimizer.step(lr)
         if self.stage == 3:
             return
-        gather_shards([(u.flat.flat, u.flat.own_slice(u.flat.flat)) for u in self.units],
-                      self.group, self.ring)
+        for expert in (False, True) if self.expert is not None else (False,):
+            units = [u for u in self.units if u.expert == expert]
+            gather_shards([(u.flat.flat, u.flat.own_slice(u.flat.flat)) for u in units],
+                          self._experts_group if expert else self.group, self.ring)
 
     # ---- inspection ------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -284,9 +310,11 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             full = unit.flat.flat
             if self.stage == 3:  # gathered into a buffer of its own: the unit's may be freed
                 full = torch.empty(unit.flat.padded, dtype=full.dtype, device=unit.flat.device)
-                C.all_gather(full, unit.shard, self.group)
+                C.all_gather(full, unit.shard, self._group_of(unit))
             for name, view in zip(unit.flat.names, unit.flat.copy_out(full)):
-                out[name] = view.detach().clone()
+                out[name] = self.expert.gather(view) if unit.expert else view.detach().clone()
+        names = {p: n for n, p in self.module.named_parameters()}
+        out.update({names[p]: p.detach().clone() for p in self.frozen})
         if self.tp is not None:
             out = self.tp.full_state_dict(self.module, local=out)
         return drop_copy(merge_stages(out, self.pp_group), self.plan)
@@ -310,7 +338,10 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
                 flat = torch.zeros(unit.flat.padded)
                 for name, p, offset in zip(unit.flat.names, unit.flat.params, unit.flat.offsets):
                     full = moments[key][source_name(name, self.plan)]
-                    local = self.tp.local_shard(p, full) if self.tp is not None else full
+                    if unit.expert:
+                        local = self.expert.local_shard(p, full)
+                    else:
+                        local = self.tp.local_shard(p, full) if self.tp is not None else full
                     flat[offset:offset + p.numel()] = local.reshape(-1)
                 slices[key] = unit.flat.own_slice(flat).split([v.numel() for v in views])
             for i, view in enumerate(views):
@@ -319,17 +350,22 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
 
 
 def _build_units(module: nn.Module, group: ProcessGroup, stage: int,
-                 param_dtype: torch.dtype | None, device: torch.device) -> list[Unit]:
-    """``module``'s units as flat buffers over ``group``; at stage 3 each keeps only its
-    shard (the flat buffer freed until gathered)."""
-    world, rank = C.size(group), C.rank(group)
-    unit_modules = merge_shared(default_units(module))
-    named = group_units(module, unit_modules)
-    units = [Unit(build_unit(name, params, world, rank, param_dtype, device,
-                             sharded=stage == 3), modules)
-             for (name, params), (_, modules) in zip(named, unit_modules)]
-    for index, unit in enumerate(units):
-        unit.index = index
+                 param_dtype: torch.dtype | None, device: torch.device, expert=None) -> list[Unit]:
+    """``module``'s units as flat buffers over ``group`` (its experts' over ``expert``'s
+    data group); at stage 3 each keeps only its shard (the flat buffer freed until
+    gathered)."""
+    apart = frozenset(expert.modules if expert is not None else ())
+    unit_modules = merge_shared(default_units(module, apart=apart), apart)
+    named = group_units(module, unit_modules, apart)
+    units = []
+    for (name, params), (_, modules) in zip(named, unit_modules):
+        is_expert = expert is not None and expert.is_expert(params[0][1])
+        over = expert.data_group if is_expert else group
+        flat = build_unit(name, params, C.size(over), C.rank(over), param_dtype, device,
+                          sharded=stage == 3)
+        units.append(Unit(flat, modules, index=sum(u.expert == is_expert for u in units),
+                          expert=is_expert))
+    for unit in units:
         unit.setup_grads(stage)
         if stage == 3:
             flat = unit.flat
@@ -337,6 +373,20 @@ def _build_units(module: nn.Module, group: ProcessGroup, stage: int,
                           torch.zeros(flat.shard_size, dtype=flat.flat.dtype, device=flat.device))
             flat.free()
     return units
+
+
+def _reducer(units: list[Unit], group: ProcessGroup, spec, ring: bool | None) -> GradReducer:
+    """The average of ``units``' gradients over ``group`` (indexed by ``Unit.index``)."""
+    return GradReducer(spec, [(list(zip(u.flat.offsets, [p.shape for p in u.flat.params])), u.flat.padded)
+                              for u in units], group, device=units[0].flat.device if units else None,
+                       names=[u.flat.names for u in units], ring=ring)
+
+
+def allocate(params: list[nn.Parameter], device: torch.device) -> None:
+    """Zeroed storage on ``device`` for those of ``params`` built on meta."""
+    for p in params:
+        if p.is_meta:
+            adopt(p, torch.zeros(p.shape, dtype=p.dtype, device=device))
 
 
 def _tensors(output) -> list[torch.Tensor]:

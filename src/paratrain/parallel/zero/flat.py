@@ -142,12 +142,23 @@ def _storageless(param: nn.Parameter, device: torch.device) -> torch.Tensor:
     return t
 
 
-def group_units(model: nn.Module, unit_modules: list[tuple[str, list[nn.Module]]]
-                ) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
+def unit_params(module: nn.Module, apart: frozenset = frozenset()) -> list[nn.Parameter]:
+    """The trainable parameters a unit of ``module`` holds: not those of modules in
+    ``apart`` inside it (units of their own, ``units.default_units``), and not frozen ones
+    (kept whole on every rank: nothing shards what never changes)."""
+    if module in apart:
+        return [p for p in module.parameters() if p.requires_grad]
+    inner = {p for m in module.modules() if m in apart for p in m.parameters()}
+    return [p for p in module.parameters() if p.requires_grad and p not in inner]
+
+
+def group_units(model: nn.Module, unit_modules: list[tuple[str, list[nn.Module]]],
+                apart: frozenset = frozenset()) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
     """The named parameters of each unit, each parameter in exactly one unit.
 
-    ``unit_modules`` lists (unit name, modules); every parameter of ``model`` must belong
-    to exactly one unit. A parameter the modules of one unit share (a tied embedding and
+    ``unit_modules`` lists (unit name, modules); every trainable parameter of ``model``
+    must belong to exactly one unit (``unit_params``: modules in ``apart`` are units of
+    their own). A parameter the modules of one unit share (a tied embedding and
     output projection, ``units.merge_shared``) is taken once; one shared between units is
     an error.
     """
@@ -157,7 +168,7 @@ def group_units(model: nn.Module, unit_modules: list[tuple[str, list[nn.Module]]
     for unit_name, modules in unit_modules:
         named = []
         for module in modules:
-            for p in module.parameters():
+            for p in unit_params(module, apart):
                 if owner.get(p) == unit_name and any(p is q for _, q in named):
                     continue  # tied within the unit: one copy
                 if p in owner:
@@ -166,7 +177,7 @@ def group_units(model: nn.Module, unit_modules: list[tuple[str, list[nn.Module]]
                 owner[p] = unit_name
                 named.append((name_of[p], p))
         units.append((unit_name, named))
-    missing = [n for n, p in model.named_parameters() if p not in owner]
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p not in owner]
     if missing:
         raise ValueError(f"parameters {missing} belong to no ZeRO unit")
     return units

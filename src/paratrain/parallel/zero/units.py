@@ -7,33 +7,38 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from ...comm.reducer import GradReducer
-from .flat import FlatUnit
+from .flat import FlatUnit, unit_params
 
 
-def default_units(model: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+def default_units(model: nn.Module, prefix: str = "", apart: frozenset = frozenset()
+                  ) -> list[tuple[str, nn.Module]]:
     """The modules whose parameters ZeRO communicates together, in the order the model runs
     them: one unit per element of a module list (the transformer blocks) and one per other
     child that has parameters (embedding, final norm, head). Containers of such models (a
-    pipeline rank's chunks) are unpacked the same way."""
+    pipeline rank's chunks) are unpacked the same way. A module in ``apart`` (a block's
+    experts, sharded over another group) is a unit of its own, listed after the unit that
+    contains it, which keeps the rest of its parameters (``group_units``)."""
     units = []
     for name, child in model.named_children():
         path = prefix + name
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             for key, element in child.named_children():
-                units += _unit_or_parts(element, f"{path}.{key}")
+                units += _unit_or_parts(element, f"{path}.{key}", apart)
         else:
-            units += _unit_or_parts(child, path)
+            units += _unit_or_parts(child, path, apart)
     return units
 
 
-def merge_shared(units: list[tuple[str, nn.Module]]) -> list[tuple[str, list[nn.Module]]]:
+def merge_shared(units: list[tuple[str, nn.Module]], apart: frozenset = frozenset()
+                 ) -> list[tuple[str, list[nn.Module]]]:
     """``units`` with every module that shares a parameter with an earlier unit (a tied
     output projection: the token embedding's matrix) joined to that unit: ZeRO keeps each
     parameter in one flat buffer, gathered for every module that uses it."""
     merged: list[tuple[str, list[nn.Module]]] = []
     owner: dict[nn.Parameter, int] = {}
     for name, module in units:
-        shared = {owner[p] for p in module.parameters() if p in owner}
+        params = unit_params(module, apart)
+        shared = {owner[p] for p in params if p in owner}
         if len(shared) > 1:
             raise ValueError(f"{name} shares parameters with {len(shared)} other ZeRO units; "
                              f"ZeRO joins a module to at most one unit it shares with")
@@ -43,14 +48,17 @@ def merge_shared(units: list[tuple[str, nn.Module]]) -> list[tuple[str, list[nn.
         else:
             at = len(merged)
             merged.append((name, [module]))
-        owner.update({p: at for p in module.parameters()})
+        owner.update({p: at for p in params})
     return merged
 
 
-def _unit_or_parts(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+def _unit_or_parts(module: nn.Module, path: str, apart: frozenset) -> list[tuple[str, nn.Module]]:
     if any(isinstance(c, (nn.ModuleList, nn.ModuleDict)) for c in module.children()):
-        return default_units(module, path + ".")
-    return [(path, module)] if any(True for _ in module.parameters()) else []
+        return default_units(module, path + ".", apart)
+    if not any(p.requires_grad for p in module.parameters()):
+        return []
+    inner = [(f"{path}.{name}", m) for name, m in module.named_modules() if m in apart and name]
+    return [(path, module), *inner]
 
 
 @dataclass
@@ -63,7 +71,10 @@ class Unit:
     """The modules whose forward uses them (ZeRO-3 hooks each): one, or two for a tied
     embedding and output projection."""
     index: int = 0
-    """Its place among the engine's units (the reducer keeps each unit's state by it)."""
+    """Its place among its reducer's units (the reducer keeps each unit's state by it)."""
+    expert: bool = False
+    """Holds experts: sharded and averaged over the expert-data-parallel group, after a
+    scale of 1 / ep (parallel/expert.py); otherwise over the data-parallel group."""
     shard: torch.Tensor | None = None
     """Stage 3: this rank's parameter slice, the only copy kept between uses."""
     flat_grad: torch.Tensor | None = None
@@ -106,11 +117,13 @@ class Unit:
         self.flat_grad[offset:offset + param.numel()].add_(param.grad.reshape(-1))
         param.grad = None
 
-    def start_reduce(self, reducer: GradReducer) -> None:
-        """Hand the unit's gradient to the data-parallel reducer; this rank's slice of the
-        average lands in place."""
+    def start_reduce(self, reducer: GradReducer, scale: float = 1.0) -> None:
+        """Hand the unit's gradient, times ``scale``, to its reducer; this rank's slice of
+        the average lands in place."""
         if self.flat_grad is None:  # no parameter of the unit got a gradient
             self.flat_grad = self.grad_shard.new_zeros(self.flat.padded)
+        if scale != 1.0:
+            self.flat_grad.mul_(scale)
         self.reduce_work = reducer.average_shard(self.index, self.flat_grad,
                                                  self.flat.own_slice(self.flat_grad))
         self.launched = True
