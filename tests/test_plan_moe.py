@@ -107,12 +107,12 @@ def test_all_to_all_traffic_per_moe_layer(tmp_path):
     assert full.ep == pytest.approx(6 * one)  # the recomputed forward exchanges again
     assert step_time(model, training, cluster, cand.but(layout=Layout(dp=8))).ep == 0.0
     assert step_time(load_model("tiny"), training, cluster, Candidate(Layout(dp=8), 0, b, 1)).ep is None
-    # ep folded on dp x cp: with pp8 its ranks are 0, 8, 16, 24, one per node of 8; with
-    # cp8 it is ranks 0-3 of one node
+    # ep folded on the dp ranks: with pp8 its ranks are 0, 8, 16, 24, one per node of 8;
+    # with tp4 it is ranks 0 and 4 of one node
     big = Cluster(cluster.gpu, 32, 8)
     assert moe.expert_group(Layout(dp=4, pp=8, ep=4)) == (0, 8, 16, 24)
     assert moe.group_link(big, moe.expert_group(Layout(dp=4, pp=8, ep=4))).kind == "network"
-    assert moe.group_link(big, moe.expert_group(Layout(dp=4, cp=8, ep=4))).kind == "nvlink"
+    assert moe.group_link(big, moe.expert_group(Layout(dp=8, tp=4, ep=2))).kind == "nvlink"
     assert time.step == pytest.approx(sum(getattr(time, k) for k in
                                           ("compute", "bubble", "tp", "cp", "pp", "dp", "optimizer", "ep")))
 
