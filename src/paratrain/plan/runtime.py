@@ -95,17 +95,25 @@ def paratrain_state_bytes(model: ModelSpec, layout, precision: str, optimizer: s
     zero, n, v = layout.zero, layout.dp * layout.cp, getattr(layout, "virtual_stages", 1)
     units = unit_params(model, layout.tp, layout.pp, stage, v)
     w, g, k = state_bytes_per_param(precision, zero, optimizer)
-    states = _sharded(units, n, zero, (w, g, k))
-    if model.n_experts:
-        # each MoE block's n_experts / ep experts, sharded over the ranks holding the same
-        # experts; the selection biases (in ``units``) have neither gradient nor optimizer
-        # state
-        experts = [model.stage_expert_params(layout.pp, stage, v, layout.ep)]
-        held = _sharded(experts, n // layout.ep, zero, (w, g, k))
-        biases = model.stage_moe_layers(layout.pp, stage, v) * moe.expert_bias_params(model)
-        untrained = (0, g * biases, k * biases) if not zero else (0, 0, 0)
-        states = tuple(a + b - c for a, b, c in zip(states, held, untrained))
-    return dict(zip(("param_bytes", "grad_bytes", "optim_bytes"), states))
+    if not model.n_experts:
+        return dict(zip(("param_bytes", "grad_bytes", "optim_bytes"), _sharded(units, n, zero, (w, g, k))))
+    # Each MoE block's n_experts / ep experts are a unit of their own, sharded over the ranks
+    # holding the same experts. The selection biases (in ``units``) have neither gradient
+    # nor optimizer state; under ZeRO they stay whole, in no unit, outside the engine's
+    # state (n_experts values per block, not counted, as train measures its states).
+    blocks = model.stage_moe_layers(layout.pp, stage, v)
+    biases = blocks * moe.expert_bias_params(model)
+    if zero:
+        first = 1 if stage == 0 else 0
+        units = units[:first] + [u - (moe.expert_bias_params(model) if model.is_moe(i) else 0)
+                                 for i, u in zip(model.stage_blocks(layout.pp, stage, v), units[first:])
+                                 ] + units[first + model.stage_layers(layout.pp, stage, v):]
+    experts = [moe.expert_params(model) // layout.ep] * blocks
+    states = [a + b for a, b in zip(_sharded(units, n, zero, (w, g, k)),
+                                    _sharded(experts, n // layout.ep, zero, (w, g, k)))]
+    untrained = (0, g * biases, k * biases) if not zero else (0, 0, 0)
+    return dict(zip(("param_bytes", "grad_bytes", "optim_bytes"),
+                    (a - b for a, b in zip(states, untrained))))
 
 
 def _sharded(units: list[int], n: int, zero: int, sizes: tuple[int, int, int]) -> tuple[int, ...]:
