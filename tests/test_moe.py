@@ -287,6 +287,47 @@ def test_a_zero3_checkpoint_of_sharded_experts_resumes_anywhere(tmp_path):
         assert_same_run(tail(got["b"]), want, what=f"dp2 ep2 ZeRO-1 rank {rank}")
 
 
+def hang_in_an_moe_layer(report_path: str) -> None:
+    """Rank 1 never reaches the first MoE layer's all-to-all; rank 0's watchdog names it."""
+    import os
+    import time
+
+    import torch.distributed as dist
+    from paratrain.layout import Layout
+    from paratrain.mesh import Mesh
+    from paratrain.models.description import describe
+    from paratrain.parallel.expert import apply_expert_parallel
+    from paratrain.watchdog import Watchdog
+
+    mesh = Mesh.build(Layout(dp=2, ep=2))
+    model = GPT(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, moe_first_dense=1, **MOE))
+    apply_expert_parallel(model, describe(model), mesh.group("ep"), mesh.group("edp"))
+    if dist.get_rank() == 1:
+        time.sleep(20)
+        os._exit(0)
+
+    def on_hang(report: str) -> None:
+        with open(report_path, "w") as f:
+            f.write(report)
+        os._exit(0)
+
+    Watchdog(rank=0, timeout_s=1.0, on_hang=on_hang).start().attach(
+        dist.distributed_c10d._get_default_store())
+    tokens = torch.randint(0, 64, (2, 8))
+    model(tokens, tokens)
+
+
+def test_a_hang_inside_an_moe_layer_names_the_layer_and_the_ep_group(tmp_path):
+    from paratrain.launch import RankFailed
+
+    report = tmp_path / "report.txt"
+    with pytest.raises(RankFailed):
+        run_world(hang_in_an_moe_layer, 2, str(report), timeout_s=120)
+    text = report.read_text()
+    assert "on group ep (ranks [0, 1]) inside mixture-of-experts layer layers.1.mlp" in text, text
+    assert "did not arrive: rank 1" in text, text
+
+
 def test_recomputed_forwards_do_not_count_their_tokens_again():
     """Under full recomputation each MoE layer's forward runs again inside backward: the
     load, aux and drops it records count each token once (the metrics, the bias's input)."""

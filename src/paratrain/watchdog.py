@@ -206,8 +206,9 @@ class Watchdog:
             (missing if why else waiting).append(f"rank {peer}{why}")
         call = me.get("call") or f"{me.get('where') or 'an unknown place'}"
         step = me.get("step") if me.get("step") is not None else "?"
+        inside = f" inside {me['inside']}" if me.get("inside") else ""
         lines = [f"hang at step {step}: rank {self.rank} waited {blocked_s:.1f} s in "
-                 f"{call} on group {_describe(group)}, its collective #{mine} there "
+                 f"{call} on group {_describe(group)}{inside}, its collective #{mine} there "
                  f"(--timeout-s {self.timeout_s:g}); "
                  + (f"did not arrive: {'; '.join(missing)}" if missing else
                     "every peer reports it is waiting too (a collective issued in a different order?)"
@@ -236,7 +237,8 @@ def _where(frame) -> dict:
     """The torch.distributed call the main thread is in (outermost such frame) and its
     group, else the innermost paratrain function; and the training step (read from the
     loop's frame, so the loop pays nothing)."""
-    out: dict = {"call": None, "group": None, "where": None, "step": None, "waiting": False}
+    out: dict = {"call": None, "group": None, "where": None, "step": None, "waiting": False,
+                 "inside": None}
     if frame is not None:  # a wait on an asynchronous collective's handle, or a sync one
         line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
         out["waiting"] = any(w in line for w in (".wait(", "wait_all(", "synchronize("))
@@ -253,13 +255,23 @@ def _where(frame) -> dict:
             if out["group"] is None and "group" in frame.f_locals:
                 group = frame.f_locals["group"]
                 out["group"] = c10d._world.pg_names.get(group) if group is not None else "0"
-        elif out["where"] is None and "/paratrain/" in path:
-            out["where"] = f"{code.co_name} ({path.rsplit('/paratrain/', 1)[1]}:{frame.f_lineno})"
+        elif "/paratrain/" in path:
+            if out["where"] is None:
+                out["where"] = f"{code.co_name} ({path.rsplit('/paratrain/', 1)[1]}:{frame.f_lineno})"
+            if out["inside"] is None:  # a layer that labels its collectives (parallel/expert.py)
+                out["inside"] = _label(frame.f_locals)
         if (out["step"] is None and path.endswith(LOOPS) and code.co_name == "train"
                 and isinstance(frame.f_locals.get("step"), int)):  # the loop's own, 0-based
             out["step"] = frame.f_locals["step"] + 1  # as metrics.jsonl numbers it
         frame = frame.f_back
     return out
+
+
+def _label(local: dict) -> str | None:
+    """What a frame says its collectives belong to: a ``watch_label`` variable, or the
+    attribute of an autograd function's ``ctx`` (a collective in backward)."""
+    label = local.get("watch_label", getattr(local.get("ctx"), "watch_label", None))
+    return label if isinstance(label, str) and label else None
 
 
 def _members(group: str) -> list[int]:
@@ -293,7 +305,8 @@ def _absence(beat: dict | None, group: str, mine: int, stale_s: float) -> str:
         return " (no heartbeat at all: it never got this far, or died)"
     age = time.time() - beat["t"]
     theirs = beat["seqs"].get(group, 0)
-    seen = f"last seen at step {beat.get('step', '?')}, collective #{theirs} of this group, in {beat.get('call') or beat.get('where')}"
+    step = beat.get("step")
+    seen = f"last seen at step {'?' if step is None else step}, collective #{theirs} of this group, in {beat.get('call') or beat.get('where')}"
     if age > stale_s:
         return f" (silent for {age:.1f} s: stopped or frozen, pid {beat.get('pid')} on {beat.get('host')}; {seen})"
     if theirs < mine:

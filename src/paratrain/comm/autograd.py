@@ -209,8 +209,9 @@ class AllToAllV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group: ProcessGroup) -> torch.Tensor:
+                group: ProcessGroup, watch_label: str) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
+        ctx.watch_label = watch_label  # a hang in backward names the layer (watchdog.py)
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         C.all_to_all_v(out, x.contiguous(), out_splits, in_splits, group)
         return out
@@ -220,9 +221,10 @@ class AllToAllV(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         C.all_to_all_v(back, grad.contiguous(), in_splits, out_splits, ctx.group)
-        return back, None, None, None
+        return back, None, None, None, None
 
 
 def all_to_all_v(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                 group: ProcessGroup) -> torch.Tensor:
-    return AllToAllV.apply(x, out_splits, in_splits, group)
+                 group: ProcessGroup, watch_label: str = "") -> torch.Tensor:
+    """``watch_label``: what the watchdog calls a hang in it (forward or backward)."""
+    return AllToAllV.apply(x, out_splits, in_splits, group, watch_label)

@@ -40,22 +40,25 @@ class AllToAllDispatch(nn.Module):
     """The experts' outputs for rows sorted by expert, the experts spread over ``group``
     (this rank holds ``experts``, a contiguous 1 / ep of them)."""
 
-    def __init__(self, group: ProcessGroup, n_experts: int):
+    def __init__(self, group: ProcessGroup, n_experts: int, name: str = ""):
         super().__init__()
         self.group, self.n_experts = group, n_experts
+        self.name = name
+        """The MoE layer's path in the plain model (``layers.3.mlp``): a hang names it."""
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        watch_label = f"mixture-of-experts layer {self.name}"  # read by the watchdog (watchdog.py)
         ep = C.size(self.group)
         local = self.n_experts // ep
         received = torch.empty_like(counts)
         C.all_to_all(received, counts.contiguous(), self.group)  # my experts' counts, by source
         per = received.view(ep, local)  # (source rank, local expert)
         send, recv = counts.view(ep, local).sum(1).tolist(), per.sum(1).tolist()
-        x = all_to_all_v(rows, recv, send, self.group)
+        x = all_to_all_v(rows, recv, send, self.group, watch_label)
         order = _expert_major(per)
         y = experts(x[order], per.sum(0).tolist())
         y = y.new_zeros(y.shape).index_copy(0, order, y)  # back to source-major order
-        return all_to_all_v(y, send, recv, self.group)
+        return all_to_all_v(y, send, recv, self.group, watch_label)
 
 
 class SplitSequences(nn.Module):
@@ -141,7 +144,7 @@ def apply_expert_parallel(model: nn.Module, description, group: ProcessGroup,
     ``AllToAllDispatch``; dense blocks are untouched."""
     ep, rank = C.size(group), C.rank(group)
     result = ExpertParallel(group, data_group)
-    for block in model.get_submodule(description.blocks):
+    for index, block in enumerate(model.get_submodule(description.blocks)):
         if not description.has_experts(block):
             continue
         experts = block.get_submodule(description.experts)
@@ -158,5 +161,6 @@ def apply_expert_parallel(model: nn.Module, description, group: ProcessGroup,
             shard = nn.Parameter(part, requires_grad=full.requires_grad)
             setattr(experts, name, shard)
             result.specs[shard] = ShardSpec(dim=0, full_size=n_experts)
-        block.set_submodule(description.dispatcher, AllToAllDispatch(group, n_experts))
+        layer = f"{description.blocks}.{index}.{description.experts.rpartition('.')[0]}"
+        block.set_submodule(description.dispatcher, AllToAllDispatch(group, n_experts, layer))
     return result
