@@ -81,7 +81,12 @@ MODEL_PARALLEL = [dict(dp=2, tp=2, zero=1), dict(tp=4, vocab_size=250),
                        shared_gate=True, precision="bf16"),
                   # under ZeRO each block's experts are a unit over the dp / ep ranks holding them
                   dict(dp=4, ep=2, zero=1, n_experts=4, top_k=2, expert_ffn=48),
-                  dict(dp=4, ep=2, zero=3, n_experts=4, top_k=2, expert_ffn=40, precision="bf16")]
+                  dict(dp=4, ep=2, zero=3, n_experts=4, top_k=2, expert_ffn=40, precision="bf16"),
+                  # tp splits attention only: router, experts and shared expert whole on each rank
+                  dict(dp=2, tp=2, sp=True, ep=2, n_experts=4, top_k=2, expert_ffn=48, shared_ffn=32,
+                       shared_gate=True),
+                  dict(tp=2, cp=2, ep=2, zero=1, n_experts=4, top_k=2, expert_ffn=48, shared_ffn=32,
+                       moe_first_dense=1)]
 
 
 def test_model_parallel_state_bytes_equal_the_planners(tmp_path):

@@ -161,7 +161,7 @@ class TensorParallel:
             self.replicated_params.append(p)
             # Norms see different tokens on each rank only under SP; a replicated KV head
             # always serves different query heads on each of its copies.
-            if spec is not None or self.sequence_parallel:
+            if (spec is not None or self.sequence_parallel) and p.requires_grad:  # frozen: none
                 self._partial.append(p)
 
     def is_sharded(self, param: nn.Parameter) -> bool:

@@ -16,8 +16,9 @@ SwiGLU experts of width ``expert_ffn``, an optional shared expert (a SwiGLU of w
   and gets the results back: tokens · top_k · d_model · bytes · (ep - 1)/ep per rank and
   all-to-all, twice forward (dispatch, combine) and twice backward.
 
-Tensor parallelism does not split the routed experts (each rank of a tp group routes its
-own sequence shard under SP); the shared expert is split like the dense MLP.
+Tensor parallelism splits no part of a MoE block but its attention (``models/description.py``):
+the router, the routed experts and the shared expert are whole on every tp rank, which runs
+them on its own sequence shard under SP (on every token without SP).
 """
 
 from __future__ import annotations
@@ -67,11 +68,11 @@ def expert_params(model: ModelShape) -> int:
 
 def replicated_delta(model: ModelShape, tp: int) -> int:
     """Parameters a MoE block holds on one tp rank beyond a dense block's, its routed
-    experts left out (``expert_params``): the router, the shared expert (split by tp like
-    the dense MLP) and its gate, less the dense MLP it replaces."""
+    experts left out (``expert_params``): the router, the shared expert and its gate
+    (whole on every tp rank), less the dense MLP it replaces (split by tp)."""
     h = model.d_model
     dense_mlp = (3 if model.gated_mlp else 2) * h * model.ffn_hidden // tp
-    shared = 3 * h * model.shared_ffn // tp + (h if model.shared_gate else 0)
+    shared = 3 * h * model.shared_ffn + (h if model.shared_gate else 0)
     return h * model.n_experts + shared - dense_mlp
 
 
@@ -93,7 +94,7 @@ def matmuls(model: ModelShape, tokens: int, tp: int, ep: int) -> list[tuple[int,
     shapes = [(tokens, h, model.n_experts, 1), (rows, h, 2 * model.expert_ffn, local),
               (rows, model.expert_ffn, h, local)]
     if model.shared_ffn:
-        shapes += [(tokens, h, 2 * model.shared_ffn // tp, 1), (tokens, model.shared_ffn // tp, h, 1)]
+        shapes += [(tokens, h, 2 * model.shared_ffn, 1), (tokens, model.shared_ffn, h, 1)]
     if model.shared_gate:
         shapes.append((tokens, h, 1, 1))
     return shapes
@@ -115,7 +116,7 @@ def elementwise_delta(model: ModelShape, tokens: int, tp: int, elem: int) -> flo
     expert, the rows gathered for dispatch and scattered back (read and write d_model
     each), less the dense MLP's activation."""
     rows = routed_rows(model, tokens)
-    act = 3 * (rows * model.expert_ffn + tokens * model.shared_ffn // tp)
+    act = 3 * (rows * model.expert_ffn + tokens * model.shared_ffn)
     return elem * (act + 4 * rows * model.d_model - 3 * tokens * model.ffn_hidden // tp)
 
 
@@ -154,7 +155,7 @@ def activation_delta(model: ModelShape, tokens: int, tp: int, elem: int) -> floa
     routed = elem * rows * (2 * model.d_model + 3 * model.expert_ffn)
     router = tokens * (4 * model.n_experts + 8 * model.top_k)
     mlp = 3 if model.gated_mlp else 2
-    return routed + router + elem * tokens * (3 * model.shared_ffn - mlp * model.ffn_hidden) / tp
+    return routed + router + elem * tokens * (3 * model.shared_ffn - mlp * model.ffn_hidden / tp)
 
 
 def paratrain_activation_delta(model: ModelShape, tokens: int, b: int, mode: str,
