@@ -287,6 +287,43 @@ def test_a_zero3_checkpoint_of_sharded_experts_resumes_anywhere(tmp_path):
         assert_same_run(tail(got["b"]), want, what=f"dp2 ep2 ZeRO-1 rank {rank}")
 
 
+def built_with_different_seeds(zero: int) -> dict:
+    """Each rank builds the model from its own seed; the engine's full state after wrapping."""
+    import torch.distributed as dist
+    from paratrain.layout import Layout
+    from paratrain.mesh import Mesh
+    from paratrain.models.description import describe
+    from paratrain.parallel.data import DataParallel
+    from paratrain.parallel.engine import ReplicatedEngine
+    from paratrain.parallel.expert import apply_expert_parallel
+    from paratrain.parallel.zero import ZeroDataParallel
+    from paratrain.train.sections import OptimConfig
+
+    mesh = Mesh.build(Layout(dp=2, ep=2))
+    model = GPT(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, **MOE), seed=dist.get_rank())
+    ep = apply_expert_parallel(model, describe(model), mesh.group("ep"), mesh.group("edp"))
+    if zero:
+        engine = ZeroDataParallel(model, mesh.group("dp"), zero, OptimConfig(), expert=ep)
+    else:
+        engine = ReplicatedEngine(DataParallel(model, mesh.group("dp"), expert=ep), OptimConfig())
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_replicas_start_from_the_first_ranks_dense_weights_and_each_ep_ranks_experts(zero):
+    """Wrapping makes replicas identical, whatever their seeds: the dense weights become
+    the first rank's, while each expert-parallel rank keeps its own experts (at dp2 x ep2
+    no other rank holds them)."""
+    got = run_world(built_with_different_seeds, 2, zero)
+    models = [GPT(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, **MOE), seed=s)
+              for s in (0, 1)]
+    for name, want in models[0].state_dict().items():
+        if ".experts." in name:
+            want = torch.cat([want[:2], models[1].state_dict()[name][2:]])
+        for rank in (0, 1):
+            torch.testing.assert_close(got[rank][name], want, msg=f"{name} rank {rank}")
+
+
 def hang_in_an_moe_layer(report_path: str) -> None:
     """Rank 1 never reaches the first MoE layer's all-to-all; rank 0's watchdog names it."""
     import os
