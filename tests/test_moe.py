@@ -19,11 +19,11 @@ MOE = dict(n_experts=4, top_k=2, expert_ffn=64)
 """The tiny preset with 4 experts of width 64, 2 per token, in every block."""
 
 
-def _families():
+def _families(vocab_size: int = 96):
     from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
                               Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-    shape = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    shape = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2)
     return {
         "mixtral": MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **shape)),
@@ -57,6 +57,33 @@ def test_logits_equal_transformers_and_the_export_loads_back(tmp_path):
         with torch.no_grad():
             torch.testing.assert_close(back(tokens).logits, want, rtol=1e-5, atol=1e-5, msg=name)
     assert [cfg.is_moe(i) for i in range(3)] == [False, True, False]  # decoder_sparse_step=2
+
+
+# Each family's directory under a layout that cuts what it has: Qwen3-MoE's per-head q/k
+# norms under plain tp (SP sums every replicated gradient anyway), Qwen2-MoE's gated
+# shared expert under ZeRO-3, Mixtral over cp.
+FAMILY_LAYOUTS = {"qwen3_moe": dict(dp=2, tp=2, ep=2),
+                  "qwen2_moe": dict(dp=4, ep=2, zero=3),
+                  "mixtral": dict(dp=2, cp=2, ep=4, zero=1)}
+
+
+def test_hugging_face_directories_train_with_parity_under_expert_parallel_layouts(tmp_path):
+    """The three families' directories (byte vocabulary: they train on the bundled corpus),
+    3 steps, each at 4 ranks under its layout against one process."""
+    paths = {}
+    for name, model in _families(vocab_size=256).items():
+        model.save_pretrained(tmp_path / name)
+        paths[name] = str(tmp_path / name)
+
+    def configs(nproc: int, layouts: dict) -> dict:
+        return {name: tiny_config(str(tmp_path / f"run{nproc}" / name), preset=paths[name], nproc=nproc,
+                                  steps=3, warmup_steps=1, lr=1e-3, eps=1e-6, eval_every=0,
+                                  **layouts.get(name, {})) for name in paths}
+    want = run_world(train_runs, 1, configs(1, {}))[0]
+    got = run_world(train_runs, 4, configs(4, FAMILY_LAYOUTS))
+    for name in paths:
+        for rank, run in enumerate(got):
+            assert_same_run(run[name], want[name], what=f"{name} {FAMILY_LAYOUTS[name]} rank {rank}")
 
 
 def _aux_reference(model: GPT, tokens: torch.Tensor) -> torch.Tensor:

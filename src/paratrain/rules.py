@@ -123,8 +123,7 @@ def sequence_parallel(sp: bool, tp: int, cp: int, seq_len: int) -> None:
 
 
 def experts(shape: ModelShape, layout: Layout) -> None:
-    """Expert parallelism splits each MoE layer's experts over ep of the dp x cp ranks;
-    query/key norms are not split by tp yet."""
+    """Expert parallelism splits each MoE layer's experts over ep of the dp x cp ranks."""
     if layout.ep > 1 and not shape.n_experts:
         raise LayoutError(f"ep={layout.ep} splits experts over ranks, but the model has none: "
                           f"set n_experts (a mixture of experts) or drop --ep")
@@ -132,9 +131,6 @@ def experts(shape: ModelShape, layout: Layout) -> None:
         raise LayoutError(f"ep={layout.ep} must divide the {shape.n_experts} experts of each "
                           f"MoE layer; use ep in {divisors(shape.n_experts)} dividing dp x cp = "
                           f"{layout.dp * layout.cp}")
-    if shape.qk_norm and layout.tp > 1:
-        raise LayoutError(f"query/key norms (Qwen3) are not split by tensor parallelism yet: "
-                          f"train with tp=1 (tp={layout.tp})")
 
 
 def expert_strategies(n_experts: int, ep: int, zero: int, compress: str, *,

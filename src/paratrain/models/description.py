@@ -63,6 +63,9 @@ class ModelDescription:
     """In a block: the value projection."""
     o: str = "attn.wo"
     """In a block: the attention output projection."""
+    head_norms: tuple[str, ...] = ("attn.q_norm", "attn.k_norm")
+    """In a block: norms applied to each head's queries or keys (Qwen3), where the model has
+    them. Whole on every tensor-parallel rank, which applies them to its own heads only."""
     mlp: str = "mlp"
     """In a block: the MLP sub-layer (a tensor-parallel region)."""
     mlp_in: tuple[str, ...] = ("mlp.w1", "mlp.w3")

@@ -164,6 +164,12 @@ class TensorParallel:
             if (spec is not None or self.sequence_parallel) and p.requires_grad:  # frozen: none
                 self._partial.append(p)
 
+    def add_partial(self, param: nn.Parameter) -> None:
+        """``param`` is replicated but each rank computes only its share of its gradient
+        (a per-head norm, applied by each rank to its own heads): summed like SP's norms."""
+        if not any(p is param for p in self._partial):  # (``in`` would compare values)
+            self._partial.append(param)
+
     def is_sharded(self, param: nn.Parameter) -> bool:
         """True if ``param`` holds a different slice on every rank of the group."""
         spec = self.specs.get(param)
@@ -382,4 +388,12 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, sequence_par
             _hook_region(block.get_submodule(region), [block.get_submodule(c) for c in columns],
                          tp, regions)
     tp.collect_replicated(model)
+    for block in model.get_submodule(desc.blocks):
+        for path in desc.head_norms:
+            try:
+                norm = block.get_submodule(path)
+            except AttributeError:  # a model without them (or with None in their place)
+                continue
+            for p in norm.parameters():
+                tp.add_partial(p)
     return tp
