@@ -11,6 +11,7 @@ import torch
 
 from distributed import run_world
 from helpers import RTOL, assert_same_run, assert_tensors_close, tail, tiny_config, train_runs
+from paratrain.comm.compress import all_reduce_bytes
 from paratrain.models import hf
 from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.models.moe import MoE
@@ -154,6 +155,13 @@ def test_the_selection_bias_chooses_but_never_weighs():
     torch.testing.assert_close(moe.expert_bias, torch.tensor([9.9, 10.1, -9.9, -9.9]))
 
 
+def _tiny_moe_fields() -> dict:
+    """The fields of the tiny preset with MOE's experts (what tiny_config(**MOE) builds)."""
+    from paratrain.models.gpt import PRESETS
+
+    return {**PRESETS["tiny"].__dict__, **MOE}
+
+
 def _configs(tmp: str, nproc: int, ep: int) -> dict:
     return {"aux": tiny_config(tmp, nproc=nproc, ep=ep, **MOE),
             "bias": tiny_config(tmp, nproc=nproc, ep=ep, aux_loss_coef=0.0, bias_update=0.01, **MOE),
@@ -173,9 +181,14 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("nproc, ep", [(2, 2), (4, 2), (4, 4)])
 def test_expert_parallel_matches_one_process(nproc, ep, reference, tmp_path):
     runs = run_world(train_runs, nproc, _configs(str(tmp_path), nproc, ep))
-    drops = [json.loads(line)["dropped_tokens"]
-             for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert sum(drops) > 0  # capacity 1.0 drops some assignments: per sequence, as on one process
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["dropped_tokens"] for r in records) > 0  # capacity 1.0 drops some: per sequence
+    # comm_bytes counts the experts' reduction over their dp / ep replicas too
+    model = GPT(GPTConfig(**_tiny_moe_fields()))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for p in model.parameters() if p.requires_grad) - experts
+    assert records[0]["comm_bytes"] == all_reduce_bytes(4 * dense, nproc) + \
+        all_reduce_bytes(4 * experts // ep, nproc // ep)
     for name, want in reference.items():
         for rank, got in enumerate(runs):
             assert_same_run(got[name], want, what=f"{name} dp{nproc} ep{ep} rank {rank}")

@@ -90,6 +90,8 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         self.plan = plan or StepPlan.single(dp.module)
         self.optimizer = build_adamw([p for p in dp.module.parameters() if p.requires_grad], optim_cfg)
         self.reducer = dp.reducer
+        self.expert_reducer = dp.expert_reducer
+        """The experts' gradients over their own group (parallel/expert.py), or None."""
 
     def forward(self, *args, **kwargs):
         return self.dp(*args, **kwargs)

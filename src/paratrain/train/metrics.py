@@ -26,8 +26,12 @@ def state_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:
 def comm_metrics(engine) -> dict[str, float]:
     """This step's data-parallel bytes sent by this rank (``comm_bytes``: gradients, or
     AdamW's updates under ``:update``) and the compression ratio against uncompressed
-    all-reduces (``comm_ratio``; ZeRO's reduce-scatters count as all-reduces)."""
+    all-reduces (``comm_ratio``; ZeRO's reduce-scatters count as all-reduces), experts'
+    gradients over their own group included."""
     sent, dense = engine.reducer.pop_bytes()
+    experts = getattr(engine, "expert_reducer", None)  # expert parallelism only
+    if experts is not None:
+        sent, dense = (a + b for a, b in zip((sent, dense), experts.pop_bytes()))
     return {"comm_bytes": sent, "comm_ratio": dense / sent if sent else 1.0}
 
 
