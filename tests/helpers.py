@@ -75,7 +75,7 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
         local = {}
         for unit in engine.units:
             full = unit.grad_shard.new_empty(unit.flat.padded)
-            C.all_gather(full, unit.grad_shard.contiguous(), ep.data_group if unit.expert else engine.group)
+            C.all_gather(full, unit.grad_shard.contiguous(), engine._group_of(unit))
             for name, view in zip(unit.flat.names, unit.flat.copy_out(full)):
                 local[name] = view.float().clone()
         if tp is not None:

@@ -104,16 +104,21 @@ def test_zero3_across_nodes_gets_one_nic_and_hsdp_shards_in_the_node():
     assert replicas.bw == 2 * 22.5 * GB  # two replicas of each group per node
 
 
-def test_hsdp_is_searched_on_gpus_but_never_written_for_train():
+def test_hsdp_is_searched_on_gpus_and_written_for_train():
+    from paratrain.train.config import load
+
     model, training = PRESETS["llama3-8b"], Training(64, 4096)
     result = search(model, training, Cluster(gpu_preset("h100-80g"), 32))
     hsdp = [p for p in result.plans if p.cand.hsdp]
     assert hsdp and all(p.cand.zero == 3 and 1 < p.cand.shard_group < p.cand.shard
                         for p in hsdp)
     assert {p.cand.shard_group for p in hsdp if p.cand.tp == p.cand.pp == 1} == {8}  # a node
-    with pytest.raises(ValueError, match="planner-only"):
-        config_tables(hsdp[0], model, training)
-    assert not trainable([hsdp[0], *result.plans], model, training).cand.hsdp
+    tables = config_tables(hsdp[0], model, training)
+    assert tables["parallel"]["shard_group"] == hsdp[0].cand.shard_group
+    cfg = load(None, {**tables["parallel"], "preset": "llama3-8b", "global_batch": 64, "seq_len": 4096,
+                      "micro_batch": tables["train"]["micro_batch"]})
+    assert cfg.layout.hsdp and cfg.layout.shard_group == hsdp[0].cand.shard_group
+    assert trainable([hsdp[0], *result.plans], model, training).cand.hsdp
     spec = parse_layout("dp32 z3/hsdp8")
     assert (spec.zero, spec.shard_group) == (3, 8) and parse_layout("hsdp8").zero == 3
     from paratrain.layout import Layout

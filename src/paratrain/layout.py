@@ -89,6 +89,11 @@ class Layout:
     of its own): each mixture-of-experts layer's experts are split over ep consecutive
     ranks of the dp x cp group, which exchange tokens; dense layers keep their layout."""
 
+    shard_group: int = 0
+    """ZeRO-3's hybrid sharding (HSDP), folded onto the dp x cp ranks like ep: each group of
+    shard_group consecutive ones shards the states, and the ranks at the same place in
+    each group hold replicas (0: one group of all of them)."""
+
     def __post_init__(self) -> None:
         for axis in ALL_AXES:
             size = getattr(self, axis)
@@ -97,6 +102,13 @@ class Layout:
         if not isinstance(self.ep, int) or self.ep < 1 or (self.dp * self.cp) % self.ep:
             raise LayoutError(f"ep={self.ep!r}: expert parallelism folds onto the data- and "
                               f"context-parallel ranks, so ep must divide dp x cp = {self.dp * self.cp}")
+        replicas = self.dp * self.cp
+        if not isinstance(self.shard_group, int) or self.shard_group < 0 or (
+                self.shard_group and replicas % self.shard_group):
+            fits = [d for d in range(2, replicas) if replicas % d == 0]
+            raise LayoutError(f"shard_group={self.shard_group!r}: HSDP shards within groups of "
+                              f"dp x cp = {replicas} ranks, so it must divide {replicas}"
+                              + (f" (one of {fits})" if fits else " (no smaller group exists)"))
         named = _as_axes(self.order)
         if sorted(a for a in named if a in AXES) != sorted(AXES) or len(set(named)) != len(named):
             raise LayoutError(
@@ -195,6 +207,24 @@ class Layout:
         group = self.ranks_along(DP_CP, rank)
         return group[group.index(rank) % self.ep::self.ep]
 
+    def shard_ranks(self, rank: int) -> list[int]:
+        """HSDP: the ``shard_group`` consecutive ranks of ``rank``'s dp x cp group that
+        shard ZeRO-3's states between them."""
+        group = self.ranks_along(DP_CP, rank)
+        at = group.index(rank) // self.shard_group * self.shard_group
+        return group[at:at + self.shard_group]
+
+    def replica_ranks(self, rank: int) -> list[int]:
+        """HSDP: the ranks holding the same shard as ``rank``, one per shard group: the
+        group its gradient shards are all-reduced over."""
+        group = self.ranks_along(DP_CP, rank)
+        return group[group.index(rank) % self.shard_group::self.shard_group]
+
+    @property
+    def hsdp(self) -> bool:
+        """Hybrid sharding: shard groups smaller than dp x cp."""
+        return 0 < self.shard_group < self.dp * self.cp
+
     def check_world(self, world_size: int) -> None:
         """Raise unless the product of the axis sizes is ``world_size``."""
         if world_size != self.world_size:
@@ -209,6 +239,8 @@ class Layout:
         parts = [f"{a}{getattr(self, a)}" for a in AXES if getattr(self, a) > 1]
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.hsdp:
+            parts.append(f"hsdp{self.shard_group}")
         if self.dom > 1:
             parts.append(f"dom{self.domh}x{self.domw}" if self.domw > 1 else f"dom{self.domh}")
         parts = parts or ["single"]

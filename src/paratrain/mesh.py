@@ -20,6 +20,8 @@ from .layout import CP, DOMAIN_AXES, DOMH, DOMW, DP, DP_CP, DP_DOM, PP, TP, Layo
 # no domain axis these are groups already made (or one-rank groups) and cost nothing new.
 MESH_AXES = (TP, CP, PP, DP, DP_CP, DOMH, DOMW, DOMAIN_AXES, DP_DOM)
 EP, EDP = "ep", "edp"
+SHARD, REPLICA = "shard", "replica"
+"""HSDP's groups (``Layout.shard_ranks``, ``Layout.replica_ranks``)."""
 EMBEDDING = "embedding"
 """The first and the last rank of a pipeline (only those two have it): a tied embedding's
 gradient is summed over them (parallel/pipeline/tied.py)."""
@@ -82,13 +84,18 @@ class Mesh:
             for name, ranks in ((EP, layout.expert_ranks(rank)), (EDP, layout.expert_data_ranks(rank))):
                 groups[frozenset((name,))] = dist.new_group(
                     ranks, timeout=timeout, use_local_synchronization=True, group_desc=name)
+        if layout.hsdp:  # groups of their own: ZeRO-3's gathers and the replicas' all-reduce
+            for name, ranks in ((SHARD, layout.shard_ranks(rank)), (REPLICA, layout.replica_ranks(rank))):
+                groups[frozenset((name,))] = dist.new_group(
+                    ranks, timeout=timeout, use_local_synchronization=True, group_desc=name)
         return cls(layout=layout, rank=rank, device=device, groups=groups)
 
     def group(self, axes: str | tuple[str, ...]) -> dist.ProcessGroup:
         """The group along ``axes`` that contains this rank (e.g. ``"tp"``, ``"dp-cp"``;
         ``"ep"`` and ``"edp"``, the expert-parallel and expert-data-parallel groups, when
         the layout folds ep > 1 onto dp)."""
-        key = frozenset((axes,)) if axes in (EP, EDP, EMBEDDING) else frozenset(_as_axes(axes))
+        key = (frozenset((axes,)) if axes in (EP, EDP, EMBEDDING, SHARD, REPLICA)
+               else frozenset(_as_axes(axes)))
         if key not in self.groups:
             known = ["-".join(sorted(k)) for k in self.groups]
             raise KeyError(f"the mesh has no group for axes {axes!r}; it has {known}")

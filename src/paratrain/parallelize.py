@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .mesh import EDP, EMBEDDING, EP, Mesh
+from .mesh import EDP, EMBEDDING, EP, REPLICA, SHARD, Mesh
 from .models.description import describe
 from .parallel.context import apply_context_parallel
 from .parallel.data import DataParallel
@@ -109,7 +109,9 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
         return ZeroDataParallel(model, group, p.zero, opts.optim, param_dtype=dtype,
                                 offload=p.offload, tp=tp, pp_group=pp_group,
                                 reshard_after_forward=opts.reshard_after_forward, compress=compress,
-                                plan=plan, tied=tied, expert=ep)
+                                plan=plan, tied=tied, expert=ep,
+                                **({"shard_group": mesh.group(SHARD), "replica_group": mesh.group(REPLICA)}
+                                   if mesh.layout.hsdp else {}))
     allocate(model, mesh.device)
     dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=compress, defer=compress.update,
                       expert=ep, tied=tied)

@@ -97,8 +97,8 @@ class Candidate:
     volume as plain TP, less memory); False describes a plain-TP run to compare with."""
     shard_group: int = 0
     """Ranks one ZeRO-3 shard spans: 0 for all dp x cp ranks; fewer is hybrid sharding
-    (HSDP: shard within the group, replicate across groups; planner only, ``train``
-    does not run it)."""
+    (HSDP: shard within the group, replicate across groups). 0 takes the layout's
+    (``Layout.shard_group``, what ``train`` builds from ``[parallel] shard_group``)."""
     cp_method: str = "ring"
     """Context parallelism's attention: ``ring`` (K,V passed around, overlapped with the
     attention core) or ``ulysses`` (all-to-alls to head sharding and back, exposed)."""
@@ -143,6 +143,8 @@ class Candidate:
         # and a property costs a call each (benchmarks/plan_speed.py: 8%).
         for axis in ("dp", "tp", "pp", "cp"):
             object.__setattr__(self, axis, getattr(self.layout, axis))
+        if not self.shard_group and self.layout.shard_group:
+            object.__setattr__(self, "shard_group", self.layout.shard_group)
 
     dp: ClassVar[int]
     """Data-parallel replicas (``layout.dp``)."""

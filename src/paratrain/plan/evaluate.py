@@ -59,7 +59,7 @@ class LayoutSpec:
     recompute: str | None = None
     """``none``, ``selective`` or ``full``."""
     shard_group: int | None = None
-    """HSDP shard group (``hsdp8``, ``z3/hsdp8``; planner only)."""
+    """HSDP shard group (``hsdp8``, ``z3/hsdp8``)."""
     cp_method: str | None = None
     """Context parallelism's attention: ``ring`` or ``ulysses``."""
     reshard_after_forward: bool | None = None

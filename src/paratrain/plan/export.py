@@ -44,6 +44,7 @@ def config_tables(plan: Plan, model: ModelSpec, training: Training) -> dict[str,
         "model": _model_table(model, training.seq_len),
         "parallel": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp,
                      **({"ep": c.ep} if model.n_experts else {}), "zero": c.zero,
+                     **({"shard_group": c.shard_group} if c.hsdp else {}),
                      "sp": c.sp, "cp_method": c.cp_method,
                      "schedule": c.schedule if c.pp > 1 else "1f1b",
                      "microbatches": c.microbatches, "virtual_stages": c.virtual_stages,
@@ -86,12 +87,9 @@ def to_toml(tables: dict[str, dict], comment: str = "") -> str:
 
 def refusal(cand: Candidate, model: ModelSpec, training: Training) -> str | None:
     """Why ``paratrain train`` would refuse ``cand`` as a config, or None. The planner
-    also models what other software runs (HSDP, SGD, tied embeddings split over stages or
+    also models what other software runs (SGD, tied embeddings split over stages or
     shards, plain TP where SP's split does not divide), so a plan can rank without being
     trainable here."""
-    if cand.hsdp:
-        return ("hybrid sharding (HSDP) is planner-only; `paratrain train` shards ZeRO-3 "
-                "over all dp x cp ranks")
     if training.optimizer != "adam":
         return f"`paratrain train` trains with AdamW; optimizer {training.optimizer!r} is planner-only"
     try:

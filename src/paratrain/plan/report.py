@@ -56,7 +56,7 @@ def layout_label(plan: Plan) -> str:
     c = plan.cand
     sched = "" if c.pp == 1 else " " + c.schedule + (
         f"/v{c.virtual_stages}" if c.virtual_stages > 1 else "")
-    hsdp = c.gather_choice + (f"/hsdp{c.shard_group} (planner only)" if c.hsdp else "")
+    hsdp = c.gather_choice + (f"/hsdp{c.shard_group}" if c.hsdp else "")
     uly = "/ulysses" if c.cp > 1 and c.cp_method == "ulysses" else ""
     uly += f" ep{c.ep}" if c.ep > 1 else ""
     return (f"dp{c.dp} tp{c.tp}{'+sp' if c.sp else ''} pp{c.pp} cp{c.cp}{uly} "
@@ -169,7 +169,7 @@ def rejected(result: SearchResult) -> str:
 def plan_dict(plan: Plan) -> dict:
     c = plan.cand
     return {
-        "layout": {**c.as_dict(), "reshards": c.reshards, "planner_only": c.hsdp},
+        "layout": {**c.as_dict(), "reshards": c.reshards},
         "memory_bytes": {**{k: getattr(plan.memory, k) for k in MEMORY_PARTS},
                          "total": plan.memory.total, "stage": plan.memory.stage},
         "time_s": {**{k: getattr(plan.time, k) for k in time_parts(plan.time)},

@@ -92,7 +92,9 @@ def paratrain_state_bytes(model: ModelSpec, layout, precision: str, optimizer: s
     dp, tp, pp, cp and zero are read)."""
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision {precision!r}: paratrain trains in fp32 or bf16")
-    zero, n, v = layout.zero, layout.dp * layout.cp, getattr(layout, "virtual_stages", 1)
+    zero, v = layout.zero, getattr(layout, "virtual_stages", 1)
+    replicas = layout.dp * layout.cp
+    n = layout.shard_group or replicas  # HSDP: the dense units' shard group
     units = unit_params(model, layout.tp, layout.pp, stage, v)
     w, g, k = state_bytes_per_param(precision, zero, optimizer)
     if not model.n_experts:
@@ -110,7 +112,7 @@ def paratrain_state_bytes(model: ModelSpec, layout, precision: str, optimizer: s
                                  ] + units[first + model.stage_layers(layout.pp, stage, v):]
     experts = [moe.expert_params(model) // layout.ep] * blocks
     states = [a + b for a, b in zip(_sharded(units, n, zero, (w, g, k)),
-                                    _sharded(experts, n // layout.ep, zero, (w, g, k)))]
+                                    _sharded(experts, replicas // layout.ep, zero, (w, g, k)))]
     untrained = (0, g * biases, k * biases) if not zero else (0, 0, 0)
     return dict(zip(("param_bytes", "grad_bytes", "optim_bytes"),
                     (a - b for a, b in zip(states, untrained))))

@@ -61,7 +61,7 @@ class _Problem:
     sequence_parallel: bool = True
     """Sequence parallelism with tp > 1 (False: a framework without it)."""
     hsdp: bool = True
-    """Search hybrid sharding for ZeRO-3 across nodes (planner only)."""
+    """Search hybrid sharding (HSDP) for ZeRO-3 across nodes."""
     uneven_stages: bool = True
     """Allow pipeline stages with unequal block counts (False: layers % pp == 0, as
     Megatron-LM required before 2023)."""

@@ -60,7 +60,8 @@ class Config:
     def layout(self) -> Layout:
         p = self.parallel
         domh, domw = parse_domain(p.domain)
-        return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, order=p.order, domh=domh, domw=domw, ep=p.ep)
+        return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, order=p.order, domh=domh, domw=domw, ep=p.ep,
+                      shard_group=p.shard_group)
 
     def describe_model(self) -> str:
         """The preset's name and what the run changed of it, e.g. ``small with d_model=2048,
@@ -187,6 +188,9 @@ class Config:
             raise ConfigError(str(exc)) from None
         if p.offload and not p.zero:
             raise ConfigError("--offload moves ZeRO's sharded optimizer state to the CPU: it needs --zero 1, 2 or 3")
+        if p.shard_group and p.zero != 3:
+            raise ConfigError(f"--shard-group {p.shard_group} is ZeRO-3's hybrid sharding (HSDP): "
+                              f"add --zero 3, or drop --shard-group")
         if p.pp > 1:
             self._check_pipeline()
 

@@ -29,6 +29,10 @@ class ParallelConfig:
     mixture-of-experts layer's experts are split over ep of them (docs/moe.md)."""
     zero: Literal[0, 1, 2, 3] = 0
     """ZeRO stage on the data-parallel axis: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters)."""
+    shard_group: int = 0
+    """ZeRO-3 hybrid sharding (HSDP): shard parameters, gradients and optimizer state within
+    groups of this many consecutive dp x cp ranks and replicate them across groups, whose
+    gradients are all-reduced once per step (0: shard over all dp x cp ranks)."""
     reshard_after_forward: Literal["auto", "yes", "no"] = "auto"
     """ZeRO-3: free a unit's gathered parameters after each forward and gather them again
     for backward ("yes": least memory, two gathers per microbatch), or keep them from the

@@ -178,6 +178,9 @@ def zero_pieces(engine, for_save: bool) -> list[Piece]:
     optimizer, pieces = engine.optimizer, []
     state = optimizer.optimizer.state
     for i, (unit, views) in enumerate(zip(engine.units, optimizer.unit_views)):
+        if for_save and not unit.expert and engine.replica_group is not None and \
+                C.rank(engine.replica_group) != 0:
+            continue  # HSDP: the first of the ranks holding this shard writes it
         flat = unit.flat
         start, end = flat.shard_range
         shard = unit.shard if unit.shard is not None else flat.own_slice(flat.flat)

@@ -40,9 +40,9 @@ from torch.distributed import ProcessGroup
 from ...accounting import storage_bytes
 from ...comm import collectives as C
 from ...comm.backend import gather_shards
-from ...comm.compress import CompressSpec, check
+from ...comm.compress import CompressSpec, all_reduce_bytes, check
 from ...comm.reducer import GradReducer
-from ...optim import adam_step_count
+from ...optim import adam_step_count, clip_by_squared_norm_
 from ..engine import MOMENTS, drop_copy, merge_stages, source_name
 from ..hooks import weakly
 from ..step import ScheduledStep, StepPlan
@@ -60,7 +60,8 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
                  track_peak: bool = False, tp: TensorParallel | None = None,
                  pp_group: ProcessGroup | None = None, reshard_after_forward: bool = True,
                  compress: "str | CompressSpec" = "none", plan: StepPlan | None = None,
-                 ring_collectives: bool | None = None, tied=None, expert=None):
+                 ring_collectives: bool | None = None, tied=None, expert=None,
+                 shard_group: ProcessGroup | None = None, replica_group: ProcessGroup | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
@@ -73,6 +74,9 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         self.expert = expert
         """Expert parallelism (parallel/expert.py): its experts are units of their own,
         sharded over its expert-data-parallel group; None without."""
+        self.shard_group, self.replica_group = shard_group or group, replica_group
+        """HSDP: the ranks the (dense) units are sharded over, and those holding the same
+        shard, whose gradients are averaged once per step (None: no replicas)."""
         self.frozen = [p for p in module.parameters() if not p.requires_grad]
         """Parameters no gradient moves (an MoE router's selection bias): whole on every
         rank, in no unit."""
@@ -82,7 +86,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
                 if not tensor.is_meta:
                     held_by = self._experts_group if self._is_expert(tensor) else group
                     C.broadcast(tensor, src=0, group=held_by)
-        self.units = _build_units(module, group, stage, param_dtype, self.plan.device, expert)
+        self.units = _build_units(module, self.shard_group, stage, param_dtype, self.plan.device, expert)
         if tp is not None:  # replicated TP gradients are summed as backward makes them
             tp.register_grad_sync_hooks()  # (after build_unit: adopting a meta parameter drops hooks)
         self.optimizer = ShardedAdamW(self.units, optim_cfg, offload=offload)
@@ -90,8 +94,8 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         # (comm/compress.py) instead of a reduce-scatter; stages 2/3 are refused by check().
         # ring_collectives: the backend's flat collectives, or forced (comm/backend.py).
         self.ring = ring_collectives
-        self.reducer = _reducer([u for u in self.units if not u.expert], group, check(compress, stage),
-                                ring_collectives)
+        self.reducer = _reducer([u for u in self.units if not u.expert], self.shard_group,
+                                check(compress, stage), ring_collectives)
         self.expert_reducer = (_reducer([u for u in self.units if u.expert], self._experts_group,
                                         check("none", stage), ring_collectives)
                                if expert is not None else None)
@@ -132,7 +136,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
 
     def _group_of(self, unit: Unit) -> ProcessGroup:
         """The ranks a unit is sharded over."""
-        return self._experts_group if unit.expert else self.group
+        return self._experts_group if unit.expert else self.shard_group
 
     # ---- stage 3: gather, free, prefetch ---------------------------------------------------
     def _gather(self, index: int, wait: bool) -> None:
@@ -233,10 +237,23 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             self.tied.sync_grad()
         self.start_grad_sync()
         self._drain()
+        if self.replica_group is not None:
+            self._average_replicas()
         if self.stage == 3:
             for unit in self.units:
                 self._release(unit)
         self._record_peak()
+
+    def _average_replicas(self) -> None:
+        """HSDP: average each dense unit's gradient shard over the ranks holding the same
+        shard, once per step (the shard group already averaged its members')."""
+        units = [u for u in self.units if not u.expert]
+        C.wait_all([C.all_reduce(u.grad_shard, self.replica_group, async_op=True) for u in units])
+        replicas = C.size(self.replica_group)
+        for unit in units:
+            unit.grad_shard.mul_(1 / replicas)
+            self.reducer[unit.index].sent_bytes += all_reduce_bytes(
+                unit.grad_shard.numel() * unit.grad_shard.element_size(), replicas)
 
     def _drain(self) -> None:
         """Wait for the reductions in flight; the next backward starts a new round."""
@@ -266,14 +283,25 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
     # ---- optimizer -------------------------------------------------------------------------
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm from the shards (summed over the group); clip in place."""
-        groups = (self.group,) + ((self.pp_group,) if self.pp_group is not None else ())
-        copy = {self.tied.param} if self.tied is not None and self.tied.is_copy else set()
-        if self.tp is None:  # the tied embedding's copy is counted on the first stage
-            return self.optimizer.clip_grad_norm_(max_norm, groups, copy)
-        owned = {p for p in self.tp.owned_params()}
-        not_owned = {p for p in self.module.parameters() if p not in owned} | copy
-        return self.optimizer.clip_grad_norm_(max_norm, groups + (self.tp.group,), not_owned)
+        """Global gradient norm from the shards, each element counted once; clip in place.
+        Experts' shards partition them over dp x cp (edp x ep), as dense shards do without
+        HSDP; with it, dense shards repeat over the replicas, so only the shard group sums
+        them."""
+        not_owned = {self.tied.param} if self.tied is not None and self.tied.is_copy else set()
+        if self.tp is not None:  # one tp rank counts each replicated parameter
+            owned = set(self.tp.owned_params())
+            not_owned |= {p for p in self.module.parameters() if p not in owned}
+        dense = self.optimizer.squared_norm([u for u in self.units if not u.expert], not_owned)
+        experts = self.optimizer.squared_norm([u for u in self.units if u.expert], not_owned)
+        if self.replica_group is not None:
+            C.all_reduce(dense, self.shard_group)
+            C.all_reduce(experts, self.group)
+            sq, groups = dense + experts, ()
+        else:
+            sq, groups = dense + experts, (self.group,)
+        groups += (self.pp_group,) if self.pp_group is not None else ()
+        groups += (self.tp.group,) if self.tp is not None else ()
+        return clip_by_squared_norm_(sq, max_norm, groups, [u.grad_shard for u in self.units])
 
     @torch.no_grad()
     def step(self, lr: float) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ...optim import clip_by_squared_norm_
 from .units import Unit
 
 
@@ -56,18 +55,20 @@ class ShardedAdamW:
             self._bind_grads(lambda g: None)  # free the fp32 copies of the gradients
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, groups: tuple, not_owned: set = frozenset()) -> torch.Tensor:
-        """Global norm of the gradient shards, summed over ``groups``; parameters that are
-        in ``not_owned`` (replicated ones another rank counts) are left out of the sum."""
-        grads = [u.grad_shard for u in self.units]
-        sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-        for unit in self.units if not_owned else []:
+    def squared_norm(self, units: list[Unit], not_owned: set = frozenset()) -> torch.Tensor:
+        """This rank's part of the squared gradient norm: ``units``' shards, less the
+        parameters in ``not_owned`` (replicated ones another rank counts)."""
+        device = self.units[0].grad_shard.device if self.units else "cpu"
+        sq = torch.zeros((), device=device)
+        for g in (u.grad_shard for u in units):
+            sq = sq + g.float().pow(2).sum()
+        for unit in units if not_owned else []:
             start, end = unit.flat.shard_range
             for p, offset in zip(unit.flat.params, unit.flat.offsets):
                 lo, hi = max(offset, start), min(offset + p.numel(), end)
                 if p in not_owned and lo < hi:
                     sq -= unit.grad_shard[lo - start:hi - start].float().pow(2).sum()
-        return clip_by_squared_norm_(sq, max_norm, groups, grads)
+        return sq
 
     def state_tensors(self) -> list[torch.Tensor]:
         state = [v for s in self.optimizer.state.values() for v in s.values()
