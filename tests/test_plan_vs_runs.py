@@ -86,7 +86,10 @@ MODEL_PARALLEL = [dict(dp=2, tp=2, zero=1), dict(tp=4, vocab_size=250),
                   dict(dp=2, tp=2, sp=True, ep=2, n_experts=4, top_k=2, expert_ffn=48, shared_ffn=32,
                        shared_gate=True),
                   dict(tp=2, cp=2, ep=2, zero=1, n_experts=4, top_k=2, expert_ffn=48, shared_ffn=32,
-                       moe_first_dense=1)]
+                       moe_first_dense=1),
+                  # HSDP: dense units sharded over the shard group, experts over their edp group
+                  dict(dp=4, zero=3, shard_group=2),
+                  dict(dp=4, ep=2, zero=3, shard_group=2, n_experts=4, top_k=2, expert_ffn=48)]
 
 
 def test_model_parallel_state_bytes_equal_the_planners(tmp_path):
