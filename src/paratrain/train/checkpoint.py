@@ -64,7 +64,7 @@ def save(directory: Path, step: int, engine, model_cfg, layout: str,
     rank failed."""
     directory, rank = Path(directory), dist.get_rank()
     tmp = directory.with_name(f".{directory.name}.tmp")
-    _agree(P.fresh(tmp, directory) if rank == 0 else "")
+    agree(P.fresh(tmp, directory) if rank == 0 else "")
     error, record = "", None
     try:
         pieces = S.engine_pieces(engine, for_save=True)
@@ -78,12 +78,17 @@ def save(directory: Path, step: int, engine, model_cfg, layout: str,
     dist.gather_object((error, record), everyone, dst=0)  # only rank 0 holds the whole index
     outcome = next((e for e, _ in everyone if e), "") if rank == 0 else ""
     if rank == 0 and not outcome:
-        meta = {"format": FORMAT, "step": step, "model": dataclasses.asdict(model_cfg),
-                "layout": layout, **(run_meta or {})}
+        meta = index_meta(step, model_cfg, layout, run_meta)
         outcome = P.commit(tmp, directory, INDEX, _index(meta, [r for _, r in everyone if r]))
     if rank == 0 and outcome:
         shutil.rmtree(tmp, ignore_errors=True)
-    _agree(outcome)
+    agree(outcome)
+
+
+def index_meta(step: int, model_cfg, layout: str, run_meta: dict | None = None) -> dict:
+    """What the index records besides the slices."""
+    return {"format": FORMAT, "step": step, "model": dataclasses.asdict(model_cfg),
+            "layout": layout, **(run_meta or {})}
 
 
 def write(tensors: dict[str, torch.Tensor], directory: Path, meta: dict) -> None:
@@ -104,7 +109,7 @@ def write(tensors: dict[str, torch.Tensor], directory: Path, meta: dict) -> None
         raise CheckpointError(error)
 
 
-def _agree(error: str) -> None:
+def agree(error: str) -> None:
     """Rank 0's verdict on every rank (also: nobody goes on before the checkpoint is whole)."""
     if dist.is_initialized():
         box = [error]

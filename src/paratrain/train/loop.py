@@ -24,6 +24,7 @@ from .config import Config
 from .metrics import MetricsWriter, comm_metrics, state_bytes, summary
 from .nonfinite import NonFiniteGuard, culprits
 from .rundir import claim_records, run_record
+from .async_save import AsyncSaver
 from .saved import keep_newest
 from .task import Run, task_for
 
@@ -100,6 +101,8 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     peak = logs.peak_flops(mesh.device, cfg.train.precision, mesh.layout.world_size)
     records = []
     guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skips, run.skipped)
+    saver = (AsyncSaver(mesh.rank, mesh.layout.world_size, cfg.parallel.timeout_s, pin=mesh.device.type == "cuda")
+             if cfg.train.async_save else None)
     start = time.perf_counter()
     for step in range(run.start_step, cfg.train.steps):
         profiler.before(step + 1)
@@ -128,12 +131,14 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
             raise stop
         records.append(record)
         if cfg.train.save_every and (last or (step + 1) % cfg.train.save_every == 0):
-            _save(run, step + 1, guard.skips)
+            _save(run, step + 1, guard.skips, saver)
         trace = profiler.after(step + 1)
         if trace is not None and run.is_logger:
             log.info(f"profile       {trace} (and one file per rank)")
         progress.update(record)
     progress.close()
+    if saver is not None:  # the last save, published or failed on every rank
+        _published(run, saver.wait(checkpoint.agree))
     for sink in [writer, *sinks]:
         sink.close()
     if run.engine.plan.recorder is not None:
@@ -168,18 +173,29 @@ def _gather_peak_memory(mesh: Mesh) -> list[int]:
     return [int(t.item()) for t in everyone]
 
 
-def _save(run: Run, step: int, skipped: int) -> None:
+def _save(run: Run, step: int, skipped: int, saver: AsyncSaver | None = None) -> None:
     cfg = run.cfg
     directory = Path(cfg.train.run_dir) / "checkpoints" / f"step-{step}"
     run_meta = {"run": run_record(cfg, run.run_id), "nonfinite": {"skipped": skipped}}
     data = run.task.data_position(cfg, step)
     if data is not None:
         run_meta["data"] = data
+    if saver is not None:  # the previous one, published now (or its failure raised)
+        meta = checkpoint.index_meta(step, run.task.model_config(cfg), cfg.describe_layout(), run_meta)
+        _published(run, saver.submit(directory, run.engine, meta, checkpoint.agree))
+        return
     checkpoint.save(directory, step, run.engine, run.task.model_config(cfg), cfg.describe_layout(),
                     run_meta=run_meta)
+    _published(run, directory)
+
+
+def _published(run: Run, directory: Path | None) -> None:
+    """``directory`` is a whole checkpoint now: the newest, and old ones may go."""
+    if directory is None:
+        return
     run.last_checkpoint = str(directory)
-    if cfg.train.keep_last and run.is_logger:  # after the new one is published, whole
-        keep_newest(Path(cfg.train.run_dir), cfg.train.keep_last)
+    if run.cfg.train.keep_last and run.is_logger:  # after the new one is published, whole
+        keep_newest(Path(run.cfg.train.run_dir), run.cfg.train.keep_last)
 
 
 def _save_timeline(run: Run) -> None:

@@ -159,6 +159,9 @@ class TrainConfig:
     quiet: bool = False
     """Print only warnings and errors: no run description, progress, summary or notes
     (the metrics are written as always)."""
+    async_save: bool = False
+    """Write checkpoints in the background: the step waits only while each rank copies its
+    slices to host memory; at most one save is in flight (train/async_save.py)."""
     keep_last: int = 0
     """Keep only the newest N checkpoints of the run, removing older ones after each save
     (0: keep all), so that a long run does not fill its disk."""
