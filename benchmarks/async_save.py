@@ -1,0 +1,141 @@
+"""How long a checkpoint blocks the step: paratrain's synchronous save, its asynchronous one
+(``--async-save``) and torch.distributed.checkpoint's ``async_save`` with FSDP2, same model,
+same 2-rank gloo world, one run.
+
+    python benchmarks/async_save.py [--layers 14] [--d-model 1024] [--vocab 32000] [--rounds 2]
+
+Defaults: the ~300M-parameter GPT of ``init_and_checkpoint.py`` (dp2 x ZeRO-3 for
+paratrain; FSDP2 ``fully_shard`` per block and root for the peer), after one AdamW step, so
+both save parameters and Adam's two moments.
+
+* blocked: what the training thread waits for. Synchronous: the whole ``checkpoint.save``.
+  Asynchronous: ``AsyncSaver.submit`` (agreeing on a fresh directory and copying the rank's
+  slices to host memory). DCP: ``dcp.async_save`` until it returns its future (its
+  documented default: staging to CPU, then a background thread writes).
+* background: from the start of the save until the checkpoint is written and published.
+
+The last line is JSON: paratrain's blocked time with ``--async-save`` over DCP's
+``async_save`` (lower is better), and ``async_over_sync``, the blocked time asynchronous
+over synchronous (the issue's target: at most 0.10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from paratrain.launch import spawn
+
+from common import at_least
+from init_and_checkpoint import config
+
+
+def paratrain_worker(args) -> dict:
+    from paratrain.mesh import Mesh
+    from paratrain.train import checkpoint, loop
+    from paratrain.train.async_save import AsyncSaver
+
+    torch.set_num_threads(1)
+    cfg = config(args, f"{args.dir}/paratrain", zero=3)
+    mesh = Mesh.build(cfg.layout)
+    run = loop.build(cfg, mesh)
+    loop.train_step(run, 0)
+    out, root = {}, Path(args.dir) / "paratrain"
+    dist.barrier()
+    t0 = time.perf_counter()
+    checkpoint.save(root / "sync", 1, run.engine, cfg.model, cfg.layout.describe())
+    out["sync_blocked"] = time.perf_counter() - t0
+    saver = AsyncSaver(dist.get_rank(), dist.get_world_size(), timeout_s=1800)
+    meta = checkpoint.index_meta(1, cfg.model, cfg.layout.describe())
+    dist.barrier()
+    t0 = time.perf_counter()
+    saver.submit(root / "async", run.engine, meta, checkpoint.agree)
+    out["async_blocked"] = time.perf_counter() - t0
+    out["staged_mb"] = saver.staged_bytes / 2**20
+    saver.wait(checkpoint.agree)
+    out["async_background"] = time.perf_counter() - t0
+    return out
+
+
+def dcp_worker(args) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from paratrain.models.gpt import GPT
+
+    torch.set_num_threads(1)
+    cfg = config(args, f"{args.dir}/dcp")
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    model.init_buffers("cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 256, (1, 16))
+    (model(tokens, tokens) / tokens.numel()).backward()
+    opt.step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    msd, osd = get_state_dict(model, opt)
+    future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(Path(args.dir) / "dcp" / "async"))
+    blocked = time.perf_counter() - t0
+    (future.result() if hasattr(future, "result") else future.upload_completion.result())
+    return {"async_blocked": blocked, "async_background": time.perf_counter() - t0}
+
+
+def worker(args, system: str) -> dict:
+    result = paratrain_worker(args) if system == "paratrain" else dcp_worker(args)
+    dist.barrier()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=at_least(1), default=14)
+    parser.add_argument("--d-model", type=at_least(1), default=1024)
+    parser.add_argument("--ffn", type=at_least(1), default=4096)
+    parser.add_argument("--vocab", type=at_least(1), default=32000)
+    parser.add_argument("--dir", default="/tmp/paratrain-bench-async")
+    parser.add_argument("--rounds", type=at_least(1), default=2, help="rounds of each (medians)")
+    args = parser.parse_args()
+    print("paratrain: dp2 x ZeRO-3, checkpoint.save (sync) then AsyncSaver.submit (--async-save); "
+          "peer: FSDP2 + dcp.async_save (defaults: CPU staging, background thread, FileSystemWriter)",
+          flush=True)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    results: dict[str, list[dict]] = {"paratrain": [], "dcp": []}
+    for _ in range(args.rounds):  # alternate, so the machine's load hits both alike
+        for system in results:
+            per_rank = spawn(worker, 2, args, system, backend="gloo", timeout_s=1800)
+            slowest = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+            results[system].append(slowest)
+            print(f"{system:10s} " + "  ".join(f"{k} {v:.3f}" for k, v in slowest.items()), flush=True)
+            shutil.rmtree(args.dir, ignore_errors=True)
+
+    def median(system: str, key: str) -> float:
+        return round(statistics.median(r[key] for r in results[system]), 4)
+
+    ours, peer, sync = median("paratrain", "async_blocked"), median("dcp", "async_blocked"), \
+        median("paratrain", "sync_blocked")
+    print(json.dumps({"benchmark": "async_save", "rounds": args.rounds,
+                      "metric": "seconds the training thread is blocked by one save (slowest rank, median)",
+                      "paratrain": ours, "peer": peer, "ratio": round(ours / peer, 3),
+                      "sync_blocked": sync, "async_over_sync": round(ours / sync, 3),
+                      "background": {"paratrain": median("paratrain", "async_background"),
+                                     "dcp": median("dcp", "async_background")}}))
+
+
+if __name__ == "__main__":
+    main()
