@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install paratrain into the current Python.
 #   bash scripts/setup.sh         # the library and the `paratrain` command
-#   bash scripts/setup.sh test    # ... plus what the test suite needs
+#   bash scripts/setup.sh test    # ... plus what the test suite needs, the peers' configs included
 # torch: an installed torch (e.g. the CUDA build on a GPU machine) is left alone; where none
 # is installed we ask for torch==2.13.0, which on our CPU machines resolves to the local CPU
 # wheel. Every later install is constrained to the torch that is present, so pip can never
@@ -22,7 +22,13 @@ echo "paratrain setup: using $(cat "$constraints")"
 
 target="."
 [ -n "$extra" ] && target=".[$extra]"
+# The tests read `plan --emit`'s configs with torchtitan's, Megatron's and DeepSpeed's own
+# parsers (the `peers` extra); torchtitan without its trainer's requirements (pyproject.toml).
+if [ "$extra" = "test" ]; then target=".[test,peers]"; fi
 "$py" -m pip install --quiet -c "$constraints" -e "$target"
+if [ "$extra" = "test" ]; then
+  "$py" -m pip install --quiet --no-deps torchtitan==0.2.2
+fi
 # pyenv only exposes new console scripts after a rehash.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi
 echo "paratrain setup: done ($("$py" -m paratrain --version))"

@@ -15,6 +15,7 @@ from pathlib import Path
 from .candidate import OPTIMIZERS, PRECISIONS, RECOMPUTE, Training
 from .hardware import GB, GPUS, Cluster, gpu_preset, load_calibration, local_cluster
 from .models import LOCAL_PRESETS, PRESETS, ModelSpec, load_model
+from .runtimes import DEFAULT_RUNTIME, RUNTIMES
 
 DEFAULT_TOKENS = {"gpu": 2**22, "local": 2**13}
 """Tokens per step when --global-batch is not given: ~4M on GPUs (what Llama 3 and
@@ -90,6 +91,13 @@ def add_parser(subparsers) -> None:
                           "--compare: of the layouts given)")
     out.add_argument("--out", metavar="FILE.toml",
                      help="write the winner (with --layout: that layout) as a train config")
+    out.add_argument("--runtime", choices=list(RUNTIMES), default=DEFAULT_RUNTIME,
+                     help="the trainer the plan is for, named in the output; --emit writes its "
+                          "config (default paratrain)")
+    out.add_argument("--emit", metavar="FILE",
+                     help="write the winner (with --layout: that layout) as --runtime's own "
+                          "config: torchtitan job TOML, Megatron-LM arguments, DeepSpeed JSON "
+                          "(paratrain: as --out)")
     p.set_defaults(func=run)
 
 
@@ -136,7 +144,7 @@ def check_args(args: argparse.Namespace) -> None:
             kind = "integer" if isinstance(value, int) else "number"
             raise ValueError(f"{flag} must be a positive {kind}, got {value}; leave {flag} "
                              f"out for the default")
-    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+    for flag, path in (("--out", args.out), ("--plot", args.plot), ("--emit", args.emit)):
         if path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{flag} {path}: the directory {Path(path).parent} does not exist")
         if path and Path(path).is_dir():
@@ -165,6 +173,9 @@ def check_combinations(args: argparse.Namespace) -> None:
         raise ValueError(f"{', '.join(ignored)} shape{'s' if len(ignored) == 1 else ''} the "
                          f"search's table, which --layout and --compare do not print; drop "
                          f"{', '.join(ignored)}, or drop --layout/--compare to see the ranking")
+    if args.compare and args.emit:
+        raise ValueError("--emit writes one layout and --compare gives several; pass the one "
+                         "to write as --layout SPEC, or drop --compare to write the winner")
     if args.compare and args.out:
         raise ValueError("--out writes one layout as a train config and --compare gives "
                          "several; pass the one to write as --layout SPEC, or drop --compare "
@@ -227,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.out and _write_out(args.out, result, model, training, cluster, log):
         return 2
+    if args.emit and _emit(args, result, model, training, cluster, log, micro, recompute):
+        return 2
     if args.plot and _plot(args.plot, result.plans[:args.top or DEFAULT_TOP], model, cluster, log):
         return 2
     return 0
@@ -238,11 +251,13 @@ def _print_search(args: argparse.Namespace, result, model: ModelSpec, training: 
 
     if args.json:
         data = report.to_json(result, model, training, cluster, args.top or DEFAULT_TOP)
+        data["runtime"] = args.runtime
         if args.explain:
             data["explain"] = report.explain(result, cluster)
         print(json.dumps(data, indent=2))
         return
     print(report.summary(result, model, training, cluster, args.top or DEFAULT_TOP))
+    print(RUNTIMES[args.runtime].line())
     if args.explain:
         print("\n" + report.explain(result, cluster))
     if args.show_rejected or not result.plans:
@@ -295,6 +310,21 @@ def _write_out(path: str, result, model, training, cluster, log) -> int:
     return 0
 
 
+def _emit(args: argparse.Namespace, result, model: ModelSpec, training: Training,
+          cluster: Cluster, log, micro: int | None, recompute: str | None, ev=None) -> int:
+    """``--emit``: the plan as --runtime's config; 2 (nothing written) where it cannot."""
+    from . import emit
+
+    if args.runtime == DEFAULT_RUNTIME:  # paratrain's own config is --out's
+        return (_write_layout(args.emit, ev, model, training, cluster, log) if ev
+                else _write_out(args.emit, result, model, training, cluster, log))
+    err = emit.emit_plan(args.emit, RUNTIMES[args.runtime], result, model, training, cluster,
+                         micro, recompute, log, ev)
+    if err:
+        print(f"paratrain plan: error: --emit --runtime {args.runtime}: {err}", file=sys.stderr)
+    return 2 if err else 0
+
+
 def _calibrate(path: str | None, log) -> int:
     """Measure this machine and write the calibration file; 0 on success, 2 on failure."""
     from ..launch import RankFailed
@@ -328,11 +358,16 @@ def _evaluate(args: argparse.Namespace, result, model: ModelSpec, training: Trai
         data = {**report.setting_dict(model, training, cluster),
                 "layouts": [report.evaluation_dict(ev) for ev in evaluations],
                 "winner": report.plan_dict(result.plans[0]) if result.plans else None,
-                "search": {"ranked": len(result.plans), "seconds": result.seconds}}
+                "search": {"ranked": len(result.plans), "seconds": result.seconds},
+                "runtime": args.runtime}
         print(json.dumps(data, indent=2))
     else:
         print(report.layout_report(evaluations, result, model, training, cluster))
+        print(RUNTIMES[args.runtime].line())
     if args.out and _write_layout(args.out, evaluations[0], model, training, cluster, log):
+        return 2
+    if args.emit and _emit(args, result, model, training, cluster, log, micro, recompute,
+                           evaluations[0]):
         return 2
     # A layout that cannot be costed has no bars; the others are drawn, fitting or not
     # (the chart's "usable" line shows by how much).
