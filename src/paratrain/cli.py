@@ -124,6 +124,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from .train import runs, saved
     from .train.checkpoint import verify
     from .train.rundir import RunDirLock
+    from .train.preempt import EXIT_PREEMPTED
     from .train.worker import run_worker, started_by_torchrun
 
     overrides = {k: getattr(args, k) for k in args.config_fields if hasattr(args, k)}
@@ -133,33 +134,56 @@ def _run_train(args: argparse.Namespace) -> int:
         world = torchrun_world(cfg.parallel.backend, cfg.parallel.timeout_s)
         cfg = _preflight(_torchrun_config(cfg, world.world_size), torchrun=True,
                          report=world.rank == 0, local_ranks=world.local_world_size)
-        run_worker(cfg, world)
-        return 0
+        return EXIT_PREEMPTED if run_worker(cfg, world) else 0
     cfg = cfg.validate()
     cfg = _preflight(cfg, torchrun=False, report=True, local_ranks=cfg.parallel.nproc)
     if cfg.train.resume not in ("", *runs.RESUME_CHOICES):  # every tensor's checksum, before any rank starts
         verify(cfg.train.resume, runs.model_config(cfg))
     cfg = runs.place_and_print(cfg, torchrun=False)
-    previous = signal.signal(signal.SIGTERM, _terminated)  # the launcher's cleanup runs on SIGTERM too
+    preempt = _Preempt()
+    previous = {sig: signal.signal(sig, preempt) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     start = time.perf_counter()
     try:
         with RunDirLock(cfg):
             runs.record(cfg)
-            spawn(run_worker, cfg.parallel.nproc, cfg, None, backend=cfg.parallel.backend,
-                  timeout_s=cfg.parallel.max_time_s or None, collective_timeout_s=cfg.parallel.timeout_s,
-                  scratch=cfg.train.run_dir)  # the run owns its launcher's files: no /tmp to lose
+            stopped = spawn(run_worker, cfg.parallel.nproc, cfg, None, backend=cfg.parallel.backend,
+                            timeout_s=cfg.parallel.max_time_s or None,
+                            collective_timeout_s=cfg.parallel.timeout_s,
+                            scratch=cfg.train.run_dir)  # the run owns its launcher's files: no /tmp to lose
     except RankFailed as exc:
         print(f"paratrain train: {exc}", file=sys.stderr)
         print(f"paratrain train: {saved.how_to_resume(cfg)}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     log.info(f"wall time     {time.perf_counter() - start:.1f} s with process start-up and teardown")
+    if any(stopped):
+        print(f"paratrain train: preempted after step {max(stopped)}; {saved.how_to_resume(cfg)}",
+              file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 
-def _terminated(signum, frame) -> None:
-    raise KeyboardInterrupt("SIGTERM")
+class _Preempt:
+    """The launcher's SIGTERM or SIGUSR1 (a scheduler preempting the job): the first is
+    passed to the ranks, which save after their step and end resumable
+    (train/preempt.py); the second stops them at once, as Ctrl-C does."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, signum, frame) -> None:
+        self.calls += 1
+        import multiprocessing
+
+        ranks = multiprocessing.active_children()
+        if self.calls > 1 or not ranks:
+            raise KeyboardInterrupt("SIGTERM")
+        print(f"paratrain train: {signal.Signals(signum).name}: the ranks save after this step and "
+              f"stop (send it again to stop at once)", file=sys.stderr)
+        for process in ranks:
+            os.kill(process.pid, signal.SIGTERM)
 
 
 def _torchrun_config(cfg: Config, world_size: int) -> Config:

@@ -91,7 +91,8 @@ class Watchdog:
         os.set_blocking(write, False)
         # Whichever sees SIGTERM first, the main thread (between two bytecodes) or this
         # thread (woken by the signal even while the main thread is blocked in C++), ends it.
-        signal.signal(signal.SIGTERM, lambda signum, frame: self._die_with_parent())
+        self._sigterm = lambda signum, frame: self._die_with_parent()
+        signal.signal(signal.SIGTERM, self._sigterm)
         signal.set_wakeup_fd(write)
         set_parent_death_signal(signal.SIGTERM)
         self._parent, self._cleanup, self._wake_fd = parent_pid, cleanup_dir, read
@@ -142,7 +143,24 @@ class Watchdog:
             except BlockingIOError:
                 return
             if signal.SIGTERM in signals:
-                self._die_with_parent()
+                self._on_sigterm()
+
+    def _on_sigterm(self) -> None:
+        """SIGTERM woke this thread. While the training loop has taken the signal over (a
+        preemption: it saves, then ends, train/preempt.py) it is the loop's, unless the
+        parent is gone: then this thread ends the rank, which no save would."""
+        if signal.getsignal(signal.SIGTERM) is not self._sigterm and not self._parent_gone(1.0):
+            return
+        self._die_with_parent()
+
+    def _parent_gone(self, patience_s: float) -> bool:
+        """Whether the launcher died (its death signal can come before getppid changes)."""
+        deadline = time.monotonic() + patience_s
+        while self._parent is not None and os.getppid() == self._parent:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return self._parent is not None
 
     def _die_with_parent(self) -> None:
         self._writing.acquire(timeout=2)  # no heartbeat of ours lands after the clean-up

@@ -25,7 +25,8 @@ from .metrics import MetricsWriter, comm_metrics, state_bytes, summary
 from .nonfinite import NonFiniteGuard, culprits
 from .rundir import claim_records, run_record
 from .async_save import AsyncSaver
-from .saved import keep_newest
+from .preempt import Preemption, write_marker
+from .saved import how_to_resume, keep_newest
 from .task import Run, task_for
 
 log = console.get(__name__)
@@ -43,6 +44,8 @@ class RunResult:
     """Bytes of parameters, gradients and optimizer state on every rank."""
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     """Final parameters of this rank's model (if asked for)."""
+    preempted_at: int | None = None
+    """The step a preemption signal stopped the run after (train/preempt.py), or None."""
 
 
 def build(cfg: Config, mesh: Mesh) -> Run:
@@ -104,41 +107,52 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     saver = (AsyncSaver(mesh.rank, mesh.layout.world_size, cfg.parallel.timeout_s, pin=mesh.device.type == "cuda")
              if cfg.train.async_save else None)
     start = time.perf_counter()
-    for step in range(run.start_step, cfg.train.steps):
-        profiler.before(step + 1)
-        t0 = time.perf_counter()
-        record = train_step(run, step)  # its host read of the loss waits for the device
-        elapsed = time.perf_counter() - t0
-        if not result.state_bytes:  # after the first step run: optimizer state exists
-            result.state_bytes = _gather(state_bytes(run.engine.state_tensors()))
-        record.update(step=step + 1, step_time_s=elapsed, tokens_per_s=record["tokens"] / elapsed,
-                      mfu=flops * record["tokens"] / elapsed / peak if peak and flops else None,
-                      **result.state_bytes[0], **comm_metrics(run.engine))
-        result.losses.append(record["loss"])
-        last = step + 1 == cfg.train.steps
-        evaluating = last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)
-        val_loss = evaluate(run) if evaluating else None
-        if val_loss is not None:  # no validation set: no validation loss
-            record["val_loss"] = val_loss
-            result.val_losses.append((step + 1, val_loss))
-        if last or (step + 1) % cfg.train.log_every == 0:  # same steps on every rank: collective
-            record["peak_mem_bytes"] = _gather_peak_memory(mesh)
-            record["peak_mem_is"] = logs.peak_memory_kind(mesh.device)
-        stop = guard.check(record, run.last_checkpoint) if "nonfinite_ranks" in record else None
-        for sink in [writer, *sinks]:
-            sink.write(record)
-        if stop is not None:
-            raise stop
-        records.append(record)
-        if cfg.train.save_every and (last or (step + 1) % cfg.train.save_every == 0):
-            _save(run, step + 1, guard.skips, saver)
-        trace = profiler.after(step + 1)
-        if trace is not None and run.is_logger:
-            log.info(f"profile       {trace} (and one file per rank)")
-        progress.update(record)
+    with Preemption() as preempt:
+        for step in range(run.start_step, cfg.train.steps):
+            profiler.before(step + 1)
+            t0 = time.perf_counter()
+            record = train_step(run, step)  # its host read of the loss waits for the device
+            elapsed = time.perf_counter() - t0
+            if not result.state_bytes:  # after the first step run: optimizer state exists
+                result.state_bytes = _gather(state_bytes(run.engine.state_tensors()))
+            record.update(step=step + 1, step_time_s=elapsed, tokens_per_s=record["tokens"] / elapsed,
+                          mfu=flops * record["tokens"] / elapsed / peak if peak and flops else None,
+                          **result.state_bytes[0], **comm_metrics(run.engine))
+            result.losses.append(record["loss"])
+            last = step + 1 == cfg.train.steps
+            evaluating = last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)
+            val_loss = evaluate(run) if evaluating else None
+            if val_loss is not None:  # no validation set: no validation loss
+                record["val_loss"] = val_loss
+                result.val_losses.append((step + 1, val_loss))
+            if last or (step + 1) % cfg.train.log_every == 0:  # same steps on every rank: collective
+                record["peak_mem_bytes"] = _gather_peak_memory(mesh)
+                record["peak_mem_is"] = logs.peak_memory_kind(mesh.device)
+            stop = guard.check(record, run.last_checkpoint) if "nonfinite_ranks" in record else None
+            for sink in [writer, *sinks]:
+                sink.write(record)
+            if stop is not None:
+                raise stop
+            records.append(record)
+            saving = bool(cfg.train.save_every) and (last or (step + 1) % cfg.train.save_every == 0)
+            if saving:
+                _save(run, step + 1, guard.skips, saver)
+            trace = profiler.after(step + 1)
+            if trace is not None and run.is_logger:
+                log.info(f"profile       {trace} (and one file per rank)")
+            progress.update(record)
+            if not last and preempt.agreed(mesh.device):  # a scheduler wants the machines back
+                if not saving:
+                    _save(run, step + 1, guard.skips, saver)
+                result.preempted_at = step + 1
+                break
     progress.close()
     if saver is not None:  # the last save, published or failed on every rank
         _published(run, saver.wait(checkpoint.agree))
+    if result.preempted_at and run.is_logger:
+        marker = write_marker(Path(cfg.train.run_dir), result.preempted_at, run.last_checkpoint,
+                              how_to_resume(cfg))
+        log.info(f"preempted     at step {result.preempted_at}: saved {run.last_checkpoint} ({marker})")
     for sink in [writer, *sinks]:
         sink.close()
     if run.engine.plan.recorder is not None:

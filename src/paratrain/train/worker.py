@@ -18,15 +18,16 @@ from .rundir import RunDirLock
 from .saved import how_to_resume
 
 
-def run_worker(cfg: Config, world: WorldSpec | None) -> None:
-    """Train on this rank. ``world`` is given when torchrun started the process (the group
-    is then joined here, with a watchdog, and global rank 0 locks the run directory); the
-    local launcher has already done all that."""
+def run_worker(cfg: Config, world: WorldSpec | None) -> int | None:
+    """Train on this rank; returns the step a preemption stopped it after, or None.
+    ``world`` is given when torchrun started the process (the group is then joined here,
+    with a watchdog, and global rank 0 locks the run directory); the local launcher has
+    already done all that."""
     console.configure(cfg.train.quiet)  # a spawned rank starts with logging unconfigured
     if world is None:
-        train(cfg, Mesh.build(cfg.layout))
+        preempted = train(cfg, Mesh.build(cfg.layout)).preempted_at
         dist.barrier()  # tear down together: no rank closes connections a peer still uses
-        return
+        return preempted
     placed = [cfg]  # the run's config once rank 0 has placed it: a hang names its checkpoint
     watchdog = Watchdog(world.rank, world.timeout_s,
                         lambda report: _die_named(watchdog, f"{report}\n{how_to_resume(placed[0])}"),
@@ -42,8 +43,9 @@ def run_worker(cfg: Config, world: WorldSpec | None) -> None:
         placed[0] = cfg
         if lock is not None:  # every way out releases it, os._exit's too: a requeue must start
             watchdog.cleanups.append(lock.release)
-        train(cfg, Mesh.build(cfg.layout))
+        preempted = train(cfg, Mesh.build(cfg.layout)).preempted_at
         dist.barrier()
+        return preempted
     except BaseException as exc:
         report = watchdog.hang_report()
         if report:

@@ -1,0 +1,107 @@
+"""Preemption: SIGTERM (or SIGUSR1) at a random step saves after that step and exits
+resumable (75); ``--resume auto`` then ends with the uninterrupted run's exact state,
+under paratrain's launcher and under torchrun. A second signal stops at once and leaves no
+partial checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import TINY
+from test_faults import wait_for_steps
+
+from paratrain.train.preempt import EXIT_PREEMPTED
+from paratrain.train.saved import published
+
+STEPS = 24
+RUN = [*TINY, "--steps", str(STEPS), "--save-every", str(STEPS), "--global-batch", "8"]
+
+
+def _train(background, run_dir, *extra: str, torchrun: bool = False) -> subprocess.Popen:
+    if torchrun:
+        from test_launch import free_port
+
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}", "-m",
+                    "paratrain", "train", *[a for a in RUN if a not in ("--nproc", "2")]]
+    else:
+        launcher = [sys.executable, "-m", "paratrain", "train", *RUN]
+    return background([*launcher, "--run-dir", str(run_dir), *extra], cwd=run_dir.parent,
+                      env={**os.environ, "TMPDIR": str(run_dir.parent)},
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _final_files(run_dir) -> dict:
+    return json.loads((run_dir / "checkpoints" / f"step-{STEPS}" / "meta.json").read_text())["files"]
+
+
+def _preempt_and_resume(background, tmp_path, torchrun: bool, sig: int = signal.SIGTERM) -> None:
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for d in (whole, cut):
+        d.mkdir()
+    done = _train(background, whole, torchrun=torchrun)
+    assert done.wait(timeout=300) == 0, done.communicate()[0][-3000:]
+    at = random.Random().randint(2, STEPS // 2)
+    job = _train(background, cut, torchrun=torchrun)
+    wait_for_steps(job, cut / "metrics.jsonl", at)
+    job.send_signal(sig)
+    output = job.communicate(timeout=300)[0]
+    assert job.returncode != 0, output[-3000:]
+    marker = json.loads((cut / "preempted.json").read_text())
+    assert at <= marker["step"] < STEPS, (at, marker, output[-3000:])
+    if not torchrun:  # torchrun reports its workers' failure with its own status
+        assert job.returncode == EXIT_PREEMPTED and f"preempted after step {marker['step']}" in output
+    assert [p.name for p in published(cut)] == [f"step-{marker['step']}"]
+    resumed = _train(background, cut, "--resume", "auto", torchrun=torchrun)
+    assert resumed.wait(timeout=300) == 0, resumed.communicate()[0][-3000:]
+    assert _final_files(cut) == _final_files(whole), f"signalled after step {at}"  # bit for bit
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])  # SIGUSR1: Slurm's --signal
+def test_a_signal_at_a_random_step_resumes_to_the_uninterrupted_state(sig, tmp_path, background):
+    _preempt_and_resume(background, tmp_path, torchrun=False, sig=sig)
+
+
+def test_sigterm_under_torchrun_resumes_to_the_uninterrupted_state(tmp_path, background):
+    """torchrun passes its SIGTERM to the workers, which save and end."""
+    _preempt_and_resume(background, tmp_path, torchrun=True)
+
+
+def test_a_second_signal_stops_at_once_without_a_partial_checkpoint(tmp_path, background):
+    run = tmp_path / "run"
+    run.mkdir()
+    job = _train(background, run, "--steps", "100000")
+    wait_for_steps(job, run / "metrics.jsonl", 3)
+    job.send_signal(signal.SIGTERM)
+    job.send_signal(signal.SIGTERM)
+    output = job.communicate(timeout=120)[0]
+    assert job.returncode not in (0, EXIT_PREEMPTED), output[-3000:]
+    for checkpoint in published(run):  # whatever was published is whole
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        assert all((checkpoint / name).stat().st_size == info["bytes"] for name, info in meta["files"].items())
+
+
+def signalled_while_preemptible() -> int:
+    """A rank (with its launcher's watchdog) sends itself SIGTERM while the loop's handler
+    is installed and stays for longer than the watchdog's patience."""
+    import time
+
+    from paratrain.train.preempt import Preemption
+
+    with Preemption() as preempt:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(2.5)
+    return preempt.signals
+
+
+def test_the_watchdog_leaves_sigterm_to_the_loop_while_its_parent_lives():
+    from distributed import run_world
+
+    assert run_world(signalled_while_preemptible, 1) == [1]
