@@ -96,9 +96,9 @@ def saves_in_flight(cfg) -> dict:
 
     original_stage = async_save.AsyncSaver._stage
 
-    def stage(self, piece):
+    def stage(self, piece, index):
         seen["overlapping"] += self._thread is not None and self._thread.is_alive()
-        return original_stage(self, piece)
+        return original_stage(self, piece, index)
 
     async_save.AsyncSaver.submit, async_save.AsyncSaver._stage = submit, stage
     _slow_writes(0.5)  # still writing when the next save is due, two steps later
