@@ -1,5 +1,5 @@
 """HSDP (ZeRO-3 hybrid sharding): states sharded within groups of dp x cp ranks and
-replicated across them, against one process, under tp, pp and expert parallelism; its
+replicated across them, against one process, under tp, pp, cp and expert parallelism; its
 checkpoints against ZeRO-3 and one process; its groups and its refusals."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ MOE = dict(n_experts=4, top_k=2, expert_ffn=64, moe_first_dense=1)
 LAYOUTS = {
     "dp4 hsdp2": (4, dict(dp=4)),
     "dp4 hsdp2 ep2 (MoE)": (4, dict(dp=4, ep=2, **MOE)),
+    "dp2 cp2 hsdp2": (4, dict(dp=2, cp=2)),
     "dp4 hsdp2 tp2 SP": (8, dict(dp=4, tp=2, sp=True)),
     "dp4 hsdp2 pp2": (8, dict(dp=4, pp=2, micro_batch=1)),
 }
