@@ -110,24 +110,8 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     with Preemption() as preempt:
         for step in range(run.start_step, cfg.train.steps):
             profiler.before(step + 1)
-            t0 = time.perf_counter()
-            record = train_step(run, step)  # its host read of the loss waits for the device
-            elapsed = time.perf_counter() - t0
-            if not result.state_bytes:  # after the first step run: optimizer state exists
-                result.state_bytes = _gather(state_bytes(run.engine.state_tensors()))
-            record.update(step=step + 1, step_time_s=elapsed, tokens_per_s=record["tokens"] / elapsed,
-                          mfu=flops * record["tokens"] / elapsed / peak if peak and flops else None,
-                          **result.state_bytes[0], **comm_metrics(run.engine))
-            result.losses.append(record["loss"])
+            record = _measured_step(run, step, result, flops, peak)
             last = step + 1 == cfg.train.steps
-            evaluating = last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)
-            val_loss = evaluate(run) if evaluating else None
-            if val_loss is not None:  # no validation set: no validation loss
-                record["val_loss"] = val_loss
-                result.val_losses.append((step + 1, val_loss))
-            if last or (step + 1) % cfg.train.log_every == 0:  # same steps on every rank: collective
-                record["peak_mem_bytes"] = _gather_peak_memory(mesh)
-                record["peak_mem_is"] = logs.peak_memory_kind(mesh.device)
             stop = guard.check(record, run.last_checkpoint) if "nonfinite_ranks" in record else None
             for sink in [writer, *sinks]:
                 sink.write(record)
@@ -158,6 +142,32 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     if run.engine.plan.recorder is not None:
         _save_timeline(run)
     return finish(cfg, run.engine, records, result, start, run.is_logger, keep_params)
+
+
+def _measured_step(run: Run, step: int, result: RunResult, flops: float | None,
+                   peak: float | None) -> dict:
+    """One step with its record: time, throughput, state bytes, traffic, and the
+    evaluation and peak memory on the steps that take them (collective)."""
+    cfg, mesh = run.cfg, run.mesh
+    t0 = time.perf_counter()
+    record = train_step(run, step)  # its host read of the loss waits for the device
+    elapsed = time.perf_counter() - t0
+    if not result.state_bytes:  # after the first step run: optimizer state exists
+        result.state_bytes = _gather(state_bytes(run.engine.state_tensors()))
+    record.update(step=step + 1, step_time_s=elapsed, tokens_per_s=record["tokens"] / elapsed,
+                  mfu=flops * record["tokens"] / elapsed / peak if peak and flops else None,
+                  **result.state_bytes[0], **comm_metrics(run.engine))
+    result.losses.append(record["loss"])
+    last = step + 1 == cfg.train.steps
+    evaluating = last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)
+    val_loss = evaluate(run) if evaluating else None
+    if val_loss is not None:  # no validation set: no validation loss
+        record["val_loss"] = val_loss
+        result.val_losses.append((step + 1, val_loss))
+    if last or (step + 1) % cfg.train.log_every == 0:  # same steps on every rank: collective
+        record["peak_mem_bytes"] = _gather_peak_memory(mesh)
+        record["peak_mem_is"] = logs.peak_memory_kind(mesh.device)
+    return record
 
 
 def finish(cfg: Config, engine, records: list[dict], result: RunResult, start: float,
