@@ -29,6 +29,18 @@ if [ "$extra" = "test" ]; then target=".[test,peers]"; fi
 if [ "$extra" = "test" ]; then
   "$py" -m pip install --quiet --no-deps torchtitan==0.2.2
 fi
+# tests/test_slurm.py submits jobs to a one-node Slurm it starts (scripts/slurm/local_cluster.py):
+# Debian's slurm-wlm (slurmctld, slurmd, the clients) and munge, installed where we are root
+# with apt-get; elsewhere those tests skip and say why.
+have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ]; }
+if [ "$extra" = "test" ] && ! { have slurmctld && have slurmd && have sbatch && have munged; } \
+    && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "paratrain setup: installing slurm-wlm and munge (apt-get) for the Slurm tests"
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get install -y --no-install-recommends slurm-wlm munge >/dev/null 2>&1 \
+    || { apt-get update -qq && apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null; }; } \
+    || echo "paratrain setup: could not install slurm-wlm and munge; the Slurm tests will skip"
+fi
 # pyenv only exposes new console scripts after a rehash.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi
 echo "paratrain setup: done ($("$py" -m paratrain --version))"

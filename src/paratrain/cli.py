@@ -120,6 +120,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from .launch import RankFailed, spawn, torchrun_world
+    from .slurm import slurm_world, started_by_srun
     from .train import config as config_mod
     from .train import runs, saved
     from .train.checkpoint import verify
@@ -130,8 +131,9 @@ def _run_train(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in args.config_fields if hasattr(args, k)}
     cfg = config_mod.load(args.config, overrides)
     console.configure(cfg.train.quiet)
-    if started_by_torchrun(os.environ):  # this process is one rank of torchrun's world
-        world = torchrun_world(cfg.parallel.backend, cfg.parallel.timeout_s)
+    if started_by_torchrun(os.environ) or started_by_srun(os.environ):  # one rank of a world
+        world = (torchrun_world(cfg.parallel.backend, cfg.parallel.timeout_s)  # made by torchrun,
+                 or slurm_world(os.environ, cfg.parallel.backend, cfg.parallel.timeout_s))  # or srun
         cfg = _preflight(_torchrun_config(cfg, world.world_size), torchrun=True,
                          report=world.rank == 0, local_ranks=world.local_world_size)
         return EXIT_PREEMPTED if run_worker(cfg, world) else 0
@@ -189,9 +191,9 @@ class _Preempt:
 def _torchrun_config(cfg: Config, world_size: int) -> Config:
     """The config validated for the world torchrun started (its size is not ours to set)."""
     if cfg.parallel.nproc and cfg.parallel.nproc != world_size:
-        raise ConfigError(f"parallel.nproc={cfg.parallel.nproc}, but torchrun started "
+        raise ConfigError(f"parallel.nproc={cfg.parallel.nproc}, but torchrun (or srun) started "
                           f"{world_size} processes; under torchrun leave --nproc out: "
-                          f"torchrun's --nnodes x --nproc-per-node set the world")
+                          f"torchrun's --nnodes x --nproc-per-node set the world (srun's --ntasks)")
     parallel = dataclasses.replace(cfg.parallel, nproc=world_size)
     return dataclasses.replace(cfg, parallel=parallel).validate(launcher="torchrun")
 

@@ -20,7 +20,7 @@ from .saved import how_to_resume
 
 def run_worker(cfg: Config, world: WorldSpec | None) -> int | None:
     """Train on this rank; returns the step a preemption stopped it after, or None.
-    ``world`` is given when torchrun started the process (the group is then joined here,
+    ``world`` is given when torchrun (or srun, slurm.py) started the process (the group is then joined here,
     with a watchdog, and global rank 0 locks the run directory); the local launcher has
     already done all that."""
     console.configure(cfg.train.quiet)  # a spawned rank starts with logging unconfigured
