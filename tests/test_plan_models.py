@@ -120,22 +120,25 @@ T5 = {"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "d_mo
       "vocab_size": 32128, "is_encoder_decoder": True}
 
 
-DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-            "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 128,
-            "num_hidden_layers": 61, "n_routed_experts": 256, "vocab_size": 129280}
+DEEPSEEK = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+            "hidden_size": 5120, "intermediate_size": 12288, "num_attention_heads": 128,
+            "num_hidden_layers": 60, "n_routed_experts": 160, "vocab_size": 102400}
+"""DeepSeek-V2: a mixture of experts the planner does not read (DeepSeek-V3 it does:
+tests/test_plan_deepseek.py)."""
 
 
-@pytest.mark.parametrize("cfg, words", [(DEEPSEEK, "mixture of experts (n_routed_experts = 256)"),
+@pytest.mark.parametrize("cfg, words", [(DEEPSEEK, "mixture of experts (n_routed_experts = 160)"),
                                         (T5, "encoder-decoder")])
 def test_unmodelled_moe_and_encoder_decoder_configs_are_refused_by_name(tmp_path, cfg, words, capsys):
-    """A mixture of experts train does not run (DeepSeek-V3) and an encoder-decoder; the
-    ones train runs are planned (tests/test_plan_moe.py)."""
+    """A mixture of experts the planner does not read (DeepSeek-V2) and an encoder-decoder;
+    the ones train runs are planned (tests/test_plan_moe.py), and DeepSeek-V3
+    (tests/test_plan_deepseek.py)."""
     import json
     import re
 
     from test_plan_cli import plan
 
-    directory = tmp_path / ("deepseek-v3" if cfg is DEEPSEEK else "t5-base")
+    directory = tmp_path / ("deepseek-v2" if cfg is DEEPSEEK else "t5-base")
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=re.escape(words)):

@@ -51,6 +51,11 @@ class Training:
     with the optimizer state. Megatron-LM in 2021 did (``Float16OptimizerWithFloat16Params``
     set ``main_param.grad = grad.float()`` and its ``zero_grad`` left those alone until
     July 2021)."""
+    moe_imbalance: float = 1.0
+    """Load-imbalance headroom of a mixture of experts (``--moe-imbalance``, ``plan/moe.py``):
+    the routed rows of the busiest expert-parallel rank over the mean. Its experts' GEMM
+    rows, the all-to-all bytes it receives and its routed activations are scaled by it
+    when ep > 1. 1.0: balanced routing."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:
@@ -59,6 +64,9 @@ class Training:
             raise ValueError(f"precision {self.precision!r}: pick one of {PRECISIONS}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r}: pick one of {OPTIMIZERS}")
+        if not 1.0 <= self.moe_imbalance < float("inf"):
+            raise ValueError(f"--moe-imbalance {self.moe_imbalance}: the busiest rank's load over "
+                             f"the mean is at least 1 (1: balanced)")
 
     @property
     def act_bytes(self) -> int:

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from .candidate import OPTIMIZERS, PRECISIONS, RECOMPUTE, Training
 from .hardware import GB, GPUS, Cluster, gpu_preset, load_calibration, local_cluster
+from .mla import check_cluster
 from .models import LOCAL_PRESETS, PRESETS, ModelSpec, load_model
+from .moe import IMBALANCE_HELP as MOE_IMBALANCE_HELP
 from .runtimes import DEFAULT_RUNTIME, RUNTIMES
 
 DEFAULT_TOKENS = {"gpu": 2**22, "local": 2**13}
@@ -75,6 +77,7 @@ def add_parser(subparsers) -> None:
                     help="whose state is counted: adam (AdamW: an fp32 master copy and two "
                          "fp32 moments per parameter) or sgd (SGD with momentum: one); default adam")
     tr.add_argument("--recompute", choices=(*RECOMPUTE, "search"), default="search")
+    tr.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F", help=MOE_IMBALANCE_HELP)
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, metavar="N", help=f"plans to show (default {DEFAULT_TOP})")
     out.add_argument("--explain", action="store_true", help="why the winner wins")
@@ -123,7 +126,7 @@ def build_training(args: argparse.Namespace, model: ModelSpec, cluster: Cluster)
     seq = args.seq_len or min(model.max_seq_len, DEFAULT_SEQ_CAP)
     batch = args.global_batch or max(1, DEFAULT_TOKENS[cluster.kind] // seq)
     precision = args.precision or ("fp32" if cluster.kind == "local" else "bf16")
-    return Training(batch, seq, precision, args.optimizer)
+    return Training(batch, seq, precision, args.optimizer, moe_imbalance=args.moe_imbalance)
 
 
 MAX_GPUS = 2**20
@@ -224,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         cluster = build_cluster(args)
         training = build_training(args, model, cluster)
         micro = _micro_batch(args.micro_batch)
+        check_cluster(model, cluster.kind)
     except (ValueError, OSError) as err:
         print(f"paratrain plan: error: {err}", file=sys.stderr)
         return 2
@@ -253,13 +257,13 @@ def _print_search(args: argparse.Namespace, result, model: ModelSpec, training: 
         data = report.to_json(result, model, training, cluster, args.top or DEFAULT_TOP)
         data["runtime"] = args.runtime
         if args.explain:
-            data["explain"] = report.explain(result, cluster)
+            data["explain"] = report.explain(result, cluster, training)
         print(json.dumps(data, indent=2))
         return
     print(report.summary(result, model, training, cluster, args.top or DEFAULT_TOP))
     print(RUNTIMES[args.runtime].line())
     if args.explain:
-        print("\n" + report.explain(result, cluster))
+        print("\n" + report.explain(result, cluster, training))
     if args.show_rejected or not result.plans:
         print("\n" + report.rejected(result))
 

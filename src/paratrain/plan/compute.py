@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from .mla import head_dims, rope_and_norm_elems
 from .models import ModelSpec
 
 TILE = (128, 128)
@@ -101,9 +102,9 @@ def unfused_attention_time(model: ModelSpec, b: int, s_q: int, s_kv: int, tp: in
     dropout its kernel reads, writes and stores a 1-byte mask (no causal skipping: the
     masked half is computed and moved too)."""
     heads = b * model.n_heads // tp
-    d = model.head_dim
-    gemms = (matmul_time(s_q, d, s_kv, rate, half_dim, gpu, elem, heads)
-             + matmul_time(s_q, s_kv, d, rate, half_dim, gpu, elem, heads))
+    qk, v = head_dims(model)  # head_dim twice; MLA's d_n + d_r and d_v
+    gemms = (matmul_time(s_q, qk, s_kv, rate, half_dim, gpu, elem, heads)
+             + matmul_time(s_q, s_kv, v, rate, half_dim, gpu, elem, heads))
     passes = 4 * elem + ((2 * elem + 1) if model.dropout else 0)
     return gemms + heads * s_q * s_kv * passes / gpu.hbm_bw
 
@@ -121,4 +122,6 @@ def elementwise_bytes(model: ModelSpec, tokens: int, tp: int, sp: bool, elem: in
     kv = model.kv_heads_per_rank(tp) * model.head_dim
     replicated = 2 * (2 * h) + 2 * (3 * h) + (2 * (2 * h) + 2 * h / elem if model.dropout else 0)
     sharded = 2 * (h // tp + kv) + (3 if model.gated_mlp else 2) * f // tp
+    if model.mla is not None:  # RoPE on the rotary parts only, and the latents' norms
+        sharded += rope_and_norm_elems(model, tp)
     return tokens * elem * (replicated / (tp if sp else 1) + sharded)

@@ -51,7 +51,7 @@ from .candidate import Candidate, Training
 from .compute import attention_time, elementwise_bytes, matmul_time, unfused_attention_time
 from .flops import attention_core_flops, layer_matmuls
 from .hardware import Cluster, Link, members_per_node
-from . import moe
+from . import mla, moe
 from .models import ModelSpec
 from .overlap import exposed, link_collective_time, p2p_time, prefetched
 
@@ -263,7 +263,8 @@ def _tp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     cost = cluster.gpu.overlap_cost
     rate, _, half = _rates(training, cluster)
     tokens = cand.micro_batch * training.seq_len // cand.cp
-    qkv, _, mlp_in, _ = layer_matmuls(model, tokens, cand.tp)
+    mm = layer_matmuls(model, tokens, cand.tp)
+    qkv, mlp_in = mm[0], mm[-2]
     backward = sum(one - hidden + exposed(hidden, matmul_time(k, m, n, rate, half, cluster.gpu,
                                                               training.act_bytes), cost)
                    for m, k, n in (qkv, mlp_in))
@@ -281,8 +282,8 @@ def _cp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     if cand.cp_method == "ulysses":
         return max_layers(model, cand) * (passes + 1) * _ulysses_time(model, training, cluster, cand)
     link = cluster.link(cand.sizes(), ORDER, ("cp",), p2p=True)
-    kv = 2 * cand.micro_batch * training.seq_len // cand.cp * (
-        model.kv_heads_per_rank(cand.tp) * model.head_dim)
+    _, k, v, _ = mla.widths(model, cand.tp)
+    kv = cand.micro_batch * training.seq_len // cand.cp * (k + v)
     step = p2p_time(kv * training.act_bytes, link.alpha, link.bw)
     grad_step = p2p_time(kv * 4, link.alpha, link.bw)  # dK, dV travel in fp32 (ring.py)
     overlap = cluster.gpu.overlap_cost
@@ -299,9 +300,8 @@ def _ulysses_time(model: ModelSpec, training: Training, cluster: Cluster, cand: 
     nccl-tests' all-to-all size is each rank's input: its s/cp tokens of those heads."""
     link = cluster.link(cand.sizes(), ORDER, ("cp",))
     tokens = cand.micro_batch * training.seq_len // cand.cp
-    q = tokens * model.n_heads // cand.tp * model.head_dim * training.act_bytes
-    kv = tokens * model.kv_heads_per_rank(cand.tp) * model.head_dim * training.act_bytes
-    return sum(link_collective_time(cluster, link, "all-to-all", n, cand.cp) for n in (q, kv, kv, q))
+    return sum(link_collective_time(cluster, link, "all-to-all", tokens * n * training.act_bytes,
+                                    cand.cp) for n in mla.widths(model, cand.tp))
 
 
 def _pp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate) -> float:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .. import rules
 from ..layout import LayoutError
+from . import mla
 from .candidate import Candidate, Training
 from .hardware import GiB
 from .memory import rank_memory
@@ -90,6 +91,8 @@ def refusal(cand: Candidate, model: ModelSpec, training: Training) -> str | None
     also models what other software runs (SGD, tied embeddings split over stages or
     shards, plain TP where SP's split does not divide), so a plan can rank without being
     trainable here."""
+    if getattr(model, "mla", None) is not None:  # no train config builds latent attention
+        return mla.REFUSAL
     if training.optimizer != "adam":
         return f"`paratrain train` trains with AdamW; optimizer {training.optimizer!r} is planner-only"
     try:

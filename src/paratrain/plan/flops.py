@@ -13,7 +13,7 @@ take is ``plan/cost.py``'s business.
 
 from __future__ import annotations
 
-from . import moe
+from . import mla, moe
 from .candidate import Training
 from .models import ModelSpec
 
@@ -27,16 +27,21 @@ def megatron_flops(batch: int, s: int, layers: int, h: int, vocab: int,
 
 
 def layer_matmuls(model: ModelSpec, tokens: int, tp: int) -> list[tuple[int, int, int]]:
-    """(M, K, N) of one block's forward matmuls on one TP rank."""
+    """(M, K, N) of one block's forward matmuls on one TP rank: the attention's (QKV and
+    output projection; MLA's five, ``plan/mla.py``), then the MLP's two (input, output)."""
     h, f = model.d_model, model.ffn_hidden
-    kv = model.kv_heads_per_rank(tp) * model.head_dim
     mlp_in = 2 if model.gated_mlp else 1
-    return [(tokens, h, h // tp + 2 * kv), (tokens, h // tp, h),
-            (tokens, h, mlp_in * f // tp), (tokens, f // tp, h)]
+    mlp = [(tokens, h, mlp_in * f // tp), (tokens, f // tp, h)]
+    if model.mla is not None:
+        return mla.matmuls(model, tokens, tp) + mlp
+    kv = model.kv_heads_per_rank(tp) * model.head_dim
+    return [(tokens, h, h // tp + 2 * kv), (tokens, h // tp, h)] + mlp
 
 
 def attention_core_flops(model: ModelSpec, b: int, s_q: int, s_kv: int, tp: int) -> float:
     """QK^T and softmax·V of one block's forward on one TP rank."""
+    if model.mla is not None:  # head widths d_n + d_r for QK^T, d_v for softmax·V
+        return mla.core_flops(model, b, s_q, s_kv, tp)
     return 4 * b * s_q * s_kv * model.d_model / tp
 
 

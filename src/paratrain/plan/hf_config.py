@@ -11,14 +11,20 @@ from pathlib import Path
 from ..models import has_weights
 from ..models.hf_config import MOE_PLANNED, TRAINED, load, read_shape, refuse_unmodelled
 from ..models.hf_moe import read_fields
+from .mla import DEEPSEEK, from_deepseek
 from .moe import SHAPE_FIELDS
 from .models import ModelSpec, of_shape
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:
-    """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen, GPT-2, GPT-NeoX, BLOOM)."""
+    """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen, GPT-2, GPT-NeoX, BLOOM, the
+    mixtures of experts Mixtral, Qwen2/3-MoE and DeepSeek-V3)."""
     path = Path(path)
     raw = load(path)
+    if raw.get("model_type") in DEEPSEEK:  # latent attention: planner-only (plan/mla.py)
+        shape, attention = from_deepseek(raw, path)
+        name = f"{path.parent.name or path.name} ({raw['model_type']})"
+        return of_shape(shape, name, mla=attention)
     refuse_unmodelled(raw, path)
     shape = read_shape(raw, path)
     kind = str(raw.get("model_type", "llama"))

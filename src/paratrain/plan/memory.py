@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..parallel.pipeline.posting import receives_ahead
-from . import moe, runtime
+from . import mla, moe, runtime
 from .candidate import Candidate, Training
 from .models import ModelSpec
 from .runtime import paratrain_state_bytes  # noqa: F401 - part of this module's API
@@ -134,9 +134,12 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int, sp: bool,
         return elem * sbh / (t if sp else 1)
     masks = 2 if model.dropout else 0
     outside = (4 * elem + masks) * sbh
-    kv = 2 * model.n_kv_heads / a
+    attention = 2 + 2 * model.n_kv_heads / a  # q and the output projection's input, k, v
+    if model.mla is not None:  # plan/mla.py: MLA's q, k, v, output; its latents outside tp
+        inside_elems, latent = mla.stored(model)
+        attention, outside = inside_elems / h, outside + elem * latent * s * b
     mlp = (3 if model.gated_mlp else 2) * model.ffn_hidden / h  # SwiGLU: gate, up, product
-    inside = elem * (2 + kv + mlp) * sbh
+    inside = elem * (attention + mlp) * sbh
     scores = 0.0
     if recompute == "none" and flash:  # fp32 log-sum-exp per row and head; no s x s
         scores = 4 * a * s * b
@@ -221,7 +224,7 @@ def stage_memory(model: ModelSpec, training: Training, cand: Candidate, stage: i
     if model.n_experts and cand.recompute != "full":  # full recompute keeps the block input only
         tokens = s * b // (cand.tp if cand.sp else 1)  # each tp rank routes its own shard
         per_micro += model.stage_moe_layers(cand.pp, stage, cand.virtual_stages) * \
-            moe.activation_delta(model, tokens, cand.tp, elem)
+            moe.activation_delta(model, tokens, cand.tp, elem, moe.load_factor(training, cand.ep))
     psi += model.stage_expert_params(cand.pp, stage, cand.virtual_stages, cand.ep)
     held_grad = bytes_per_param(training.precision, training.optimizer)[1] * psi
     inflight, fraction = peak_moment(cand, stage, per_micro, held_grad)
@@ -241,7 +244,8 @@ def _paratrain_stage_memory(model: ModelSpec, training: Training, cand: Candidat
     if model.n_experts and cand.recompute != "full":
         tokens = s * b // (cand.tp if cand.sp else 1)
         per_micro += model.stage_moe_layers(cand.pp, stage, cand.virtual_stages) * \
-            moe.paratrain_activation_delta(model, tokens, b, mode, cand.ep)
+            moe.paratrain_activation_delta(model, tokens, b, mode, cand.ep,
+                                           moe.load_factor(training, cand.ep))
     held_grad = runtime.held_grad_bytes(model, cand, stage, training.precision)
     inflight, fraction = peak_moment(cand, stage, per_micro, held_grad)
     buffers = runtime.paratrain_buffer_bytes(model, training, cand, stage, receives_ahead,
@@ -310,7 +314,8 @@ def _buffers(model: ModelSpec, training: Training, cand: Candidate, stage: int, 
                                                cand.recompute, elem, flash)
         if cand.recompute == "full" and model.stage_moe_layers(cand.pp, stage, v):
             tokens = s * b // (cand.tp if cand.sp else 1)
-            total += moe.activation_delta(model, tokens, cand.tp, elem)
+            total += moe.activation_delta(model, tokens, cand.tp, elem,
+                                          moe.load_factor(training, cand.ep))
     return total
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from ..models import CUSTOM, shape_base
 from ..models.shape import ModelShape, default_ffn
-from . import moe
+from . import mla, moe
 from .keys import cached_hash
+from .mla import LatentAttention
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,15 @@ class ModelSpec(ModelShape):
     """``GPTConfig`` settings read from a train config that change neither memory nor time
     (rope_theta, ...): not modelled, but written back by ``--out`` so that the exported
     config trains the same model."""
+    mla: LatentAttention | None = field(default=None, kw_only=True)
+    """DeepSeek's multi-head latent attention in place of standard attention (``plan/mla.py``;
+    planner-only: ``train`` builds none); None: standard multi-head / grouped-query attention."""
+
+    @lru_cache(maxsize=64)  # noqa: B019 - as ModelShape's
+    def layer_params(self, tp: int = 1) -> int:
+        """Parameters of one block on one TP rank, with MLA's attention where it has it."""
+        n = ModelShape.layer_params(self, tp)
+        return n if self.mla is None else n + mla.params_delta(self, tp)
 
     def stage_layers(self, pp: int, stage: int, v: int = 1) -> int:
         """Blocks one rank of pipeline ``stage`` holds: evenly when pp x v divides the
@@ -188,7 +198,8 @@ def from_toml(path: str | Path) -> ModelSpec:
         if name != CUSTOM:
             table, preset = {**_preset_fields(path, name), **table}, name
     carried = tuple((key, table.pop(key)) for key in _IGNORED_GPT_FIELDS if key in table)
-    known = {f.name for f in fields(ModelSpec)} - {"name", "preset", "carried"}  # set by the reader
+    # set by the reader (mla: from a DeepSeek config.json only)
+    known = {f.name for f in fields(ModelSpec)} - {"name", "preset", "carried", "mla"}
     unknown = sorted(k for k in table if k not in known and not isinstance(table[k], dict))
     if unknown:
         raise ValueError(f"{path}: unknown model fields {unknown}; known: {sorted(known)}")
@@ -254,7 +265,7 @@ def describe(model: ModelSpec) -> str:
     return (f"{model.name}: {count} params, {model.n_layers} layers, "
             f"h={model.d_model}, heads={model.n_heads}/{model.n_kv_heads} kv, "
             f"ffn={model.ffn_hidden}{' (SwiGLU)' if model.gated_mlp else ''}, "
-            f"vocab={model.vocab_size}{moe.describe(model)}")
+            f"vocab={model.vocab_size}{moe.describe(model)}{mla.describe(model)}")
 
 
 def _count(n: int) -> str:

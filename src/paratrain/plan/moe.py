@@ -15,6 +15,15 @@ SwiGLU experts of width ``expert_ffn``, an optional shared expert (a SwiGLU of w
 * **traffic.** Each rank sends its tokens' top_k rows to the ranks holding their experts
   and gets the results back: tokens · top_k · d_model · bytes · (ep - 1)/ep per rank and
   all-to-all, twice forward (dispatch, combine) and twice backward.
+* **imbalance.** With ep > 1 the busiest rank receives ``Training.moe_imbalance`` (F)
+  times the mean rows: its experts' GEMMs, their elementwise passes, its routed activations
+  and the all-to-all it receives are F times the balanced ones (``load_factor``; exact
+  with one expert per rank, an upper bound with several, whose loads average out). With
+  ep = 1 every rank runs all its own tokens' rows whatever the routing: no headroom.
+* **grouped GEMM.** The E/ep local experts run as one grouped GEMM of E/ep problems of
+  tokens · top_k · ep / E rows each (``matmuls``): their tiles share the GPU's waves, and
+  each runs at the rate of its own shape (``compute.gemm_efficiency``), so few rows per
+  expert (small ep, few tokens per rank) are slower per FLOP than one GEMM of every row.
 
 Tensor parallelism splits no part of a MoE block but its attention (``models/description.py``):
 the router, the routed experts and the shared expert are whole on every tp rank, which runs
@@ -23,6 +32,7 @@ them on its own sequence shard under SP (on every token without SP).
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -31,6 +41,12 @@ from ..models.shape import ModelShape
 if TYPE_CHECKING:  # the planner's types; moe.py is imported by the modules defining them
     from .candidate import Training
     from .hardware import Cluster
+
+IMBALANCE_HELP = ("mixtures of experts: the busiest expert-parallel rank's routed rows over the "
+                  "mean, scaling its experts' GEMMs, routed activations and received all-to-all "
+                  "bytes when ep > 1 (default 1.0: balanced routing; no published max/mean load "
+                  "was found to set it from, docs/plan.md)")
+"""``--moe-imbalance``'s help."""
 
 SHAPE_FIELDS = ("n_experts", "top_k", "expert_ffn", "shared_ffn", "shared_gate", "moe_every",
                 "moe_first_dense")
@@ -78,19 +94,27 @@ def replicated_delta(model: ModelShape, tp: int) -> int:
 
 # ---- FLOPs and compute --------------------------------------------------------------------
 
-def routed_rows(model: ModelShape, tokens: int) -> int:
-    """Rows the experts of one rank run for ``tokens`` routed tokens (balanced load: a rank
-    receives as many rows as it sends, tokens · top_k)."""
-    return tokens * model.top_k
+def load_factor(training: Training, ep: int) -> float:
+    """The busiest rank's routed rows over the mean: ``Training.moe_imbalance`` with
+    expert parallelism, 1 without (a rank holding every expert runs all its own rows)."""
+    return training.moe_imbalance if ep > 1 else 1.0
 
 
-def matmuls(model: ModelShape, tokens: int, tp: int, ep: int) -> list[tuple[int, int, int, int]]:
+def routed_rows(model: ModelShape, tokens: int, factor: float = 1.0) -> int:
+    """Rows the experts of one rank run for ``tokens`` routed tokens: a rank receives as
+    many rows as it sends, tokens · top_k, balanced; ``factor`` times that on the busiest."""
+    rows = tokens * model.top_k
+    return rows if factor == 1.0 else math.ceil(rows * factor)
+
+
+def matmuls(model: ModelShape, tokens: int, tp: int, ep: int,
+            factor: float = 1.0) -> list[tuple[int, int, int, int]]:
     """(M, K, N, count) of one MoE block's forward matmuls on one rank beyond attention:
-    the router, each local expert's gate+up and down on its share of the routed rows
-    (n_experts / ep experts of tokens · top_k · ep / n_experts rows each), the shared
-    expert's."""
+    the router, the local experts' gate+up and down as grouped GEMMs of ``count`` problems
+    (n_experts / ep experts of tokens · top_k · ep / n_experts rows each, ``factor`` times
+    that on the busiest rank), the shared expert's."""
     h, local = model.d_model, model.n_experts // ep
-    rows = max(1, routed_rows(model, tokens) * ep // model.n_experts)
+    rows = max(1, routed_rows(model, tokens, factor) * ep // model.n_experts)
     shapes = [(tokens, h, model.n_experts, 1), (rows, h, 2 * model.expert_ffn, local),
               (rows, model.expert_ffn, h, local)]
     if model.shared_ffn:
@@ -110,12 +134,13 @@ def flops_delta(model: ModelShape, tokens: int) -> float:
     return 2.0 * tokens * (active - (3 if model.gated_mlp else 2) * h * model.ffn_hidden)
 
 
-def elementwise_delta(model: ModelShape, tokens: int, tp: int, elem: int) -> float:
+def elementwise_delta(model: ModelShape, tokens: int, tp: int, elem: int,
+                      factor: float = 1.0) -> float:
     """Bytes a MoE block's forward moves outside its matmuls beyond a dense block's: the
     experts' SwiGLU (read 2, write 1 per hidden unit) on the routed rows and the shared
     expert, the rows gathered for dispatch and scattered back (read and write d_model
-    each), less the dense MLP's activation."""
-    rows = routed_rows(model, tokens)
+    each), less the dense MLP's activation; ``factor``: the busiest rank's rows over the mean."""
+    rows = routed_rows(model, tokens, factor)
     act = 3 * (rows * model.expert_ffn + tokens * model.shared_ffn)
     return elem * (act + 4 * rows * model.d_model - 3 * tokens * model.ffn_hidden // tp)
 
@@ -125,7 +150,8 @@ def block_time(model: ModelShape, training: Training, cluster: Cluster, tp: int,
                b: int, sp: bool, ep: int) -> tuple[float, float]:
     """(forward, backward) seconds a MoE block takes beyond a dense block per microbatch:
     its router, local experts and shared expert for the dense MLP (``moe.matmuls``; each
-    tp rank routes its own sequence shard under SP), and their elementwise passes."""
+    tp rank routes its own sequence shard under SP), and their elementwise passes, on the
+    busiest rank (``load_factor``)."""
     from .cost import _gemm_times, _rates  # cost.py times the dense blocks and calls this
     from .flops import layer_matmuls
 
@@ -133,25 +159,41 @@ def block_time(model: ModelShape, training: Training, cluster: Cluster, tp: int,
     rate, _, half = _rates(training, cluster)
     tokens = b * training.seq_len // cp
     routed = tokens // tp if sp and tp > 1 else tokens
+    factor = load_factor(training, ep)
     fwd = bwd = 0.0
-    for m, k, n, count in matmuls(model, routed, tp, ep):
-        f, g = _gemm_times(((m, k, n),), rate, half, gpu, elem)
-        fwd, bwd = fwd + count * f, bwd + count * g
-    dense_f, dense_b = _gemm_times(layer_matmuls(model, tokens, tp)[2:], rate, half, gpu, elem)
-    memory = elementwise_delta(model, routed, tp, elem) / gpu.hbm_bw
+    for m, k, n, count in matmuls(model, routed, tp, ep, factor):
+        f, g = grouped_gemm_times(m, k, n, count, rate, half, gpu, elem)
+        fwd, bwd = fwd + f, bwd + g
+    dense_f, dense_b = _gemm_times(layer_matmuls(model, tokens, tp)[-2:], rate, half, gpu, elem)
+    memory = elementwise_delta(model, routed, tp, elem, factor) / gpu.hbm_bw
     return fwd - dense_f + memory, bwd - dense_b + 2 * memory
+
+
+def grouped_gemm_times(m: int, k: int, n: int, count: int, rate: float, half: float, gpu,
+                       elem: int) -> tuple[float, float]:
+    """(forward, backward) seconds of a grouped GEMM of ``count`` (M, K, N) problems (the
+    local experts' in one launch, as Megatron's and torchtitan's grouped GEMMs run them):
+    each at its own shape's rate (``cost._gemm_times``' half-efficiency dimension), their
+    tiles sharing the waves; backward the input and the weight gradients' groups."""
+    from .compute import matmul_time
+
+    def t(a: int, b: int, c: int) -> float:
+        return matmul_time(a, b, c, rate, half, gpu, elem, count)
+
+    return t(m, k, n), t(m, n, k) + t(k, m, n)
 
 
 # ---- memory -------------------------------------------------------------------------------
 
-def activation_delta(model: ModelShape, tokens: int, tp: int, elem: int) -> float:
+def activation_delta(model: ModelShape, tokens: int, tp: int, elem: int,
+                     factor: float = 1.0) -> float:
     """Activation bytes one MoE block stores per microbatch beyond a dense block's
     (``memory.layer_activation_bytes``), ``tokens`` routed on this rank: per routed row the
     dispatched input and the combined output (2 · d_model) and the expert's gate, up and
     product (3 · expert_ffn); per token the fp32 router scores (4 · n_experts) and the
     int64 expert indices (8 · top_k); the shared expert's gate, up and product; less the
-    dense MLP's gate, up and product."""
-    rows = routed_rows(model, tokens)
+    dense MLP's gate, up and product. ``factor``: the busiest rank's routed rows over the mean."""
+    rows = routed_rows(model, tokens, factor)
     routed = elem * rows * (2 * model.d_model + 3 * model.expert_ffn)
     router = tokens * (4 * model.n_experts + 8 * model.top_k)
     mlp = 3 if model.gated_mlp else 2
@@ -159,7 +201,7 @@ def activation_delta(model: ModelShape, tokens: int, tp: int, elem: int) -> floa
 
 
 def paratrain_activation_delta(model: ModelShape, tokens: int, b: int, mode: str,
-                               ep: int = 1) -> float:
+                               ep: int = 1, factor: float = 1.0) -> float:
     """Bytes one paratrain MoE block (``models/moe.py``) saves for backward beyond its
     dense block (``runtime.paratrain_layer_activation_bytes``), ``tokens`` on this rank in
     ``b`` sequences; exact against saved-tensor hooks (tests/test_plan_moe.py). With c the
@@ -175,7 +217,8 @@ def paratrain_activation_delta(model: ModelShape, tokens: int, b: int, mode: str
     d_model, the sigmoid c, its input cast). Per sequence: the auxiliary loss's counts
     (4 · n_experts). Less the dense MLP's gate, up and product (3c · ffn_hidden). With
     ep > 1 the all-to-alls keep one more copy of the routed rows (c · d_model per row,
-    measured: tests/test_plan_peaks.py)."""
+    measured: tests/test_plan_peaks.py). ``factor`` scales the per-row terms: the busiest
+    rank's routed rows over the mean."""
     c = 4 if mode == "fp32" else 2
     r = 2 if mode == "bf16" else 4
     h, k, autocast = model.d_model, model.top_k, mode == "autocast"
@@ -191,7 +234,7 @@ def paratrain_activation_delta(model: ModelShape, tokens: int, b: int, mode: str
     if model.shared_gate:
         shared += c * h + c + (c * h if autocast else 0)
     per_token = routed + router + casts + shared - 3 * c * model.ffn_hidden
-    return tokens * per_token + 4 * model.n_experts * b
+    return tokens * (per_token + (factor - 1) * routed) + 4 * model.n_experts * b
 
 
 def expert_bias_params(model: ModelShape) -> int:
@@ -249,14 +292,16 @@ def all_to_all_time(model, training, cluster, cand, layers: int) -> float:
     """Seconds per microbatch of the all-to-alls of ``layers`` MoE blocks: dispatch and
     combine forward, the same two on gradients backward, and again forward under full
     recompute; exposed (the experts wait for their rows). The collective's size is each
-    rank's whole input, as nccl-tests' all-to-all counts it (``comm.cost``)."""
+    rank's whole input, as nccl-tests' all-to-all counts it (``comm.cost``), on the busiest
+    rank (``load_factor``)."""
     ep = cand.layout.ep
     if ep == 1 or not layers:
         return 0.0
     from .overlap import link_collective_time
 
     tokens = cand.micro_batch * training.seq_len // cand.cp // (cand.tp if cand.sp else 1)
-    full = tokens * model.top_k * model.d_model * training.act_bytes
+    # the busiest rank receives (and sends back) load_factor times the mean rows
+    full = tokens * model.top_k * model.d_model * training.act_bytes * load_factor(training, ep)
     link = group_link(cluster, expert_group(cand.layout))
     one = link_collective_time(cluster, link, "all-to-all", full, ep)
     passes = 4 + (2 if cand.recompute == "full" else 0)

@@ -118,9 +118,10 @@ def _versus(plan: Plan, other: Plan, what: str) -> str:
     return f"{name}: {_deltas(plan, other)}"
 
 
-def explain(result: SearchResult, cluster: Cluster) -> str:
+def explain(result: SearchResult, cluster: Cluster, training: Training | None = None) -> str:
     """Why the winner: its breakdown, the runner-up, and the best plan that changes each
-    choice (tp, pp, cp, ZeRO stage, recompute) with the components that make it slower."""
+    choice (tp, pp, cp, ZeRO stage, recompute) with the components that make it slower;
+    for a mixture of experts the load-imbalance headroom of ``training``."""
     if not result.plans:
         return "nothing fits: see --show-rejected"
     best = result.plans[0]
@@ -137,6 +138,11 @@ def explain(result: SearchResult, cluster: Cluster) -> str:
         f"(states {size(m.states)}, activations {size(m.activations)}, "
         f"buffers {size(m.buffers)})",
     ]
+    if t.ep is not None and training is not None:
+        f = training.moe_imbalance
+        effect = ("balanced routing" if f == 1 else f"the busiest ep rank's expert GEMM rows, "
+                  f"routed activations and received all-to-all bytes x {f:g} when ep > 1")
+        lines.append(f"  experts: load imbalance {f:g} (--moe-imbalance: {effect})")
     if len(result.plans) > 1:
         lines.append("  " + _versus(best, result.plans[1], "runner-up"))
     for knob in ("tp", "pp", "cp", *(("ep",) if t.ep is not None else ()), "zero", "recompute"):

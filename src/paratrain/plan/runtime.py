@@ -224,7 +224,8 @@ def paratrain_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate
                       for policy in ("none", cand.recompute))
         block += full - (kept if cand.recompute == "selective" else 0)
         if experts and cand.recompute == "full":  # a MoE block recomputed whole
-            block += moe.paratrain_activation_delta(model, tokens, b, mode, cand.ep)
+            block += moe.paratrain_activation_delta(model, tokens, b, mode, cand.ep,
+                                                    moe.load_factor(training, cand.ep))
     head = paratrain_head_bytes(model, s, b, cand, mode) if stage == cand.pp - 1 else 0.0
     return total + max(head, block)
 
