@@ -23,6 +23,8 @@ LAYOUTS = {
     "dp4 hsdp2 tp2 SP": (8, dict(dp=4, tp=2, sp=True)),
     "dp4 hsdp2 pp2": (8, dict(dp=4, pp=2, micro_batch=1)),
 }
+SLOW = {"dp4 hsdp2 tp2 SP", "dp4 hsdp2 pp2"}
+"""Eight ranks on two cores: ``pytest -m slow tests/test_hsdp.py``."""
 """(processes, fields) of each HSDP layout, all with zero=3 and shard_group=2."""
 
 
@@ -43,7 +45,7 @@ def references(tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
 def test_hsdp_matches_one_process(name, references, tmp_path):
     nproc, fields = LAYOUTS[name]
     runs = run_world(train_runs, nproc, _configs(str(tmp_path), nproc, **fields))

@@ -231,6 +231,9 @@ COMPOSED = {
 }
 """Layouts that cut a mixture of experts with other strategies: (processes, fields)."""
 
+COMPOSED_SLOW = {"dp2 ZeRO-2, experts whole", "tp2 without SP", "dp2 ep2 pp2 ZeRO-1"}
+"""Paths the others cover too (ZeRO's units, tp's replicated experts, pipelines): ``-m slow``."""
+
 CLIP = 0.5
 """Active clipping (the reference's norms are above it): a wrong gradient scale shows."""
 
@@ -248,7 +251,8 @@ def mixed_reference(tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("name", COMPOSED)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in COMPOSED_SLOW else n
+                                  for n in COMPOSED])
 def test_expert_parallel_composes_with_every_strategy(name, mixed_reference, tmp_path):
     """Each layout equals one process with the aux loss, with bias balancing, and with
     clipping active."""

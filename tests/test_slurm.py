@@ -143,7 +143,7 @@ def test_a_two_task_job_equals_the_run_without_slurm(cluster, whole, tmp_path):
     assert _final_files(run) == whole  # bit for bit
 
 
-@pytest.mark.parametrize("how", ["scontrol-requeue", "signal-term"])
+@pytest.mark.parametrize("how", [pytest.param("scontrol-requeue", marks=pytest.mark.slow), "signal-term"])
 def test_a_preempted_job_is_requeued_and_resumes_exactly(how, cluster, whole, tmp_path):
     """``scontrol requeue``: Slurm sends SIGTERM, waits KillWait and requeues the job itself.
     ``scancel --signal=TERM`` (what ``--signal=TERM@60`` sends before the time limit): the

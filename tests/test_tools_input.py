@@ -329,7 +329,8 @@ def run_benchmark(script: str, args: list[str], monkeypatch) -> int:
                                           if p.name != "common.py"))
 def test_benchmark_counts_are_checked_before_any_process(script, monkeypatch, capsys):
     flag = {"init_and_checkpoint.py": "--rounds", "plan_speed.py": "--rounds", "gpu_compute.py": "--reps",
-            "gpu_memory.py": "--micro-batch", "moe_vs_peers.py": "--iters"}.get(script, "--steps")
+            "gpu_memory.py": "--micro-batch", "moe_vs_peers.py": "--iters",
+            "async_save.py": "--rounds"}.get(script, "--steps")
     assert run_benchmark(script, [flag, "0"], monkeypatch) == 2
     assert f"argument {flag}: must be at least" in capsys.readouterr().err
 

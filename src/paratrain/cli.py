@@ -160,7 +160,7 @@ def _run_train(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     log.info(f"wall time     {time.perf_counter() - start:.1f} s with process start-up and teardown")
-    if any(stopped):
+    if any(stopped or ()):  # the step each rank was preempted after, if any
         print(f"paratrain train: preempted after step {max(stopped)}; {saved.how_to_resume(cfg)}",
               file=sys.stderr)
         return EXIT_PREEMPTED
