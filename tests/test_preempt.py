@@ -20,7 +20,9 @@ from test_faults import wait_for_steps
 from paratrain.train.preempt import EXIT_PREEMPTED
 from paratrain.train.saved import published
 
-STEPS = 24
+STEPS = 300
+"""Long enough that the signal, sent at step 2-12, arrives before the end (tiny's steps take
+milliseconds: at 24 a fast machine finished before the launcher passed it on)."""
 RUN = [*TINY, "--steps", str(STEPS), "--save-every", str(STEPS), "--global-batch", "8"]
 
 
@@ -48,7 +50,7 @@ def _preempt_and_resume(background, tmp_path, torchrun: bool, sig: int = signal.
         d.mkdir()
     done = _train(background, whole, torchrun=torchrun)
     assert done.wait(timeout=300) == 0, done.communicate()[0][-3000:]
-    at = random.Random().randint(2, STEPS // 2)
+    at = random.Random().randint(2, 12)
     job = _train(background, cut, torchrun=torchrun)
     wait_for_steps(job, cut / "metrics.jsonl", at)
     job.send_signal(sig)
