@@ -36,7 +36,7 @@ import torch.distributed as dist
 from paratrain.launch import spawn
 
 from common import at_least
-from init_and_checkpoint import config
+from init_and_checkpoint import config, model_arguments
 
 
 def paratrain_worker(args) -> dict:
@@ -110,10 +110,7 @@ def worker(args, system: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=at_least(1), default=14)
-    parser.add_argument("--d-model", type=at_least(1), default=1024)
-    parser.add_argument("--ffn", type=at_least(1), default=4096)
-    parser.add_argument("--vocab", type=at_least(1), default=32000)
+    model_arguments(parser)
     parser.add_argument("--dir", default="/tmp/paratrain-bench-async")
     parser.add_argument("--rounds", type=at_least(1), default=2, help="rounds of each (medians)")
     args = parser.parse_args()

@@ -163,12 +163,17 @@ def worker(args, system: str, name: str, layout: dict) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The GPT's shape (``config`` reads them): ~300M parameters by default."""
     parser.add_argument("--layers", type=at_least(1), default=14)
     parser.add_argument("--d-model", type=at_least(1), default=1024)
     parser.add_argument("--ffn", type=at_least(1), default=4096)
     parser.add_argument("--vocab", type=at_least(1), default=32000)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_arguments(parser)
     parser.add_argument("--dir", default="/tmp/paratrain-bench-ckpt")
     parser.add_argument("--rounds", type=at_least(1), default=2, help="rounds of the ZeRO-3 / DCP pair (medians)")
     args = parser.parse_args()
