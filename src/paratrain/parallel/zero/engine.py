@@ -41,15 +41,13 @@ from ...accounting import storage_bytes
 from ...comm import collectives as C
 from ...comm.backend import gather_shards
 from ...comm.compress import CompressSpec, all_reduce_bytes, check
-from ...comm.reducer import GradReducer
 from ...optim import adam_step_count, clip_by_squared_norm_
 from ..engine import MOMENTS, drop_copy, merge_stages, source_name
 from ..hooks import weakly
 from ..step import ScheduledStep, StepPlan
 from ..tensor import TensorParallel
-from .flat import adopt, build_unit, group_units
 from .optim import ShardedAdamW
-from .units import Unit, default_units, merge_shared
+from .units import Unit, allocate, build_units, make_reducer
 
 
 class ZeroDataParallel(ScheduledStep, nn.Module):
@@ -86,7 +84,7 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
                 if not tensor.is_meta:
                     held_by = self._experts_group if self._is_expert(tensor) else group
                     C.broadcast(tensor, src=0, group=held_by)
-        self.units = _build_units(module, self.shard_group, stage, param_dtype, self.plan.device, expert)
+        self.units = build_units(module, self.shard_group, stage, param_dtype, self.plan.device, expert)
         if tp is not None:  # replicated TP gradients are summed as backward makes them
             tp.register_grad_sync_hooks()  # (after build_unit: adopting a meta parameter drops hooks)
         self.optimizer = ShardedAdamW(self.units, optim_cfg, offload=offload)
@@ -94,9 +92,9 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
         # (comm/compress.py) instead of a reduce-scatter; stages 2/3 are refused by check().
         # ring_collectives: the backend's flat collectives, or forced (comm/backend.py).
         self.ring = ring_collectives
-        self.reducer = _reducer([u for u in self.units if not u.expert], self.shard_group,
+        self.reducer = make_reducer([u for u in self.units if not u.expert], self.shard_group,
                                 check(compress, stage), ring_collectives)
-        self.expert_reducer = (_reducer([u for u in self.units if u.expert], self._experts_group,
+        self.expert_reducer = (make_reducer([u for u in self.units if u.expert], self._experts_group,
                                         check("none", stage), ring_collectives)
                                if expert is not None else None)
         """The expert units' averages over the expert-data-parallel group."""
@@ -375,46 +373,6 @@ class ZeroDataParallel(ScheduledStep, nn.Module):
             for i, view in enumerate(views):
                 state[view] = {"step": adam_step_count(self.optimizer.optimizer, step, view.device),
                                **{k: slices[k][i].to(view.device).clone() for k in MOMENTS}}
-
-
-def _build_units(module: nn.Module, group: ProcessGroup, stage: int,
-                 param_dtype: torch.dtype | None, device: torch.device, expert=None) -> list[Unit]:
-    """``module``'s units as flat buffers over ``group`` (its experts' over ``expert``'s
-    data group); at stage 3 each keeps only its shard (the flat buffer freed until
-    gathered)."""
-    apart = frozenset(expert.modules if expert is not None else ())
-    unit_modules = merge_shared(default_units(module, apart=apart), apart)
-    named = group_units(module, unit_modules, apart)
-    units = []
-    for (name, params), (_, modules) in zip(named, unit_modules):
-        is_expert = expert is not None and expert.is_expert(params[0][1])
-        over = expert.data_group if is_expert else group
-        flat = build_unit(name, params, C.size(over), C.rank(over), param_dtype, device,
-                          sharded=stage == 3)
-        units.append(Unit(flat, modules, index=sum(u.expert == is_expert for u in units),
-                          expert=is_expert))
-    for unit in units:
-        unit.setup_grads(stage)
-        if stage == 3:
-            flat = unit.flat
-            unit.shard = (flat.own_slice(flat.flat).clone() if not flat.flat.is_meta else
-                          torch.zeros(flat.shard_size, dtype=flat.flat.dtype, device=flat.device))
-            flat.free()
-    return units
-
-
-def _reducer(units: list[Unit], group: ProcessGroup, spec, ring: bool | None) -> GradReducer:
-    """The average of ``units``' gradients over ``group`` (indexed by ``Unit.index``)."""
-    return GradReducer(spec, [(list(zip(u.flat.offsets, [p.shape for p in u.flat.params])), u.flat.padded)
-                              for u in units], group, device=units[0].flat.device if units else None,
-                       names=[u.flat.names for u in units], ring=ring)
-
-
-def allocate(params: list[nn.Parameter], device: torch.device) -> None:
-    """Zeroed storage on ``device`` for those of ``params`` built on meta."""
-    for p in params:
-        if p.is_meta:
-            adopt(p, torch.zeros(p.shape, dtype=p.dtype, device=device))
 
 
 def _tensors(output) -> list[torch.Tensor]:

@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from ...comm.reducer import GradReducer
-from .flat import FlatUnit, unit_params
+from ...comm import collectives as C
+from .flat import FlatUnit, adopt, build_unit, group_units, unit_params
 
 
 def default_units(model: nn.Module, prefix: str = "", apart: frozenset = frozenset()
@@ -140,3 +142,43 @@ class Unit:
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.flat_grad, self.grad_shard) if t is not None]
+
+
+def build_units(module: nn.Module, group: ProcessGroup, stage: int,
+                 param_dtype: torch.dtype | None, device: torch.device, expert=None) -> list[Unit]:
+    """``module``'s units as flat buffers over ``group`` (its experts' over ``expert``'s
+    data group); at stage 3 each keeps only its shard (the flat buffer freed until
+    gathered)."""
+    apart = frozenset(expert.modules if expert is not None else ())
+    unit_modules = merge_shared(default_units(module, apart=apart), apart)
+    named = group_units(module, unit_modules, apart)
+    units = []
+    for (name, params), (_, modules) in zip(named, unit_modules):
+        is_expert = expert is not None and expert.is_expert(params[0][1])
+        over = expert.data_group if is_expert else group
+        flat = build_unit(name, params, C.size(over), C.rank(over), param_dtype, device,
+                          sharded=stage == 3)
+        units.append(Unit(flat, modules, index=sum(u.expert == is_expert for u in units),
+                          expert=is_expert))
+    for unit in units:
+        unit.setup_grads(stage)
+        if stage == 3:
+            flat = unit.flat
+            unit.shard = (flat.own_slice(flat.flat).clone() if not flat.flat.is_meta else
+                          torch.zeros(flat.shard_size, dtype=flat.flat.dtype, device=flat.device))
+            flat.free()
+    return units
+
+
+def make_reducer(units: list[Unit], group: ProcessGroup, spec, ring: bool | None) -> GradReducer:
+    """The average of ``units``' gradients over ``group`` (indexed by ``Unit.index``)."""
+    return GradReducer(spec, [(list(zip(u.flat.offsets, [p.shape for p in u.flat.params])), u.flat.padded)
+                              for u in units], group, device=units[0].flat.device if units else None,
+                       names=[u.flat.names for u in units], ring=ring)
+
+
+def allocate(params: list[nn.Parameter], device: torch.device) -> None:
+    """Zeroed storage on ``device`` for those of ``params`` built on meta."""
+    for p in params:
+        if p.is_meta:
+            adopt(p, torch.zeros(p.shape, dtype=p.dtype, device=device))
