@@ -20,6 +20,7 @@ from paratrain.parallel.data import DataParallel
 from paratrain.parallel.pipeline import (Recorder, forward_schedule, gather_timeline,
                                          run_schedule, schedule, split_layers, split_model)
 from paratrain.parallel.pipeline.posting import GLOO_RECEIVES_AHEAD, posting_order
+from paratrain.parallel.pipeline.schedules import placement
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                 max_seq_len=16)
@@ -87,16 +88,17 @@ def microbatches(step: int, dp_rank: int, dp: int, m: int):
             for i in range(m)]
 
 
-def build_chunks(mesh: Mesh, v: int):
+def build_chunks(mesh: Mesh, v: int, shape: str = "loop"):
     """This rank's chunks of the seed-0 GPT, made tensor-parallel (with Megatron-SP) first
-    when the mesh has a tp axis: the order parallelize() composes in."""
+    when the mesh has a tp axis: the order parallelize() composes in. ``shape``: the
+    schedule's placement (loop, or v)."""
     torch.manual_seed(0)
     model, tp = GPT(CFG), None
     if mesh.size("tp") > 1:
         from paratrain.parallel.tensor import apply_tensor_parallel
 
         tp = apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=True)
-    return split_model(model, mesh.coord("pp"), mesh.size("pp"), v), tp
+    return split_model(model, mesh.coord("pp"), mesh.size("pp"), v, placement=shape), tp
 
 
 def by_name(chunks, tp, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -114,7 +116,8 @@ def train_pipeline(mesh: Mesh, kind: str, v: int, m: int, recorder: Recorder | N
     executor's ``receives_ahead`` (None: its gloo default)."""
     pp, dp, tp_size = mesh.size("pp"), mesh.size("dp"), mesh.size("tp")
     pp_rank, dp_rank = mesh.coord("pp"), mesh.coord("dp")
-    chunks, tp = build_chunks(mesh, v)
+    where = placement(kind)
+    chunks, tp = build_chunks(mesh, v, where)
     container = nn.ModuleList(chunks)
     dp_model = DataParallel(container, mesh.group("dp"), bucket_mb=0.01) if dp > 1 else None
     opt = adamw(container.parameters())
@@ -142,14 +145,14 @@ def train_pipeline(mesh: Mesh, kind: str, v: int, m: int, recorder: Recorder | N
         if step == 0:
             grads = by_name(chunks, tp, grads=True)
         opt.step()
-        C.broadcast(loss, src=pp - 1, group=mesh.group("pp"))
+        C.all_reduce(loss, mesh.group("pp"))  # only the last stage's rank has it
         C.all_reduce(loss, mesh.group("dp"))
         losses.append(loss.item() / TOKENS)
-    evaluation = run_schedule(forward_schedule(pp, m, v)[pp_rank], chunks,
+    evaluation = run_schedule(forward_schedule(pp, m, v, where)[pp_rank], chunks,
                               microbatches(99, dp_rank, dp, m), mesh.group("pp"), 1.0,
                               torch.device("cpu"), shape, positions=positions,
                               receives_ahead=ahead)
-    C.broadcast(evaluation, src=pp - 1, group=mesh.group("pp"))
+    C.all_reduce(evaluation, mesh.group("pp"))
     C.all_reduce(evaluation, mesh.group("dp"))
     return {"losses": losses, "grads": grads, "eval": evaluation.item() / TOKENS,
             "params": by_name(chunks, tp), "launches": launches}

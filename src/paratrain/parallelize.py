@@ -23,6 +23,7 @@ from .parallel.expert import apply_expert_parallel, split_sequences
 from .parallel.local_update import LocalUpdateEngine
 from .parallel.pipeline import split_model
 from .parallel.pipeline import Recorder
+from .parallel.pipeline.schedules import placement
 from .parallel.pipeline.tied import tied_ends
 from .parallel.recompute import apply_recompute
 from .parallel.step import StepPlan
@@ -89,7 +90,7 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
     untied = model.get_submodule(desc.head).weight is not shared
     if p.pp > 1:
         model = nn.ModuleList(split_model(model, mesh.coord(PP), p.pp, p.virtual_stages,
-                                          description=desc))
+                                          description=desc, placement=placement(p.schedule)))
         pp_group = mesh.group(PP)
         if not untied:  # the two ends of a tied embedding (parallel/pipeline/tied.py)
             tied = tied_ends(list(model), desc, mesh.groups.get(frozenset((EMBEDDING,))))

@@ -70,9 +70,11 @@ def interleaved_microbatches(microbatches: int, pp: int) -> None:
 
 
 def virtual_stages(v: int, schedule: str) -> None:
-    """Several chunks per pipeline rank only make sense for the interleaved schedule."""
-    if v > 1 and schedule != "interleaved":
-        raise LayoutError(f"virtual_stages={v} needs --schedule interleaved (not {schedule})")
+    """Several chunks per pipeline rank only make sense for the interleaved schedule (and
+    the V-shaped zbv and dualpipev, two chunks each)."""
+    if v > 1 and schedule not in ("interleaved", "zbv", "dualpipev"):
+        raise LayoutError(f"virtual_stages={v} needs --schedule interleaved, zbv or dualpipev "
+                          f"(not {schedule})")
 
 
 def tied_embeddings(tied: bool, pp: int, zero: int = 0, local_update: bool = False) -> None:

@@ -26,6 +26,7 @@ from ..comm import collectives as C
 from .balance import Balance
 from .context import shard_batch
 from .pipeline import Recorder, forward_schedule, run_schedule, schedule
+from .pipeline.schedules import placement
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """A microbatch of this data-parallel rank: (tokens, targets), each (micro_batch, seq)."""
@@ -98,7 +99,7 @@ class StepPlan:
         if key not in self._tables:
             pp, v = self.stages, len(self.chunks)
             tables = (schedule(self.schedule, pp, microbatches, v) if training
-                      else forward_schedule(pp, microbatches, v))
+                      else forward_schedule(pp, microbatches, v, placement(self.schedule)))
             rank = C.rank(self.pp_group) if self.pp_group is not None else 0
             self._tables[key] = tables[rank]
         return self._tables[key]

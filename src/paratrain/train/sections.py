@@ -45,8 +45,9 @@ class ParallelConfig:
     """Megatron sequence parallelism on the tensor-parallel axis."""
     cp_method: Literal["ring", "ulysses"] = "ring"
     """Context-parallel attention: ring or ulysses."""
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b or interleaved."""
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"] = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved, or the zero-bubble zbh1, zbv and
+    dualpipev (zbv and dualpipev: --virtual-stages 2)."""
     microbatches: int = 0
     """Microbatches per step and data-parallel rank: pipeline microbatches when pp > 1,
     gradient-accumulation steps otherwise (0: derived from micro_batch)."""

@@ -8,7 +8,11 @@ action says:
   The last stage returns the summed token loss.
 * ``B``: backpropagate the kept output with the received gradient (on the last stage:
   the loss times ``loss_scale``); the input's gradient is what goes back. Everything kept
-  for this microbatch and stage is dropped.
+  for this microbatch and stage is dropped. When the table also holds the ``W`` of this
+  microbatch and stage (zero-bubble schedules), B computes the input's gradient only and
+  keeps the graph (``split.backward_input``); ``W`` computes the weights' gradients
+  (``split.backward_weight``), and only W writes ``.grad``, so data parallel's buckets
+  and ZeRO's reduce-scatters start at a W.
 * A run of consecutive transfers is one batch of non-blocking point-to-point operations
   (``collectives.send_recv``). Nothing waits at the batch: a computation waits only for
   the batch carrying its input, and sends are waited for at the end of the step, so the
@@ -44,9 +48,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ...comm import collectives as C
+from .partition import PipelineChunk
 from .posting import posting_order, sends_before
 from .posting import receives_ahead as default_ahead
-from .schedules import Action, ScheduleError, local_chunk, owner
+from .schedules import Action, ScheduleError
+from .split import KeptWork, backward_input, backward_weight
 from .timeline import Recorder, Timeline
 
 # (tokens, targets) each (micro_batch, seq), optionally with the tokens' positions in the
@@ -89,8 +95,12 @@ class _Executor:
                  group: ProcessGroup | None, loss_scale: float, device: torch.device,
                  act_shape: tuple[int, ...], act_dtype: torch.dtype,
                  positions: torch.Tensor | None, recorder: Recorder | None,
-                 autocast: Callable[[], ContextManager] | None, training: bool):
+                 autocast: Callable[[], ContextManager] | None, training: bool,
+                 stages: list[int]):
         self.chunks, self.microbatches, self.group = chunks, microbatches, group
+        # chunks[i] is this rank's i-th virtual stage, ascending (a loop or a V).
+        self.chunk_of = {s: i for i, s in enumerate(stages)}
+        self.kept: dict[tuple[int, int], KeptWork] = {}  # B's work W still has to do
         self.training = training  # False: a forward-only table, nothing kept for backward
         self.p = C.size(group) if group is not None else 1
         self.rank = C.rank(group) if group is not None else 0
@@ -188,21 +198,21 @@ class _Executor:
         else:
             self._await(("x", mb, s))
             x = self.inputs[(mb, s)].requires_grad_() if self.training else self.inputs.pop((mb, s))
-        chunk = self.chunks[local_chunk(s, self.p)]
+        chunk = self.chunks[self.chunk_of[s]]
 
         def run() -> None:
             with self.autocast():
                 out = chunk(x, targets if s == self.last else None, positions)
             if s == self.last:
                 self.loss += out.detach().float()
-            if self.training or (s != self.last and owner(s + 1, self.p) != self.rank):
+            if self.training or (s != self.last and s + 1 not in self.chunk_of):
                 self.outputs[(mb, s)] = out  # kept for backward, or until sent
-            if s != self.last and owner(s + 1, self.p) == self.rank:  # next chunk here
+            if s != self.last and s + 1 in self.chunk_of:  # next chunk here
                 self.inputs[(mb, s + 1)] = out.detach()
 
         self._timed("F", mb, s, run)
 
-    def backward(self, a: Action, context: ContextManager) -> None:
+    def backward(self, a: Action, context: ContextManager, split: bool) -> None:
         mb, s = a.microbatch, a.stage
         if s != self.last:
             self._await(("g", mb, s))
@@ -213,16 +223,30 @@ class _Executor:
                 grad = torch.full_like(out, self.loss_scale)
             else:
                 grad = self.grads.pop((mb, s))
-            with context:
-                _backward(out, grad)
+            x = self.inputs.pop((mb, s)) if s > 0 else None
+            if split:  # the input's gradient now, the weights' at W
+                params = self.chunks[self.chunk_of[s]].parameters()
+                input_grad, self.kept[(mb, s)] = backward_input(out, grad, x, list(params))
+            else:
+                with context:
+                    _backward(out, grad)
+                input_grad = x.grad if x is not None else None
             if s > 0:
-                input_grad = self.inputs.pop((mb, s)).grad
-                if owner(s - 1, self.p) == self.rank:
+                if s - 1 in self.chunk_of:
                     self.grads[(mb, s - 1)] = input_grad
                 else:
                     self.input_grads[(mb, s)] = input_grad
 
         self._timed("B", mb, s, run)
+
+    def weight(self, a: Action, context: ContextManager) -> None:
+        kept = self.kept.pop((a.microbatch, a.stage))
+
+        def run() -> None:
+            with context:
+                backward_weight(kept)
+
+        self._timed("W", a.microbatch, a.stage, run)
 
 
 def _wait_each(pending: list[_Batch]) -> None:
@@ -250,7 +274,9 @@ def run_schedule(actions: list[Action], chunks: Sequence[nn.Module],
     microbatches on the rank holding the last stage (zero elsewhere). A table without
     backwards (``schedules.forward_schedule``) runs under ``torch.no_grad`` (evaluation).
 
-    ``chunks[c]`` is virtual stage ``c * pp + rank`` (``partition.split_model``);
+    ``chunks`` are the virtual stages the table runs, ascending (``partition.split_model``:
+    chunk c is stage ``c * pp + rank``, or on a V (ZBV, DualPipeV) stages rank and
+    2pp - 1 - rank);
     ``microbatches[i]`` is microbatch i's (tokens, targets[, positions]): the first stage
     reads tokens, the last reads targets. ``positions`` (default: 0..L-1 for a stream of
     length L) are the places of the tokens attention sees, for the rotary tables: pass
@@ -259,15 +285,16 @@ def run_schedule(actions: list[Action], chunks: Sequence[nn.Module],
     ``act_shape`` is the shape of the activations received from other stages:
     (micro_batch, seq, d_model), ``seq`` as this rank's stream holds it.
     ``no_sync`` (e.g. ``DataParallel.no_sync``) covers every backward except each chunk's
-    last, so the data-parallel reduction starts only with the final backward of each chunk
-    and overlaps the rest. ``autocast`` wraps each forward (e.g. bf16 autocast).
+    last (its last W when split), so the data-parallel reduction starts only with the
+    final weight gradients of each chunk and overlaps the rest. ``autocast`` wraps each forward (e.g. bf16 autocast).
     ``pp_group`` may be None for a pipeline of one rank. ``receives_ahead``: how many
     computations early a receive may be posted (None: ``posting.receives_ahead`` of the
     group's backend, 2 on gloo and 0 elsewhere; see the module docstring).
     """
     training = any(a.kind == "B" for a in actions)
+    stages = sorted({a.stage for a in actions if a.kind == "F"})
     run = _Executor(chunks, microbatches, pp_group, loss_scale, device, act_shape, act_dtype,
-                    positions, recorder, autocast, training)
+                    positions, recorder, autocast, training, stages)
     _check(actions, run)
     backend = dist.get_backend(pp_group) if pp_group is not None else None
     if receives_ahead is None:
@@ -283,6 +310,7 @@ def run_schedule(actions: list[Action], chunks: Sequence[nn.Module],
 def _run(actions: list[Action], run: _Executor, no_sync: Callable[[], ContextManager] | None,
          recorder: Recorder | None, receives_ahead: int) -> None:
     final = _last_backwards(actions)
+    split = {(a.microbatch, a.stage) for a in actions if a.kind == "W"}
     run.sends_before = sends_before(actions)
     if recorder is not None:
         recorder.begin_step()
@@ -292,11 +320,14 @@ def _run(actions: list[Action], run: _Executor, no_sync: Callable[[], ContextMan
                 run.post(item)
                 continue
             run.poll_sends()
+            last = final.get(item.stage) is item
+            context = contextlib.nullcontext() if last or no_sync is None else no_sync()
             if item.kind == "F":
                 run.forward(item)
+            elif item.kind == "W":
+                run.weight(item, context)
             else:
-                last = final[item.stage] is item
-                run.backward(item, contextlib.nullcontext() if last or no_sync is None else no_sync())
+                run.backward(item, context, (item.microbatch, item.stage) in split)
         except Exception as exc:
             raise PipelineStepError(f"pipeline rank {run.rank} failed at {_show(item)}:\n"
                                 f"{_marked_table(actions, item)}\n{type(exc).__name__}: {exc}") from exc
@@ -316,21 +347,24 @@ def _marked_table(actions: list[Action], failed: Action | list[Action]) -> str:
 
 
 def _last_backwards(actions: list[Action]) -> dict[int, Action]:
-    """The final backward of each virtual stage: the only one allowed to reduce gradients."""
+    """The final action writing each virtual stage's weight gradients (a W, or a B whose
+    backward is whole): the only one allowed to reduce gradients."""
+    split = {(a.microbatch, a.stage) for a in actions if a.kind == "W"}
     final = {}
     for a in actions:
-        if a.kind == "B":
+        if a.kind == "W" or (a.kind == "B" and (a.microbatch, a.stage) not in split):
             final[a.stage] = a
     return final
 
 
 def _check(actions: list[Action], run: _Executor) -> None:
-    stages = {a.stage for a in actions if a.kind == "F"}
-    wanted = {run.rank + c * run.p for c in range(len(run.chunks))}
-    if stages != wanted:
+    stages = sorted(run.chunk_of)
+    held = [c.stage if isinstance(c, PipelineChunk) else s for c, s in zip(run.chunks, stages)]
+    if len(stages) != len(run.chunks) or held != stages:
         raise ScheduleError(f"rank {run.rank} was given {len(run.chunks)} chunks (virtual stages "
-                            f"{sorted(wanted)}) but its table runs stages {sorted(stages)}: "
-                            f"build the table with chunks={len(run.chunks)} and this rank's row")
+                            f"{held}) but its table runs stages {stages}: build the table "
+                            f"with chunks={len(run.chunks)}, the chunks with the schedule's "
+                            f"placement, and use this rank's row")
     used = {a.microbatch for a in actions if a.kind == "F"}
     if used and max(used) >= len(run.microbatches):
         raise ScheduleError(f"the table runs {max(used) + 1} microbatches but "

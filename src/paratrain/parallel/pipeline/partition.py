@@ -4,7 +4,8 @@ Virtual stage ``k`` of ``pp * v`` gets a contiguous run of transformer blocks: e
 pp * v divides the layers, else balanced with the embedding and head counted
 (``paratrain.stages``, the rule ``plan`` uses too); the token embedding joins the first
 virtual stage and the final norm, output projection and loss the last. Rank ``r`` keeps the chunks of
-virtual stages ``r, r + pp, r + 2pp, ...`` (Megatron's interleaving) and the parameters of
+virtual stages ``r, r + pp, r + 2pp, ...`` (Megatron's interleaving), or on a V (ZBV,
+DualPipeV: ``schedules.placement``) stages ``r`` and ``2pp - 1 - r``, and the parameters of
 every other stage are released, so each rank holds about 1/pp of the model.
 
 Chunks keep the model's module names (``layers.5.attn.wq.weight`` stays that), so gradients,
@@ -22,6 +23,7 @@ from ... import rules
 from ...layout import LayoutError
 from ...models.description import ModelDescription, describe
 from ...stages import head_costs, pipeline_split, split_layers  # noqa: F401 - re-exported
+from .schedules import rank_stages
 from .tied import untie
 
 
@@ -101,9 +103,11 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
 def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: int = 1,
                 layer_costs: Sequence[float] | None = None, embed_cost: float = 0.0,
                 head_cost: float = 0.0,
-                description: ModelDescription | None = None) -> list[PipelineChunk]:
+                description: ModelDescription | None = None,
+                placement: str = "loop") -> list[PipelineChunk]:
     """This rank's chunks of ``model``, in local order (chunk c is virtual stage
-    c * pp_size + pp_rank). The model is consumed: parameters of other ranks' stages are
+    c * pp_size + pp_rank; with ``placement="v"`` stages pp_rank and 2 pp_size - 1 - pp_rank).
+    The model is consumed: parameters of other ranks' stages are
     released (their storage freed) and only the returned chunks remain usable."""
     desc = description or describe(model)
     rules.pipeline_split(desc.shape.n_layers, pp_size, virtual_stages)
@@ -115,8 +119,15 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: in
         runs = desc.shape.stage_runs(pp_size, virtual_stages)
     else:
         runs = split_layers(desc.shape.n_layers, num_stages, layer_costs, embed_cost, head_cost)
+    if placement not in ("loop", "v") or (placement == "v" and virtual_stages != 2):
+        raise LayoutError(f"placement={placement!r} with virtual_stages={virtual_stages}: use "
+                          f"'loop', or 'v' with two chunks per rank")
     chunks = [PipelineChunk(model, desc, s, num_stages, runs[s])
-              for s in range(pp_rank, num_stages, pp_size)]
+              for s in rank_stages(pp_rank, pp_size, virtual_stages, placement)]
+    if tied and placement == "v":
+        raise LayoutError("a V placement (zbv, dualpipev) holds the embedding and the head on "
+                          "pipeline rank 0; tied embeddings are not supported there: untie "
+                          "them (model.tie_embeddings false) or use --schedule zbh1")
     if tied:  # the last stage projects with a copy of its own (pipeline/tied.py)
         untie(chunks, desc.head)
     _release_others(model, chunks)

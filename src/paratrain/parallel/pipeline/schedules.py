@@ -5,7 +5,10 @@ Megatron, chunk ``c`` of rank ``r`` is virtual stage ``c * p + r``, so every chu
 is a hop to the next rank and the last virtual stage sits on the last rank.
 
 ``schedule(kind, stages, microbatches, chunks)`` returns, for every rank, the actions it
-runs in order: ``F``/``B`` (forward/backward of a microbatch on a virtual stage) and the
+runs in order: ``F``/``B`` (forward/backward of a microbatch on a virtual stage), ``W``
+(the zero-bubble schedules' deferred weight gradients: a table holding ``1W3`` runs
+``1B3`` as the input gradient only, and ``1W3`` later as the weight gradients; a ``B``
+without its ``W`` is the whole backward) and the
 transfers they imply: ``SEND_F``/``RECV_F`` carry activations to the next stage,
 ``SEND_B``/``RECV_B`` carry gradients to the previous one. A run of consecutive transfers
 is one *batch*, posted at once without blocking; a batch completes only when every peer
@@ -18,6 +21,9 @@ gloo and NCCL), and the tables are built so that order agrees on both sides.
   backward, then drains the remaining backwards: at most p - s microbatches in flight.
 * **Interleaved 1F1B** (Megatron): 1F1B over chunk-sized work units, microbatches taken in
   groups of p per chunk; the bubble shrinks by v for v times as many transfers.
+* **ZB-H1, ZBV, DualPipeV**: the zero-bubble family (``zero_bubble.py``). ZBV and
+  DualPipeV place two chunks per rank in a V (``placement``): rank r holds stages r and
+  2p - 1 - r, so the first and last stage share rank 0.
 
 ``simulator.simulate(tables)`` executes the tables with given costs; ``peak_inflight``
 gives the activation memory of a schedule from its compute order alone. Pure Python: no
@@ -32,12 +38,13 @@ from dataclasses import dataclass
 
 from ... import rules
 from ...layout import LayoutError
+from . import zero_bubble
 from .timeline import theoretical_bubble
 
-KINDS = ("gpipe", "1f1b", "interleaved")
-COMPUTE = ("F", "B")
+KINDS = ("gpipe", "1f1b", "interleaved", *zero_bubble.KINDS)
+COMPUTE = ("F", "B", "W")
 TRANSFERS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-_ACTION_TEXT = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)(?:([<>])(\d+))?")
+_ACTION_TEXT = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)(?:([<>])(\d+))?")
 
 
 class ScheduleError(LayoutError):
@@ -50,13 +57,14 @@ class Action:
     """One step of a rank's schedule."""
 
     kind: str
-    """F or B (compute), or SEND_F, RECV_F, SEND_B, RECV_B (transfers)."""
+    """F, B or W (compute), or SEND_F, RECV_F, SEND_B, RECV_B (transfers)."""
     microbatch: int
     """Which microbatch."""
     stage: int
     """The virtual stage on *this* rank the action serves: the one computed (F, B), whose
     output is sent (SEND_F), whose input is received (RECV_F), whose input gradient is
-    sent (SEND_B) or whose output gradient is received (RECV_B)."""
+    sent (SEND_B) or whose output gradient is received (RECV_B); W: whose weight
+    gradients are computed."""
     peer: int = -1
     """Pipeline rank at the other end of a transfer; -1 for compute."""
 
@@ -99,13 +107,32 @@ def load_tables(text: str) -> list[list[Action]]:
 
 
 def owner(stage: int, stages: int) -> int:
-    """Pipeline rank holding virtual ``stage``."""
+    """Pipeline rank holding virtual ``stage`` (Megatron's loop placement)."""
     return stage % stages
 
 
 def local_chunk(stage: int, stages: int) -> int:
     """Index of virtual ``stage`` among its rank's chunks."""
     return stage // stages
+
+
+def placement(kind: str) -> str:
+    """"v" for the schedules whose two chunks per rank form a V (ZBV, DualPipeV), else
+    "loop" (chunk c of rank r is stage c * pp + r)."""
+    return "v" if kind in zero_bubble.V_SHAPED else "loop"
+
+
+def homes(stages: int, chunks: int, shape: str = "loop") -> list[int]:
+    """The rank holding each virtual stage: a loop (stage s on s % pp) or a V (stages r
+    and 2pp - 1 - r on rank r: down the ranks and back up)."""
+    if shape == "v":
+        return zero_bubble.v_homes(stages)
+    return [owner(s, stages) for s in range(stages * chunks)]
+
+
+def rank_stages(rank: int, stages: int, chunks: int, shape: str = "loop") -> list[int]:
+    """The virtual stages of ``rank``, in local chunk order (ascending)."""
+    return [s for s, r in enumerate(homes(stages, chunks, shape)) if r == rank]
 
 
 # ---- validation ----------------------------------------------------------------------------
@@ -119,7 +146,10 @@ def check(kind: str, stages: int, microbatches: int, chunks: int = 1) -> None:
                         ("chunks (virtual stages)", chunks)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name}={value!r} must be a positive integer")
-    if kind != "interleaved" and chunks != 1:
+    problem = zero_bubble.problem(kind, stages, microbatches, chunks)
+    if problem:
+        raise ScheduleError(problem)
+    if kind in ("gpipe", "1f1b", "zbh1") and chunks != 1:
         raise ScheduleError(f"{kind} runs one chunk per rank but virtual_stages={chunks}; use "
                             f"--schedule interleaved or --virtual-stages 1")
     if kind == "interleaved":
@@ -151,18 +181,21 @@ def schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list
     check(kind, stages, microbatches, chunks)
     order = _ORDERS[kind]
     return place_transfers([order(stages, microbatches, chunks, r) for r in range(stages)],
-                           stages, chunks)
+                           stages, chunks, homes(stages, chunks, placement(kind)))
 
 
-def forward_schedule(stages: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
+def forward_schedule(stages: int, microbatches: int, chunks: int = 1,
+                     shape: str = "loop") -> list[list[Action]]:
     """Each rank's actions for a forward-only pass (evaluation): every microbatch through
-    chunk 0, then chunk 1, ..., with the activation transfers; no backward."""
+    its first chunk, then its second, ..., with the activation transfers; no backward.
+    ``shape`` is the training schedule's ``placement``."""
     check("gpipe", stages, microbatches)  # any sizes work without backward
     if not isinstance(chunks, int) or chunks < 1:
         raise ScheduleError(f"chunks (virtual stages)={chunks!r} must be a positive integer")
-    orders = [[("F", mb, c * stages + r) for c in range(chunks) for mb in range(microbatches)]
-              for r in range(stages)]
-    return place_transfers(orders, stages, chunks)
+    where = homes(stages, chunks, shape)
+    orders = [[("F", mb, s) for s in rank_stages(r, stages, chunks, shape)
+               for mb in range(microbatches)] for r in range(stages)]
+    return place_transfers(orders, stages, chunks, where)
 
 
 def peak_inflight(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[float]:
@@ -174,11 +207,19 @@ def peak_inflight(kind: str, stages: int, microbatches: int, chunks: int = 1) ->
     peaks = []
     for r in range(stages):
         alive = peak = 0
-        for work in order(stages, microbatches, chunks, r):
-            alive += 1 if work[0] == "F" else -1
+        for step in _alive_steps(order(stages, microbatches, chunks, r)):
+            alive += step
             peak = max(peak, alive)
         peaks.append(peak / chunks)
     return peaks
+
+
+def _alive_steps(order: list["Work"]) -> list[int]:
+    """+1 at a forward, -1 where its activations go: at W when split, else at B (a
+    split B keeps what the weight gradients need)."""
+    split = {(mb, s) for kind, mb, s in order if kind == "W"}
+    return [1 if kind == "F" else -1 if kind == "W" or (mb, s) not in split else 0
+            for kind, mb, s in order]
 
 
 def inflight_at_first_backwards(kind: str, stages: int, microbatches: int,
@@ -196,16 +237,18 @@ def inflight_at_first_backwards(kind: str, stages: int, microbatches: int,
     out = []
     for r in range(stages):
         alive, seen, moments = 0, set(), []
-        for step, _, stage in _ORDERS[kind](stages, microbatches, chunks, r):
-            if step == "B" and stage not in seen:
-                seen.add(stage)
-                moments.append(alive / chunks)  # its input's activations are still held
-            alive += 1 if step == "F" else -1
+        order = _ORDERS[kind](stages, microbatches, chunks, r)
+        for (step, _, stage), change in zip(order, _alive_steps(order)):
+            if step != "F" and stage not in seen:  # a chunk's first gradient (W, or whole B)
+                if step == "W" or change:
+                    seen.add(stage)
+                    moments.append(alive / chunks)  # its input's activations are still held
+            alive += change
         out.append(tuple(moments))
     return out
 
 
-Work = tuple[str, int, int]  # (F or B, microbatch, virtual stage)
+Work = tuple[str, int, int]  # (F, B or W, microbatch, virtual stage)
 
 
 def _gpipe(p: int, m: int, v: int, r: int) -> list[Work]:
@@ -239,17 +282,21 @@ def _interleaved(p: int, m: int, v: int, r: int) -> list[Work]:
     return order + [("B", *unit(k, False)) for k in range(total - warmup, total)]
 
 
-_ORDERS = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved}
+_ORDERS = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved,
+           **zero_bubble.ORDERS}
 
 
 def _needs(kind: str, s: int, last: int) -> int | None:
     """The stage whose result a computation consumes (None: nothing from another stage)."""
     if kind == "F":
         return s - 1 if s > 0 else None
+    if kind == "W":  # its own B's kept work, on the same rank
+        return None
     return s + 1 if s < last else None
 
 
-def place_transfers(orders: list[list[Work]], p: int, v: int) -> list[list[Action]]:
+def place_transfers(orders: list[list[Work]], p: int, v: int,
+                    where: list[int] | None = None) -> list[list[Action]]:
     """Turn each rank's compute order into actions with the transfers it implies.
 
     Transfers go where a run with unit costs puts them: a send right after the
@@ -259,21 +306,23 @@ def place_transfers(orders: list[list[Work]], p: int, v: int) -> list[list[Actio
     exchange Megatron's schedules make. A receive placed just before its use instead
     deadlocks the ring of an interleaved pipeline when a rank's batches complete in order
     (NCCL groups on one stream): the simulator finds such cycles for most sizes. Both
-    sides of a pair post their transfers in production order, so they match.
+    sides of a pair post their transfers in production order, so they match. ``where``
+    is the rank of each virtual stage (``homes``; default: the loop).
     """
     last = p * v - 1
+    where = where or homes(p, v)
     starts = _unit_cost_starts(orders, p, last)
     done = {(k, mb, s): t + 1 for r in range(p) for (k, mb, s), t in zip(orders[r], starts[r])}
     gaps: list[list[list[tuple[float, Action]]]] = [[[] for _ in range(len(o) + 1)] for o in orders]
     for r, order in enumerate(orders):
         for i, (kind, mb, s) in enumerate(order):
             src = _needs(kind, s, last)
-            if src is None or owner(src, p) == r:
+            if src is None or where[src] == r:
                 continue
             made = done[("F" if kind == "F" else "B", mb, src)]
             gap = bisect_left(starts[r], made)  # first computation starting at or after it
             kind_r = "RECV_F" if kind == "F" else "RECV_B"
-            gaps[r][gap].append((made, Action(kind_r, mb, s, owner(src, p))))
+            gaps[r][gap].append((made, Action(kind_r, mb, s, where[src])))
     tables = []
     for r, order in enumerate(orders):
         actions: list[Action] = []
@@ -281,8 +330,8 @@ def place_transfers(orders: list[list[Work]], p: int, v: int) -> list[list[Actio
             actions += [a for _, a in sorted(gaps[r][i], key=lambda x: x[0])]
             actions.append(Action(kind, mb, s))
             dst = s + 1 if kind == "F" else s - 1
-            if 0 <= dst <= last and owner(dst, p) != r:
-                actions.append(Action("SEND_F" if kind == "F" else "SEND_B", mb, s, owner(dst, p)))
+            if kind != "W" and 0 <= dst <= last and where[dst] != r:
+                actions.append(Action("SEND_F" if kind == "F" else "SEND_B", mb, s, where[dst]))
         actions += [a for _, a in sorted(gaps[r][-1], key=lambda x: x[0])]
         tables.append(actions)
     return tables
@@ -301,8 +350,8 @@ def _unit_cost_starts(orders: list[list[Work]], p: int, last: int) -> list[list[
                 kind, mb, s = orders[r][pos[r]]
                 src = _needs(kind, s, last)
                 deps = [(kind, mb, src)] if src is not None else []
-                if kind == "B":
-                    deps.append(("F", mb, s))
+                if kind != "F":  # B after its forward, W after its B
+                    deps.append(("F" if kind == "B" else "B", mb, s))
                 if any(d not in finish for d in deps):
                     break
                 start = max([clock[r], *(finish[d] for d in deps)])

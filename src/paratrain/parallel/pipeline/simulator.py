@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .posting import batches
-from .schedules import Action, ScheduleError, check_transfers, owner
+from .schedules import Action, ScheduleError, check_transfers
 from .timeline import Interval, busy_time
 
 
@@ -58,11 +58,12 @@ class Simulation:
 def simulate(tables: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.0,
              comm_cost: float = 0.0,
              stage_costs: Mapping[tuple[str, int], float] | None = None,
-             post_cost: float = 0.0) -> Simulation:
+             post_cost: float = 0.0, w_cost: float | None = None) -> Simulation:
     """Run ``tables`` on a model of the machine, the way the executor runs them.
 
     A forward takes ``f_cost``, a backward ``b_cost``, unless ``stage_costs`` gives the
     cost of ("F" or "B", virtual stage): stages that differ (measured ones, a heavy head).
+    A split backward's W takes ``w_cost`` (default: half the backward) and its B the rest.
     Each batch of transfers is posted without blocking; a rank's batches complete one
     after another in posting order (a stream of NCCL groups), each ``comm_cost`` after it
     and every peer batch holding its matching transfers have started. A computation waits for the batch that carries its
@@ -73,9 +74,20 @@ def simulate(tables: list[list[Action]], f_cost: float = 1.0, b_cost: float = 2.
     check_transfers(tables)
     p = len(tables)
     v = max((a.stage for t in tables for a in t), default=0) // max(p, 1) + 1
-    base, stage_costs = {"F": f_cost, "B": b_cost}, stage_costs or {}
-    sim = _SimState(p, p * v - 1, lambda a: stage_costs.get((a.kind, a.stage), base[a.kind]),
-                    comm_cost, [batches(t) for t in tables], post_cost)
+    stage_costs = stage_costs or {}
+    w_share = (w_cost if w_cost is not None else b_cost / 2) / b_cost if b_cost else 0.5
+    split = {(a.microbatch, a.stage) for t in tables for a in t if a.kind == "W"}
+
+    def cost(a: Action) -> float:
+        whole = stage_costs.get(("B" if a.kind == "W" else a.kind, a.stage),
+                                f_cost if a.kind == "F" else b_cost)
+        if a.kind == "W":
+            return whole * w_share
+        return whole * (1 - w_share) if a.kind == "B" and (a.microbatch, a.stage) in split else whole
+
+    sim = _SimState(p, p * v - 1, cost, comm_cost, [batches(t) for t in tables], post_cost)
+    sim.split = split
+    sim.home = {a.stage: r for r, t in enumerate(tables) for a in t if a.kind == "F"}
     sim.run()
     return Simulation(sim.intervals, max(sim.finish_times(), default=0.0),
                       [busy_time(iv) for iv in sim.intervals], sim.peak, v)
@@ -108,6 +120,8 @@ class _SimState:
         self.waiting: list[dict[tuple, _Batch]] = [{} for _ in range(p)]  # received, when done
         self.inflight, self.peak = [0] * p, [0] * p
         self.work: deque = deque(("rank", r) for r in range(p))
+        self.split: set[tuple[int, int]] = set()  # (microbatch, stage) whose backward has a W
+        self.home: dict[int, int] = {}  # virtual stage -> rank
 
     def run(self) -> None:
         while self.work:
@@ -144,6 +158,8 @@ class _SimState:
         key, ready = (a.microbatch, a.stage), self.ready[r]
         if a.kind == "F":  # its input, unless it reads tokens
             needs = [] if a.stage == 0 else [("x", *key)]
+        elif a.kind == "W":  # the input gradient's pass, which kept the work
+            needs = [("B", *key)]
         else:  # its forward, and its output's gradient unless it starts from the loss
             needs = [("F", *key)] + ([] if a.stage == self.last else [("g", *key)])
         for need in needs:
@@ -161,11 +177,12 @@ class _SimState:
         self.intervals[r].append(Interval(a.kind, a.microbatch, a.stage, start, end))
         ready[(a.kind, *key)] = end
         # A neighbouring chunk on the same rank gets its tensor in memory, no transfer.
-        if a.kind == "F" and a.stage < self.last and owner(a.stage + 1, self.p) == r:
+        if a.kind == "F" and a.stage < self.last and self.home.get(a.stage + 1) == r:
             ready[("x", a.microbatch, a.stage + 1)] = end
-        if a.kind == "B" and a.stage > 0 and owner(a.stage - 1, self.p) == r:
+        if a.kind == "B" and a.stage > 0 and self.home.get(a.stage - 1) == r:
             ready[("g", a.microbatch, a.stage - 1)] = end
-        self.inflight[r] += 1 if a.kind == "F" else -1
+        # Activations live from F to the backward computing weight gradients (W if split).
+        self.inflight[r] += 1 if a.kind == "F" else 0 if a.kind == "B" and key in self.split else -1
         self.peak[r] = max(self.peak[r], self.inflight[r])
         return True
 

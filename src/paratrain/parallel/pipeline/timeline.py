@@ -1,7 +1,7 @@
 """Timelines: what each pipeline rank did and when, recorded or simulated.
 
-An ``Interval`` is one stretch of a rank's time: a forward (``F``) or backward (``B``) of
-one microbatch on one virtual stage, a ``WAIT`` for transfers to complete, or a ``POST``
+An ``Interval`` is one stretch of a rank's time: a forward (``F``), backward (``B``) or
+deferred weight gradient (``W``, zero-bubble schedules) of one microbatch on one virtual stage, a ``WAIT`` for transfers to complete, or a ``POST``
 of a batch of transfers (the cost of starting them; recorded runs only). The
 simulator (``simulator.py``) produces them from a table; the executor records them from
 a real run through a ``Recorder``. Both are drawn by ``paratrain trace`` and both give the
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-COMPUTE_KINDS = ("F", "B")
+COMPUTE_KINDS = ("F", "B", "W")
 
 
 class Interval(NamedTuple):
@@ -53,8 +53,8 @@ def breakdown(intervals: list[Interval], span: float) -> dict[str, float]:
     """Shares of a step: compute, wait (for transfers), post (starting them) and other
     (time in none of them: Python between actions, or the rank not scheduled at all)."""
     shares = {kind: sum(i.end - i.start for i in intervals if i.kind == kind) / span
-              for kind in ("F", "B", "WAIT", "POST")} if span > 0 else {}
-    compute = shares.get("F", 0.0) + shares.get("B", 0.0)
+              for kind in ("F", "B", "W", "WAIT", "POST")} if span > 0 else {}
+    compute = shares.get("F", 0.0) + shares.get("B", 0.0) + shares.get("W", 0.0)
     wait, post = shares.get("WAIT", 0.0), shares.get("POST", 0.0)
     return {"compute": compute, "wait": wait, "post": post,
             "other": max(0.0, 1.0 - compute - wait - post)}
