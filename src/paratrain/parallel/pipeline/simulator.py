@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
+from functools import lru_cache
 from dataclasses import dataclass
 
 from .posting import batches
-from .schedules import Action, ScheduleError, check_transfers
+from .schedules import Action, ScheduleError, check_transfers, schedule
 from .timeline import Interval, busy_time
 
 
@@ -238,3 +239,20 @@ class _SimState:
         self.work.append(("rank", r))
         if batch.next is not None:
             self.work.append(("batch", batch.next))
+
+
+def idle_microbatches(kind: str, p: int, m: int, v: int = 1, b_over_f: float = 2.0) -> float:
+    """A rank's mean idle time per step under ``kind``, in units of one microbatch's work
+    on the rank (its forward and backward): p - 1 for GPipe and 1F1B, (p - 1)/v
+    interleaved, less for the zero-bubble schedules, whose W (half the backward) fills
+    gaps. Simulated from the tables with a backward ``b_over_f`` times the forward. Past
+    the warm-up the tables repeat and add no idle time, so at most 4p microbatches are
+    simulated (the planner asks for thousands)."""
+    ratio = round(b_over_f * 20) / 20  # the planner's many shapes share a few simulations
+    return _idle(kind, p, min(m, 4 * p) if m > 4 * p else m, v, max(ratio, 0.05))
+
+
+@lru_cache(maxsize=1 << 12)
+def _idle(kind: str, p: int, m: int, v: int, ratio: float) -> float:
+    sim = simulate(schedule(kind, p, m, v), 1.0, ratio)
+    return (sim.makespan - sum(sim.busy) / p) / (v * (1.0 + ratio))
