@@ -137,7 +137,7 @@ def train_one(cfg: Config) -> dict:
         install(False)
     return {"losses": result.losses, "val": result.val_losses, "grad_norms": box["grad_norms"],
             "grads": box.get("grads", {}), "params": result.params,
-            "state_bytes": result.state_bytes, "rank": dist.get_rank()}
+            "state_bytes": result.state_bytes, "rank": dist.get_rank(), "compile_s": result.compile_s}
 
 
 def train_runs(configs: dict[str, Config]) -> dict[str, dict]:
@@ -199,6 +199,35 @@ def assert_same_run(got: dict, want: dict, rtol: float = RTOL, what: str = "") -
     assert_tensors_close(got["grads"], want["grads"], rtol, f"{what} first-step gradients")
     assert_tensors_close(got["params"], want["params"], rtol, f"{what} parameters")
     assert got.get("leaked_bytes", 0) < LEAK_SLACK, f"{what}: {got['leaked_bytes']} bytes outlived the run"
+
+
+def assert_bf16_close(got: dict, want: dict, lr: float, steps: int, what: str,
+                      rounded: bool = False) -> None:
+    """Two bf16 runs of the same training that differ only in how gradients are summed
+    (over ranks or in one process).
+
+    The tolerance follows from bf16's unit roundoff u = 2**-8 (8 significant bits):
+    - gradients: the same forward (rows are independent), but one process rounds the whole
+      batch's weight gradient x^T dy to bf16 once, while dp ranks each round their part and
+      then add: two roundings, so within 2u (norm-wise; the same for the global norm);
+    - parameters: Adam's step lr * m / sqrt(v) is scale-free, so a relative gradient
+      perturbation of 2u moves each entry's step by about 2u * lr; over ``steps`` steps
+      (lr never above its peak) the norm-wise drift is at most steps * 2u * lr * sqrt(N),
+      relative to the parameter's norm;
+    - losses: computed the same way on parameters that drifted as above; their relative
+      error stays below one rounding, u.
+    - ``rounded``: the parameters compared are bf16 weights, each run's masters rounded; two
+      masters a hair apart can round to neighbouring bf16 values: one more rounding, u.
+    A run whose bf16 weights never change, or whose gradients are scaled wrong, is off by
+    far more (the loss falls by > 0.5 over these steps, a scale error is >= 2x)."""
+    u = 2.0 ** -8
+    assert_close_list(got["losses"], want["losses"], u, f"{what} losses")
+    assert_close_list(got["grad_norms"], want["grad_norms"], 2 * u, f"{what} grad norms")
+    assert_tensors_close(got["grads"], want["grads"], 2 * u, f"{what} first-step gradients")
+    assert got["params"].keys() == want["params"].keys()
+    for name, w in want["params"].items():
+        tol = steps * 2 * u * lr * w.numel() ** 0.5 / w.float().norm().item() + (u if rounded else 0)
+        assert_tensors_close({name: got["params"][name]}, {name: w}, tol, f"{what} parameters")
 
 
 def tail(run: dict, since: int = 0) -> dict:

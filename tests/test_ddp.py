@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_world
-from helpers import (assert_close_list, assert_identical_runs, assert_replicas_equal,
-                     assert_same_run, assert_tensors_close, tiny_config, train_runs)
+from helpers import (assert_bf16_close, assert_identical_runs, assert_replicas_equal,
+                     assert_same_run, tiny_config, train_runs)
 from paratrain.layout import Layout
 from paratrain.mesh import Mesh
 from paratrain.models.gpt import GPT, PRESETS
@@ -66,32 +66,6 @@ def test_ddp_matches_single_process(nproc, reference, dp2, tmp_path, corpus):
     for name in got:  # every replica ends with the same weights
         assert_replicas_equal(results, name)
 
-
-
-def assert_bf16_close(got: dict, want: dict, lr: float, steps: int, what: str) -> None:
-    """Two bf16 runs of the same training that differ only in how gradients are summed
-    (over ranks or in one process).
-
-    The tolerance follows from bf16's unit roundoff u = 2**-8 (8 significant bits):
-    - gradients: the same forward (rows are independent), but one process rounds the whole
-      batch's weight gradient x^T dy to bf16 once, while dp ranks each round their part and
-      then add: two roundings, so within 2u (norm-wise; the same for the global norm);
-    - parameters: Adam's step lr * m / sqrt(v) is scale-free, so a relative gradient
-      perturbation of 2u moves each entry's step by about 2u * lr; over ``steps`` steps
-      (lr never above its peak) the norm-wise drift is at most steps * 2u * lr * sqrt(N),
-      relative to the parameter's norm;
-    - losses: computed the same way on parameters that drifted as above; their relative
-      error stays below one rounding, u.
-    A run whose bf16 weights never change, or whose gradients are scaled wrong, is off by
-    far more (the loss falls by > 0.5 over these steps, a scale error is >= 2x)."""
-    u = 2.0 ** -8
-    assert_close_list(got["losses"], want["losses"], u, f"{what} losses")
-    assert_close_list(got["grad_norms"], want["grad_norms"], 2 * u, f"{what} grad norms")
-    assert_tensors_close(got["grads"], want["grads"], 2 * u, f"{what} first-step gradients")
-    assert got["params"].keys() == want["params"].keys()
-    for name, w in want["params"].items():
-        tol = steps * 2 * u * lr * w.numel() ** 0.5 / w.float().norm().item()
-        assert_tensors_close({name: got["params"][name]}, {name: w}, tol, f"{what} parameters")
 
 
 def test_bf16_autocast_matches_single_process_over_steps(reference, dp2):

@@ -18,9 +18,11 @@ from .models.description import describe
 from .parallel.context import apply_context_parallel
 from .parallel.data import DataParallel
 from .parallel.balance import Balance
+from .parallel.compile import compile_regions
 from .parallel.engine import ReplicatedEngine
 from .parallel.expert import apply_expert_parallel, split_sequences
 from .parallel.local_update import LocalUpdateEngine
+from .parallel.masters import cast_params
 from .parallel.pipeline import split_model
 from .parallel.pipeline import Recorder
 from .parallel.pipeline.schedules import placement
@@ -47,7 +49,8 @@ class ParallelOptions:
     compress: CompressSpec
     """Data-parallel gradient compression, resolved (``Config.compress_spec``)."""
     precision: str = "fp32"
-    """fp32, or bf16 (autocast over fp32 weights; bf16 weights with fp32 masters under ZeRO)."""
+    """fp32; bf16 (autocast over fp32 weights; under ZeRO bf16 weights with fp32 masters);
+    or bf16-params (bf16 weights with fp32 masters under every engine)."""
     recompute: str = "none"
     """Activation recomputation of the blocks."""
     seq_len: int = 128
@@ -60,6 +63,8 @@ class ParallelOptions:
     """ZeRO-3: free gathered parameters after forward (True), or keep them to backward."""
     timeline: bool = False
     """Record a pipeline's schedule as it runs."""
+    compile: bool = False
+    """torch.compile each block and the loss after parallelizing (parallel/compile.py)."""
 
 
 def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Module:
@@ -99,13 +104,18 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
     blocks = ([b for chunk in model for b in chunk.blocks()] if p.pp > 1
               else model.get_submodule(desc.blocks))
     apply_recompute(blocks, opts.recompute, core=desc.attention_core)
+    if opts.compile:  # after every strategy changed the blocks; hooks stay outside
+        # tp's vocabulary-parallel loss talks to its ranks: it stays eager. Blocks that
+        # hold tp/cp operators run them between compiled parts (parallel/compile.py).
+        compile_regions(blocks, loss_modules(model, desc, p.pp) if p.tp == 1 else [],
+                        fullgraph=p.tp == 1 and p.cp == 1)
     group = mesh.group(DP_CP)
     plan = step_plan(model, mesh, opts, moe=desc.shape.n_experts > 0)
     plan.tied_copy = ((f"{desc.head}.weight", f"{desc.embedding}.weight")
                       if p.pp > 1 and not untied else None)
     compress = dataclasses.replace(opts.compress, place=place(mesh))
     if p.zero:  # lays out its flat units from meta parameters itself
-        dtype = torch.bfloat16 if opts.precision == "bf16" else None
+        dtype = torch.bfloat16 if opts.precision in ("bf16", "bf16-params") else None
         plan.act_dtype = dtype or plan.act_dtype
         return ZeroDataParallel(model, group, p.zero, opts.optim, param_dtype=dtype,
                                 offload=p.offload, tp=tp, pp_group=pp_group,
@@ -114,11 +124,22 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
                                 **({"shard_group": mesh.group(SHARD), "replica_group": mesh.group(REPLICA)}
                                    if mesh.layout.hsdp else {}))
     allocate(model, mesh.device)
+    if opts.precision == "bf16-params":  # before DDP makes its buckets: bf16 gradients
+        cast_params(model, torch.bfloat16)
+        plan.act_dtype = torch.bfloat16
     dp = DataParallel(model, group, bucket_mb=p.bucket_mb, compress=compress, defer=compress.update,
                       expert=ep, tied=tied)
     # --compress METHOD:update averages AdamW's updates, not gradients: an engine of its own.
     engine = LocalUpdateEngine if compress.update else ReplicatedEngine
     return engine(dp, opts.optim, tp, pp_group, plan=plan)
+
+
+def loss_modules(model: nn.Module, desc, pp: int) -> list[nn.Module]:
+    """The modules computing the loss on this rank: the model's, or under a pipeline the
+    last stage's (none on other ranks)."""
+    if pp == 1:
+        return [model.get_submodule(desc.loss)]
+    return [chunk.get_submodule(desc.loss) for chunk in model if chunk.is_last]
 
 
 def place(mesh: Mesh) -> str:
@@ -152,7 +173,8 @@ def step_plan(model: nn.Module, mesh: Mesh, opts: ParallelOptions, moe: bool = F
         cp_group=mesh.group(CP) if p.cp > 1 else None,
         positions=torch.arange(local_seq, device=device) if p.sp else None,
         average_over=mesh.size(DP_CP),
-        # bf16 over fp32 weights needs autocast; ZeRO holds bf16 weights (fp32 masters).
+        # bf16 over fp32 weights needs autocast; ZeRO holds bf16 weights (fp32 masters),
+        # and so does every engine under bf16-params.
         autocast_bf16=opts.precision == "bf16" and not p.zero,
         recorder=Recorder(rank=mesh.coord(PP)) if opts.timeline and p.pp > 1 else None,
         # MoE figures are summed over every rank that routed different tokens

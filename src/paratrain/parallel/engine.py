@@ -20,6 +20,7 @@ from ..comm import collectives as C
 from ..optim import MOMENTS, adam_step_count, build_adamw, clip_grad_norm_, set_lr
 from ..comm.reducer import GradReducer
 from .data import DataParallel
+from .masters import MasterWeights
 from .step import Batch, ScheduledStep, StepLoss, StepPlan
 from .tensor import TensorParallel
 
@@ -88,7 +89,12 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
         """This rank's end of a tied embedding under a pipeline, or None."""
         self.module = dp.module
         self.plan = plan or StepPlan.single(dp.module)
-        self.optimizer = build_adamw([p for p in dp.module.parameters() if p.requires_grad], optim_cfg)
+        trained = [p for p in dp.module.parameters() if p.requires_grad]
+        self.masters = (MasterWeights(trained) if any(p.dtype != torch.float32 for p in trained)
+                        else None)
+        """fp32 masters of bf16 parameters (parallel/masters.py), or None: fp32 parameters
+        are stepped themselves."""
+        self.optimizer = build_adamw(self.masters.tensors() if self.masters else trained, optim_cfg)
         self.reducer = dp.reducer
         self.expert_reducer = dp.expert_reducer
         """The experts' gradients over their own group (parallel/expert.py), or None."""
@@ -131,12 +137,22 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
 
     def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
+        if self.masters is not None:
+            self.masters.bind_grads()
         self.optimizer.step()
+        if self.masters is not None:  # the next forward computes with the rounded masters
+            self.masters.write_back()
+
+    def optimized(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor the optimizer steps (and keeps state for) for ``param``: its fp32
+        master under bf16 parameters, else the parameter itself."""
+        return self.masters.of(param) if self.masters is not None else param
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.module.parameters())
         optim = [v for state in self.optimizer.state.values() for v in state.values()
                  if isinstance(v, torch.Tensor) and v.dim() > 0]  # skip Adam's 0-d step counters
+        optim += self.masters.tensors() if self.masters is not None else []
         return {"params": params, "grads": [p.grad for p in params], "optim": optim}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -160,7 +176,7 @@ class ReplicatedEngine(ScheduledStep, nn.Module):
                     state[key] = self.ep.local_shard(p, full)
                 else:
                     state[key] = self.tp.local_shard(p, full) if self.tp is not None else full.clone()
-            self.optimizer.state[p] = state
+            self.optimizer.state[self.optimized(p)] = state
 
 
     def rank_state(self) -> dict[str, torch.Tensor]:

@@ -91,7 +91,7 @@ class Config:
         t = self.train
         return ParallelOptions(self.parallel, self.optim, self.compress_spec, t.precision, t.recompute,
                                self.data.seq_len, self.micro_batch, self.model.d_model,
-                               self.reshard_after_forward, t.timeline)
+                               self.reshard_after_forward, t.timeline, t.compile)
 
     @property
     def compress_spec(self) -> compress.CompressSpec:
@@ -155,6 +155,7 @@ class Config:
             rules.expert_strategies(m.n_experts, p.ep, p.zero, p.compress,
                                     capacity_factor=m.capacity_factor,
                                     splits_sequences=p.cp > 1 or (p.sp and p.tp > 1))
+            rules.compiled(self.train.compile, m.n_experts)
         except LayoutError as exc:
             raise ConfigError(str(exc)) from None
         if m.rope_scaling:
@@ -186,6 +187,10 @@ class Config:
             compress.check(p.compress, p.zero, p.tp, replicas=p.dp * p.cp, cp=p.cp)
         except compress.CompressError as exc:
             raise ConfigError(str(exc)) from None
+        if self.train.precision == "bf16-params" and p.compress.endswith(":update"):
+            raise ConfigError(f"--precision bf16-params with --compress {p.compress} is not supported: "
+                              f"averaging AdamW's updates steps the weights themselves, not fp32 "
+                              f"masters; use --precision bf16, or drop :update")
         if p.offload and not p.zero:
             raise ConfigError("--offload moves ZeRO's sharded optimizer state to the CPU: it needs --zero 1, 2 or 3")
         if p.shard_group and p.zero != 3:

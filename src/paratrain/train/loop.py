@@ -18,6 +18,7 @@ from .. import console
 from ..layout import PP
 from ..mesh import Mesh
 from ..optim import lr_at
+from ..parallel.compile import compile_seconds
 from ..parallel.pipeline import gather_timeline
 from . import checkpoint, logs
 from .config import Config
@@ -46,6 +47,8 @@ class RunResult:
     """Final parameters of this rank's model (if asked for)."""
     preempted_at: int | None = None
     """The step a preemption signal stopped the run after (train/preempt.py), or None."""
+    compile_s: float | None = None
+    """Seconds this rank spent compiling (``--compile``), or None without it."""
 
 
 def build(cfg: Config, mesh: Mesh) -> Run:
@@ -101,7 +104,7 @@ def train(cfg: Config, mesh: Mesh, keep_params: bool = False) -> RunResult:
     profiler = logs.Profiler(logs.ProfileWindow.parse(cfg.train.profile, cfg.train.steps),
                              Path(cfg.train.run_dir), mesh.rank, mesh.device)
     flops = run.task.flops_per_unit(cfg)
-    peak = logs.peak_flops(mesh.device, cfg.train.precision, mesh.layout.world_size)
+    peak = logs.peak_flops(mesh.device, cfg.train.compute_precision, mesh.layout.world_size)
     records = []
     guard = NonFiniteGuard(cfg.train.on_nonfinite, cfg.train.max_skips, run.skipped)
     saver = (AsyncSaver(mesh.rank, mesh.layout.world_size, cfg.parallel.timeout_s, pin=mesh.device.type == "cuda")
@@ -174,8 +177,10 @@ def finish(cfg: Config, engine, records: list[dict], result: RunResult, start: f
            is_logger: bool, keep_params: bool) -> RunResult:
     """The closing summary on the logging rank; the final parameters when asked for
     (collective: every rank calls this)."""
+    if cfg.train.compile:
+        result.compile_s = compile_seconds()
     if is_logger:
-        log.info(summary(records, result.state_bytes, time.perf_counter() - start))
+        log.info(summary(records, result.state_bytes, time.perf_counter() - start, result.compile_s))
         log.info(f"metrics       {cfg.metrics_path}")
     if keep_params:
         result.params = {k: v.cpu() for k, v in engine.full_state_dict().items()}

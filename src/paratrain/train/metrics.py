@@ -148,8 +148,10 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def summary(records: list[dict[str, Any]], per_rank: list[dict[str, int]], wall_s: float) -> str:
-    """The closing report: first and final loss, throughput, wall time, memory per rank."""
+def summary(records: list[dict[str, Any]], per_rank: list[dict[str, int]], wall_s: float,
+            compile_s: float | None = None) -> str:
+    """The closing report: first and final loss, throughput, wall time, memory per rank;
+    with ``compile_s`` (``--compile``), the seconds this rank spent compiling."""
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]
     timed = steps[1:] or steps  # the first step pays one-off warm-up costs
@@ -170,6 +172,9 @@ def summary(records: list[dict[str, Any]], per_rank: list[dict[str, int]], wall_
         dropped = sum(r.get("dropped_tokens", 0) for r in steps)
         lines.append(f"experts       busiest {last['expert_load']:.2f}x the mean load, aux loss "
                      f"{last['aux_loss']:.4f} (last step); {dropped:,} assignments dropped")
+    if compile_s is not None:  # paid in the first step (and the first evaluation), not later
+        lines.append(f"compile       {compile_s:.1f} s (torch.compile of the blocks and the loss, "
+                     f"rank 0; within the train time)")
     lines += [f"throughput    {tok_s:,.0f} tokens/s", f"train time    {wall_s:.1f} s (the steps, evaluations and checkpoints)",
               "memory/rank   params / grads / optimizer state"]
     for rank, b in enumerate(per_rank):

@@ -67,7 +67,7 @@ def predicted_memory(cfg: Config):
     schedule = p.schedule if p.pp > 1 else "1f1b"
     cand = Candidate(cfg.layout, p.zero, cfg.micro_batch, cfg.accumulation, schedule,
                      p.virtual_stages, t.recompute, sequence_parallel=p.sp, cp_method=p.cp_method)
-    training = Training(t.global_batch, cfg.data.seq_len, t.precision)
+    training = Training(t.global_batch, cfg.data.seq_len, t.compute_precision)
     return rank_memory(from_gpt_config(cfg.model, cfg.model_preset), training, cand, paratrain=True,
                        backend=pick_backend(cfg.parallel.backend))
 

@@ -129,10 +129,17 @@ class TrainConfig:
     """Sequences per forward/backward on one rank (0: global_batch / dp, no accumulation)."""
     seed: int = 0
     """Seed for initialisation and data order."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """fp32, or bf16 (bf16 compute; fp32 master weights and optimizer state)."""
+    precision: Literal["fp32", "bf16", "bf16-params"] = "fp32"
+    """fp32; bf16: bf16 compute with fp32 master weights and optimizer state (DDP: autocast
+    over fp32 weights; ZeRO: bf16 weights); bf16-params: bf16 weights under every engine,
+    fp32 masters and moments in the optimizer, no autocast, so the residual stream and
+    norms run in bf16 (the loss, softmax and norm statistics stay fp32: docs/compile.md)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: none, selective (attention core), full (whole blocks)."""
+    compile: bool = False
+    """torch.compile each transformer block and the loss (regional compilation, after the
+    model is parallelized; docs/compile.md). The first step pays the compile time, which
+    the summary reports."""
     eval_every: int = 50
     """Validation every this many steps (0: never; always at the end)."""
     eval_batches: int = 4
@@ -181,3 +188,9 @@ class TrainConfig:
     task: str = "lm"
     """lm: a GPT on text; or another task, a train/task_NAME.py (an unknown name is refused
     with the list)."""
+
+    @property
+    def compute_precision(self) -> str:
+        """What the matrix multiplies run in, in the planner's and the peak-FLOPs'
+        vocabulary: 'fp32', or 'bf16' under either bf16 policy."""
+        return "fp32" if self.precision == "fp32" else "bf16"

@@ -161,12 +161,14 @@ def replicated_pieces(engine, for_save: bool) -> list[Piece]:
         place = expert_placement(p, ep, engine.tp) if expert else placement(p, engine.tp)
         if for_save and not (place.owner and (expert or first_replica)) or for_save and _copy(engine, name):
             continue
-        state = engine.optimizer.state.get(p, {})
+        # bf16 parameters: the fp32 master is the exact one (saved, and loaded into)
+        exact = engine.optimized(p) if p.requires_grad else p
+        state = engine.optimizer.state.get(exact, {})
         for kind in ("param", *MOMENTS) if p.requires_grad else ("param",):  # frozen: no moments
-            source = p.detach() if kind == "param" else state.get(kind)
+            source = exact.detach() if kind == "param" else state.get(kind)
             flat = source.reshape(-1) if source is not None else None
             pieces += box_pieces(f"{kind}/{source_name(name, engine.plan)}", tuple(p.shape), place, 0, p.numel(),
-                                 flat, p.dtype if kind == "param" else torch.float32)
+                                 flat, exact.dtype if kind == "param" else torch.float32)
     return pieces + (_rank_pieces(engine) if for_save else [])
 
 
@@ -257,7 +259,7 @@ def prepare_optimizer_state(engine, step: int) -> None:
         targets = [v for views in engine.optimizer.unit_views for v in views]
     else:
         optimizer = engine.optimizer
-        targets = [p for p in engine.module.parameters() if p.requires_grad]
+        targets = [engine.optimized(p) for p in engine.module.parameters() if p.requires_grad]
     for t in targets:  # moments that exist are reused (loading overwrites every element)
         old = optimizer.state.get(t, {})
         optimizer.state[t] = {"step": adam_step_count(optimizer, step, t.device),
@@ -273,3 +275,5 @@ def after_load(engine) -> None:
     if hasattr(engine, "units") and optimizer.master_copy:
         for shard, master in zip(optimizer.shards, optimizer.masters):
             shard.copy_(master)
+    elif getattr(engine, "masters", None) is not None:  # DDP's bf16 parameters
+        engine.masters.write_back()

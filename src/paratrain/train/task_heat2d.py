@@ -50,7 +50,7 @@ def unet_config(cfg: Config) -> UNetConfig:
 
 UNUSED = {"data": ("corpus", "data", "seq_len", "val_fraction"),
           "parallel": ("cp_method", "schedule", "virtual_stages"),
-          "train": ("timeline", "eval_batches")}
+          "train": ("timeline", "eval_batches", "compile")}
 """Language-model settings this task never reads (it makes its own fields, runs neither a
 pipeline nor context parallelism, and validates on all its fields)."""
 
