@@ -1,4 +1,10 @@
-"""Pipeline step time: paratrain's GPipe and 1F1B against torch.distributed.pipelining.
+"""Pipeline step time: paratrain's GPipe, 1F1B and zero-bubble schedules against
+torch.distributed.pipelining.
+
+Zero-bubble pairs (issue 43): paratrain's zbh1 against torch's ScheduleInterleavedZeroBubble
+with one stage per rank (ZB-H1's order: 1F1B whose W's fill the cool-down), zbv against
+ScheduleZBVZeroBubble and dualpipev against ScheduleDualPipeV, both on the V placement
+(rank r holds stages r and 2p - 1 - r), over the same stages and microbatches.
 
 Same GPT (8 layers, ~1.7M parameters), same split into stages, same microbatches and data,
 same AdamW, in one world per pipeline size: each sweep times every (schedule, runner)
@@ -13,8 +19,10 @@ waiting for transfers and in the calls that post them (the rest: Python between 
 or the rank not being scheduled on a busy machine).
 
     python benchmarks/pp_vs_torch.py [--pp 2,4] [--microbatches 8] [--sweeps 12] [--steps 1]
+        [--schedules gpipe,1f1b,zbh1,zbv,dualpipev]
 
-Prints a table, then one JSON line (the headline pair: 1F1B at pp=2).
+Prints a table, then one JSON line (the headline pair: 1F1B at pp=2, or the first
+schedule run; every pair is in its "pairs").
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.parallel.pipeline import (Recorder, gather_timeline, run_schedule, schedule,
                                          split_model, theoretical_bubble)
 from paratrain.parallel.pipeline.posting import GLOO_RECEIVES_AHEAD
+from paratrain.parallel.pipeline.schedules import placement
 from paratrain.parallel.pipeline.simulator import simulate
 from paratrain.parallel.pipeline.timeline import StepRecord, step_bubbles
 from paratrain.stages import PipelineSplitError, check_pipeline_split
@@ -42,7 +51,12 @@ from common import at_least, int_list
 
 MODEL = GPTConfig(vocab_size=256, d_model=128, n_layers=8, n_heads=4, ffn_hidden=352,
                   max_seq_len=128)
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zbh1", "zbv", "dualpipev")
+CHUNKS = {"zbv": 2, "dualpipev": 2}
+"""Chunks per rank of each schedule (1 unless named)."""
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                   "zbh1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
 
 
 class TorchStage(nn.Module):
@@ -71,9 +85,10 @@ def batch(args, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def paratrain_runner(args, pp: int, rank: int, kind: str):
-    chunks = split_model(_model(), rank, pp)
+    v = CHUNKS.get(kind, 1)
+    chunks = split_model(_model(), rank, pp, v, placement=placement(kind))
     opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-3)
-    table = schedule(kind, pp, args.microbatches)[rank]
+    table = schedule(kind, pp, args.microbatches, v)[rank]
     micro = args.batch // args.microbatches
     recorder = Recorder(rank=rank)
 
@@ -93,29 +108,35 @@ def paratrain_runner(args, pp: int, rank: int, kind: str):
 
 
 def torch_runner(args, pp: int, rank: int, kind: str):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    import torch.distributed.pipelining as pipelining
 
-    stage_module = TorchStage(split_model(_model(), rank, pp)[0])
-    opt = torch.optim.AdamW(stage_module.parameters(), lr=1e-3)
-    stage = PipelineStage(stage_module, rank, pp, torch.device("cpu"))
+    v = CHUNKS.get(kind, 1)
+    chunks = split_model(_model(), rank, pp, v, placement=placement(kind))
+    modules = [TorchStage(c) for c in chunks]
+    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-3)
+    stages = [pipelining.PipelineStage(m, m.chunk.stage, pp * v, torch.device("cpu"))
+              for m in modules]
+    last = next((m for m in modules if m.chunk.is_last), None)
     tokens_per_step = args.batch * args.seq
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return stage_module.chunk.loss_fn(logits, targets) / tokens_per_step
+        return last.chunk.loss_fn(logits, targets) / tokens_per_step
 
-    cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
-    sched = cls(stage, args.microbatches, loss_fn=loss_fn, scale_grads=False)
+    cls = getattr(pipelining, TORCH_SCHEDULES[kind])
+    # The one-stage schedules take a stage, the others (zero bubble) a list of them.
+    sched = cls(stages[0] if kind in ("gpipe", "1f1b") else stages, args.microbatches,
+                loss_fn=loss_fn, scale_grads=False)
+    first = any(m.chunk.is_first for m in modules)
 
     def step(i: int) -> float:
         tokens, targets = batch(args, i)
         opt.zero_grad()
         losses: list[torch.Tensor] = []
-        if rank == 0:
-            sched.step(tokens)
-        elif rank == pp - 1:
-            sched.step(target=targets, losses=losses)
+        inputs = (tokens,) if first else ()
+        if last is not None:
+            sched.step(*inputs, target=targets, losses=losses)
         else:
-            sched.step()
+            sched.step(*inputs)
         opt.step()
         return float(sum(loss.detach() for loss in losses)) if losses else 0.0
 
@@ -138,8 +159,7 @@ def timed(step, i: int) -> tuple[float, float, float]:
     wall = torch.tensor([time.perf_counter() - start])
     cpu_loss = torch.tensor([time.process_time() - cpu, loss])
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-    dist.all_reduce(cpu_loss[:1])
-    dist.broadcast(cpu_loss[1:], src=dist.get_world_size() - 1)
+    dist.all_reduce(cpu_loss)  # the loss: only the rank of the last stage has it (V: rank 0)
     return wall.item(), cpu_loss[0].item(), cpu_loss[1].item()
 
 
@@ -163,17 +183,22 @@ def _shares(recorder: Recorder, pp: int, kind: str, costs: tuple[float, float]) 
 
 
 def _stage_bubble(steps, kind: str, pp: int, transfer: tuple[float, float]) -> tuple[float, float]:
-    """The bubble of a perfect executor with this run's own stages (each rank's median
-    forward and backward time, measured, fed to the schedule simulator): with free
-    transfers, and with each transfer and each post costing what ``transfer_costs``
-    measured. Stages are not equal (the last one also runs the head and the loss), and the
-    textbook (p - 1) / (m + p - 1) assumes they are; nor are transfers free."""
-    mine = torch.tensor([statistics.median(i.end - i.start for st in steps for i in st.intervals
-                                           if i.kind == k) for k in ("F", "B")])
-    costs = [torch.zeros(2) for _ in range(pp)]
-    dist.all_gather(costs, mine)
-    stage_costs = {(k, s): c[j].item() for s, c in enumerate(costs) for j, k in enumerate("FB")}
-    tables = schedule(kind, pp, len([i for i in steps[0].intervals if i.kind == "F"]))
+    """The bubble of a perfect executor with this run's own stages (each virtual stage's
+    median forward and backward time, measured, fed to the schedule simulator; a split
+    backward's B and W added up, W taking half in the simulation): with free transfers,
+    and with each transfer and each post costing what ``transfer_costs`` measured. Stages
+    are not equal (the last one also runs the head and the loss), and the textbook
+    (p - 1) / (m + p - 1) assumes they are; nor are transfers free."""
+    mine: dict[tuple[str, int], float] = {}
+    for s in {i.stage for st in steps for i in st.intervals if i.kind == "F"}:
+        med = {k: statistics.median([i.end - i.start for st in steps for i in st.intervals
+                                     if i.kind == k and i.stage == s] or [0.0]) for k in "FBW"}
+        mine[("F", s)], mine[("B", s)] = med["F"], med["B"] + med["W"]
+    everyone: list = [None] * pp
+    dist.all_gather_object(everyone, mine)
+    stage_costs = {k: c for costs in everyone for k, c in costs.items()}
+    m = len([i for i in steps[0].intervals if i.kind == "F"]) // CHUNKS.get(kind, 1)
+    tables = schedule(kind, pp, m, CHUNKS.get(kind, 1))
     return (simulate(tables, stage_costs=stage_costs).bubble,
             simulate(tables, stage_costs=stage_costs, comm_cost=transfer[0], post_cost=transfer[1]).bubble)
 
@@ -211,7 +236,7 @@ def transfer_costs(args, rounds: int = 200) -> tuple[float, float]:
 def world(args, pp: int) -> dict:
     """Every (schedule, runner) pair, interleaved over sweeps, on this world of pp ranks."""
     rank = dist.get_rank()
-    runners = {(kind, name): make(args, pp, rank, kind) for kind in SCHEDULES
+    runners = {(kind, name): make(args, pp, rank, kind) for kind in args.schedules
                for name, make in (("paratrain", paratrain_runner), ("torch", torch_runner))}
     times = {key: [] for key in runners}
     first_loss = {}
@@ -221,11 +246,12 @@ def world(args, pp: int) -> dict:
         for key, (step, _) in runners.items():
             times[key] += [timed(step, 1 + sweep * args.steps + i)[:2] for i in range(args.steps)]
     bubbles, costs = {}, transfer_costs(args)
-    for kind in SCHEDULES:
+    for kind in args.schedules:
         recorder = runners[(kind, "paratrain")][1]
         bubbles[kind] = _shares(recorder, pp, kind, costs)
         if args.timeline:
-            timeline = gather_timeline(recorder, dist.group.WORLD, kind, args.microbatches)
+            timeline = gather_timeline(recorder, dist.group.WORLD, kind, args.microbatches,
+                                       CHUNKS.get(kind, 1))
             if rank == 0:
                 timeline.save(f"{args.timeline}-{kind}-pp{pp}.json")
     return {"times": {k: statistics.median(w for w, _ in v) for k, v in times.items()},
@@ -238,6 +264,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int_list(2, " (torch's pipeline and the transfer timing "
                         "need two stages)"), default="2,4", help="pipeline sizes (default: 2,4)")
     parser.add_argument("--microbatches", type=at_least(1), default=8)
+    parser.add_argument("--schedules", type=_schedules, default=",".join(SCHEDULES),
+                        help=f"schedules to pair (default: {','.join(SCHEDULES)})")
     parser.add_argument("--batch", type=at_least(1), default=8, help="sequences per step")
     parser.add_argument("--seq", type=at_least(1), default=128)
     parser.add_argument("--sweeps", type=at_least(1), default=12,
@@ -255,11 +283,11 @@ def main() -> None:
     pairs = {}
     for pp in args.pp:
         result = spawn(world, pp, args, pp, backend="gloo")[0]
-        for kind in SCHEDULES:
-            pairs[(pp, kind)] = _pair(result, kind, theoretical_bubble(pp, args.microbatches))
+        for kind in args.schedules:
+            pairs[(pp, kind)] = _pair(result, kind, _theory(kind, pp, args.microbatches))
     _print_table(pairs, args.microbatches, args.receives_ahead)
-    # The headline is 1F1B at pp=2; where that pair was not run, 1F1B at the first pp.
-    key = (2, "1f1b") if (2, "1f1b") in pairs else next(k for k in pairs if k[1] == "1f1b")
+    # The headline is 1F1B at pp=2; where that pair was not run, the first pair run.
+    key = (2, "1f1b") if (2, "1f1b") in pairs else next(iter(pairs))
     head = pairs[key]
     print(json.dumps({"benchmark": "pp_vs_torch",
                       "metric": f"step time (ms), {key[1].upper()} pp={key[0]}",
@@ -269,14 +297,39 @@ def main() -> None:
                       "pairs": {f"{kind} pp={pp}": v for (pp, kind), v in pairs.items()}}))
 
 
+def _schedules(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in SCHEDULES]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"{','.join(unknown) or text!r}: pick from "
+                                         f"{','.join(SCHEDULES)}")
+    return kinds
+
+
+def _theory(kind: str, pp: int, m: int) -> float:
+    """(p - 1)/(m + p - 1) for GPipe and 1F1B; the zero-bubble tables simulated with
+    equal stages, F = W = 1 and B = 1 (ZB-H1: the paper's (p - 1)(F + B - W))."""
+    if kind in ("gpipe", "1f1b"):
+        return theoretical_bubble(pp, m)
+    return simulate(schedule(kind, pp, m, CHUNKS.get(kind, 1)), 1.0, 2.0).bubble
+
+
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Exit with a usage error naming the flag, before any rank starts, where the ranks
     would fail deep in the model or in torch's schedule."""
+    from paratrain.parallel.pipeline import ScheduleError, check
+
     for pp in args.pp:
-        try:
-            check_pipeline_split(MODEL.n_layers, pp)
-        except PipelineSplitError as exc:
-            parser.error(f"--pp {pp}: {exc}")
+        for v in sorted({CHUNKS.get(k, 1) for k in args.schedules}):
+            try:
+                check_pipeline_split(MODEL.n_layers, pp, v)
+            except PipelineSplitError as exc:
+                parser.error(f"--pp {pp}: {exc}")
+        for kind in args.schedules:
+            try:
+                check(kind, pp, args.microbatches, CHUNKS.get(kind, 1))
+            except ScheduleError as exc:
+                parser.error(f"--schedules {kind} at --pp {pp}: {exc}")
     if args.seq > MODEL.max_seq_len:
         parser.error(f"--seq {args.seq} is longer than the model's max_seq_len {MODEL.max_seq_len}; "
                      f"pass --seq {MODEL.max_seq_len} or less")
@@ -302,22 +355,25 @@ def _pair(result: dict, kind: str, theory: float) -> dict:
 
 
 def _print_table(pairs: dict, microbatches: int, ahead: int | None) -> None:
-    print(f"peer settings: torch.distributed.pipelining ScheduleGPipe / Schedule1F1B over the same "
+    kinds = sorted({kind for _, kind in pairs}, key=SCHEDULES.index)
+    print(f"peer settings: torch.distributed.pipelining "
+          f"{' / '.join(TORCH_SCHEDULES[k] for k in kinds)} over the same "
           f"stage split and the same {microbatches} microbatches, scale_grads=False "
           f"(both scale the loss by the token count themselves)")
     print(f"paratrain: receives posted {GLOO_RECEIVES_AHEAD if ahead is None else ahead} "
           f"computations before the table places them (--receives-ahead)")
-    print("bubble: theory = (p-1)/(m+p-1) for equal stages; stages = a perfect executor with "
+    print("bubble: theory = (p-1)/(m+p-1) for equal stages (zero bubble: the tables simulated, "
+          "F = B = W); stages = a perfect executor with "
           "this run's measured per-stage forward/backward times (the simulator); floor = the "
           "same, each transfer and each post costing what it costs on this machine (measured below)")
     print(f"{'':>12} {'step time, median ms':^28} {'CPU ms, all ranks':^24} "
           f"{'paratrain bubble':^53}")
-    print(f"{'pp':>3} {'schedule':>8} {'paratrain':>10} {'torch':>9} {'ratio':>7} "
+    print(f"{'pp':>3} {'schedule':>9} {'paratrain':>10} {'torch':>9} {'ratio':>7} "
           f"{'paratrain':>10} {'torch':>7} {'ratio':>6} {'theory':>8} {'stages':>8} {'floor':>8} "
           f"{'measured':>9} "
           f"{'waiting':>8} {'posting':>8}  same loss")
     for (pp, kind), r in pairs.items():
-        print(f"{pp:>3} {kind:>8} {r['paratrain_ms']:>10.1f} {r['peer_ms']:>9.1f} "
+        print(f"{pp:>3} {kind:>9} {r['paratrain_ms']:>10.1f} {r['peer_ms']:>9.1f} "
               f"{r['ratio']:>7.2f} {r['paratrain_cpu_ms']:>10.0f} {r['peer_cpu_ms']:>7.0f} "
               f"{r['cpu_ratio']:>6.2f} {r['bubble_theory']:>8.1%} {r['bubble_these_stages']:>8.1%} "
               f"{r['bubble_floor']:>8.1%} "
