@@ -273,18 +273,21 @@ def refused(tmp_path, capsys, runtime: str, layout: str, model=MODEL) -> tuple[s
     ("megatron", "dp4 pp4 gpipe z1 mb1", "the gpipe pipeline schedule is not one of its"),
     ("deepspeed", "dp4 pp4 interleaved/v2 z1 mb1", "the interleaved pipeline schedule is not one of its"),
     ("deepspeed", "dp4 pp4 z2 1f1b mb1", "ZeRO-2 is refused under pipeline parallelism"),
-    ("deepspeed", "dp8 tp2 z1 mb1", "tensor parallelism with sequence parallelism"),
+    ("deepspeed", "dp4 tp2-sp pp2 z1 1f1b mb1", "tensor parallelism together with a pipeline"),
+    ("deepspeed", "dp8 tp2+sp z1 mb1", "tensor parallelism with sequence parallelism"),
 ])
 def test_what_a_framework_cannot_express_is_refused(tmp_path, capsys, runtime, layout, reason):
     err, offered = refused(tmp_path, capsys, runtime, layout)
     assert reason in err and f"the nearest plan {runtime} can run" in err
 
 
-def test_the_winner_is_replaced_by_the_best_the_framework_runs(tmp_path, capsys):
-    path = emit(tmp_path, "torchtitan", None, "w.toml", ("--model", "llama3-8b", "--gpus", "16",
-                                                          "--global-batch", "512"))
-    out = capsys.readouterr().out  # the winner, z2, is not one of torchtitan's stages
-    assert "the winner is refused" in out and "ZeRO-2 is not one of its stages" in out
+def test_the_search_proposes_only_what_the_framework_runs(tmp_path, capsys):
+    args = ("--model", "llama3-8b", "--gpus", "16", "--global-batch", "512")
+    assert plan(*args, "--top", "1") == 0  # paratrain's own winner shards with ZeRO-2
+    assert "zero2" in capsys.readouterr().out
+    path = emit(tmp_path, "torchtitan", None, "w.toml", args)
+    out = capsys.readouterr().out  # torchtitan's search has FSDP (ZeRO-3) and DDP only
+    assert "the winner is refused" not in out and "zero2" not in out
     job, dims = load_torchtitan(path, 16)
     assert job.training.global_batch_size == 512
 

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from ..layout import Layout
 from .keys import cached_hash
+from .speed import FUSED, Speed
 
 PRECISIONS = ("bf16", "fp32")
 OPTIMIZERS = ("adam", "sgd")
@@ -56,6 +57,9 @@ class Training:
     the routed rows of the busiest expert-parallel rank over the mean. Its experts' GEMM
     rows, the all-to-all bytes it receives and its routed activations are scaled by it
     when ep > 1. 1.0: balanced routing."""
+    speed: Speed = FUSED
+    """How fast the trainer runs the counted work (``plan/speed.py``, ``--runtime``): the
+    fused model unless the runtime's measured profile says otherwise."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:
@@ -209,14 +213,16 @@ class Candidate:
                 **choices, "sp": self.sp}
 
     def describe(self) -> str:
-        """Compact form such as ``dp8 tp8 pp2 cp1 z1 1f1b mb1 rc=sel``."""
+        """Compact form such as ``dp8 tp8 pp2 cp1 z1 1f1b mb1 rc=sel`` (``tp8-sp``: without
+        sequence parallelism)."""
         sched = "" if self.pp == 1 else (
             f" {self.schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         hsdp = f"/hsdp{self.shard_group}" if self.hsdp else ""
         hsdp += self.gather_choice
         uly = "/ulysses" if self.cp > 1 and self.cp_method == "ulysses" else ""
         uly += f" ep{self.layout.ep}" if self.layout.ep > 1 else ""
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}{uly} z{self.zero}{hsdp}{sched} "
+        plain = "-sp" if self.tp > 1 and not self.sequence_parallel else ""
+        return (f"dp{self.dp} tp{self.tp}{plain} pp{self.pp} cp{self.cp}{uly} z{self.zero}{hsdp}{sched} "
                 f"mb{self.micro_batch}x{self.microbatches} rc={self.recompute}")
 
 

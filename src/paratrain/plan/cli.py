@@ -17,6 +17,7 @@ from .hardware import GB, GPUS, Cluster, gpu_preset, load_calibration, local_clu
 from .mla import check_cluster
 from .models import LOCAL_PRESETS, PRESETS, ModelSpec, load_model
 from .moe import IMBALANCE_HELP as MOE_IMBALANCE_HELP
+from . import runtimes
 from .runtimes import DEFAULT_RUNTIME, RUNTIMES
 
 DEFAULT_TOKENS = {"gpu": 2**22, "local": 2**13}
@@ -95,8 +96,12 @@ def add_parser(subparsers) -> None:
     out.add_argument("--out", metavar="FILE.toml",
                      help="write the winner (with --layout: that layout) as a train config")
     out.add_argument("--runtime", choices=list(RUNTIMES), default=DEFAULT_RUNTIME,
-                     help="the trainer the plan is for, named in the output; --emit writes its "
-                          "config (default paratrain)")
+                     help="the trainer the plan is for: the search proposes only what it "
+                          "runs, timed at its measured speed; --emit writes its config "
+                          "(default paratrain)")
+    out.add_argument("--eager", action="store_true",
+                     help="time --runtime's eager step (default: compiled, as train "
+                          "--compile and torchtitan's training.compile run it)")
     out.add_argument("--emit", metavar="FILE",
                      help="write the winner (with --layout: that layout) as --runtime's own "
                           "config: torchtitan job TOML, Megatron-LM arguments, DeepSpeed JSON "
@@ -126,7 +131,8 @@ def build_training(args: argparse.Namespace, model: ModelSpec, cluster: Cluster)
     seq = args.seq_len or min(model.max_seq_len, DEFAULT_SEQ_CAP)
     batch = args.global_batch or max(1, DEFAULT_TOKENS[cluster.kind] // seq)
     precision = args.precision or ("fp32" if cluster.kind == "local" else "bf16")
-    return Training(batch, seq, precision, args.optimizer, moe_imbalance=args.moe_imbalance)
+    return Training(batch, seq, precision, args.optimizer, moe_imbalance=args.moe_imbalance,
+                    speed=runtimes.speed(args.runtime, args.eager, cluster.kind))
 
 
 MAX_GPUS = 2**20
@@ -232,7 +238,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"paratrain plan: error: {err}", file=sys.stderr)
         return 2
     recompute = None if args.recompute == "search" else args.recompute
-    result = search(model, training, cluster, micro_batch=micro, recompute=recompute)
+    rt = RUNTIMES[args.runtime]
+    result = runtimes.restrict(search(model, training, cluster, micro_batch=micro,
+                                      recompute=recompute, **runtimes.search_options(rt)),
+                               rt, model, training)
     if args.layout or args.compare:
         return _evaluate(args, result, model, training, cluster, log, micro, recompute)
     _print_search(args, result, model, training, cluster)
@@ -256,12 +265,13 @@ def _print_search(args: argparse.Namespace, result, model: ModelSpec, training: 
     if args.json:
         data = report.to_json(result, model, training, cluster, args.top or DEFAULT_TOP)
         data["runtime"] = args.runtime
+        data["speed"] = training.speed.name
         if args.explain:
             data["explain"] = report.explain(result, cluster, training)
         print(json.dumps(data, indent=2))
         return
     print(report.summary(result, model, training, cluster, args.top or DEFAULT_TOP))
-    print(RUNTIMES[args.runtime].line())
+    print(RUNTIMES[args.runtime].line(training.speed))
     if args.explain:
         print("\n" + report.explain(result, cluster, training))
     if args.show_rejected or not result.plans:
@@ -367,7 +377,7 @@ def _evaluate(args: argparse.Namespace, result, model: ModelSpec, training: Trai
         print(json.dumps(data, indent=2))
     else:
         print(report.layout_report(evaluations, result, model, training, cluster))
-        print(RUNTIMES[args.runtime].line())
+        print(RUNTIMES[args.runtime].line(training.speed))
     if args.out and _write_layout(args.out, evaluations[0], model, training, cluster, log):
         return 2
     if args.emit and _emit(args, result, model, training, cluster, log, micro, recompute,

@@ -173,7 +173,8 @@ def _block(model: ModelSpec, training: Training, cluster: Cluster, tp: int, cp: 
     else:
         attention = unfused_attention_time(model, b, s_q, training.seq_len, tp, rate, half,
                                            gpu, elem)
-    memory_bound = elementwise_bytes(model, tokens, tp, sp and tp > 1, elem) / gpu.hbm_bw
+    memory_bound = (elementwise_bytes(model, tokens, tp, sp and tp > 1, elem)
+                    * training.speed.elementwise / gpu.hbm_bw)
     head_fwd, head_bwd = _gemm_times(((tokens, model.d_model, model.vocab_size // tp),),
                                      rate, half, gpu, elem)
     return _Block(mm_fwd, mm_bwd, attention, memory_bound, head_fwd, head_bwd)
@@ -197,10 +198,16 @@ def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: i
         moe_fwd, moe_bwd = moe.block_time(model, training, cluster, tp, cp, b, sp, ep)
         moe_bwd += moe_fwd if recompute == "full" else 0.0
 
+    # The GPU waits for the host when the host's launches take longer than the kernels
+    # (plan/speed.py): a backward is two passes, and full recompute adds the forward's.
+    host = training.speed.host_block
+    host_passes = 2 + (recompute == "full")
+
     def stage(s: int, layers: int) -> tuple[float, float]:
         last, experts = s == pp - 1, model.stage_moe_layers(pp, s, v)
-        return (layers * block_fwd + experts * moe_fwd + (blk.head_fwd if last else 0.0),
-                layers * block_bwd + experts * moe_bwd + (blk.head_bwd if last else 0.0))
+        fwd = layers * block_fwd + experts * moe_fwd + (blk.head_fwd if last else 0.0)
+        bwd = layers * block_bwd + experts * moe_bwd + (blk.head_bwd if last else 0.0)
+        return max(fwd, layers * host), max(bwd, layers * host * host_passes)
 
     # The slowest stage sets the pace: the last (it runs the logits) or, with uneven
     # stages, one holding more blocks.

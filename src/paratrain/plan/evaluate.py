@@ -2,7 +2,7 @@
 breakdown even when it does not fit, why not and by how much, and where it would rank.
 
 A layout spec fixes any subset of the choices, written as the tables print them:
-``dp8 tp8 pp4 cp1 v2 zero1 mb1 recompute=selective`` (also ``z1``, ``tp8+sp``,
+``dp8 tp8 pp4 cp1 v2 zero1 mb1 recompute=selective`` (also ``z1``, ``tp8+sp``, ``tp8-sp``,
 ``rc=sel``, ``mb1x16``, ``gpipe`` / ``1f1b`` / ``interleaved`` / ``interleaved/v2``,
 ``ring`` / ``ulysses`` or ``cp2/ulysses`` for context parallelism's attention, ``ep2``
 for a mixture of experts' expert parallelism,
@@ -27,7 +27,7 @@ from .models import ModelSpec
 from .results import SearchResult, rank_key
 from .search import _holds, _virtual_stages, divisors, layout_problems
 
-_SIZE = re.compile(r"(dp|tp|pp|cp|ep)(\d+)(\+sp)?(?:/(ring|ulysses))?")
+_SIZE = re.compile(r"(dp|tp|pp|cp|ep)(\d+)([+-]sp)?(?:/(ring|ulysses))?")
 _ALIASES = {"sel": "selective", "no": "none", "off": "none"}
 
 
@@ -66,8 +66,8 @@ class LayoutSpec:
     """ZeRO-3 (``reshard=yes|no``, or ``z3/reshard``, ``z3/keep``): regather every
     microbatch, or keep the units gathered through the step (default: paratrain's auto)."""
     sequence_parallel: bool | None = None
-    """``tp8+sp``: sequence parallelism asked for (the search uses it wherever the sequence
-    splits over tp, plain TP elsewhere)."""
+    """``tp8+sp``: sequence parallelism asked for; ``tp8-sp``: plain tensor parallelism
+    (None: as the search, SP wherever the sequence splits over tp, plain TP elsewhere)."""
     text: str = ""
     """The string it was parsed from."""
 
@@ -105,10 +105,10 @@ def _read_token(token: str) -> dict:
     if m := _SIZE.fullmatch(low):
         values[m.group(1)] = int(m.group(2))
         if m.group(3) and m.group(1) != "tp":
-            raise ValueError(f"--layout {token!r}: +sp (sequence parallelism) goes with tp, "
-                             f"e.g. tp8+sp")
+            raise ValueError(f"--layout {token!r}: {m.group(3)} (sequence parallelism on or "
+                             f"off) goes with tp, e.g. tp8+sp or tp8-sp")
         if m.group(3):
-            values["sequence_parallel"] = True
+            values["sequence_parallel"] = m.group(3) == "+sp"
         if m.group(4) and m.group(1) != "cp":
             raise ValueError(f"--layout {token!r}: /{m.group(4)} is context parallelism's "
                              f"attention, e.g. cp2/{m.group(4)}")
@@ -228,7 +228,8 @@ def _choices(spec, model, training, dp, tp, pp, cp):
     per_replica = max(training.global_batch // dp, 1)
     # as the search: SP wherever the tokens split over tp, else plain TP; asked for (+sp),
     # SP is kept, and the rules report it where it cannot run
-    sp = spec.sequence_parallel or rules.sequence_parallel_splits(tp, cp, training.seq_len)
+    sp = (rules.sequence_parallel_splits(tp, cp, training.seq_len)
+          if spec.sequence_parallel is None else spec.sequence_parallel)
     schedules = ("1f1b",) if pp == 1 and spec.schedule is None else _options(
         spec.schedule, SCHEDULES if (spec.virtual_stages or 1) == 1 else ("interleaved",))
     for schedule in schedules:

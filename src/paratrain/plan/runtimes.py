@@ -4,10 +4,10 @@ can express.
 One ``Runtime`` per trainer, in ``RUNTIMES``: the ZeRO stages, pipeline schedules,
 context-parallel methods, tensor-parallel modes, expert parallelism and recompute
 policies its own configuration can ask for. ``refusal`` says why a candidate is not one
-of them; ``nearest`` finds the best-ranked plan that is. Today ``--runtime`` names the
-trainer in the output, picks the ``--emit`` format and restricts the nearest runnable
-plan offered; the search itself still ranks every layout with paratrain's speed model
-(issue 40 item 1 will make it search only what the runtime runs, from these tables).
+of them; ``nearest`` finds the best-ranked plan that is. ``--runtime`` makes the search
+propose only what the trainer runs (``search_options``, then ``restrict``), times it at
+the trainer's measured speed (``speed``: ``plan/speed.py``), names both in the output and
+picks the ``--emit`` format.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .candidate import Candidate, Training
 from .models import ModelSpec
 from .results import Plan, SearchResult, rank_key
+from .speed import FUSED, Speed, profile
 
 
 @dataclass(frozen=True)
@@ -56,18 +57,22 @@ class Runtime:
     source: str = ""
     """Where the facts above were read."""
 
-    def line(self) -> str:
-        """The runtime as the plan's output names it. Every runtime is ranked by
-        paratrain's speed model until each has a profile of its own (issue 40, item 1)."""
-        if self.name == DEFAULT_RUNTIME:
-            return f"runtime: {self.title}"
-        return f"runtime: {self.title} (ranked by paratrain's speed model; --emit writes {self.emits})"
+    def line(self, speed: Speed) -> str:
+        """The runtime and the speed it is timed at, as the plan's output names them."""
+        where = (f"; calibrated on {speed.calibrated}" if speed.calibrated and not speed.fused
+                 else "")
+        if speed is FUSED and self.name in ("paratrain", "torchtitan"):
+            where = " (the local cluster's calibration measures paratrain's own step)"
+        elif speed is FUSED and self.name == "deepspeed":
+            where = " (no published DeepSpeed run calibrates a profile: an optimistic bound)"
+        return f"runtime: {self.title}, timed as {speed.name}{where}"
 
 
 RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
     Runtime("paratrain", "paratrain train", "a train config (--out's TOML)",
             zero=(0, 1, 2, 3), zero_with_pp=(0, 1, 2, 3),
-            schedules=("gpipe", "1f1b", "interleaved"), cp_methods=("ring", "ulysses"),
+            schedules=("gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"),
+            cp_methods=("ring", "ulysses"),
             tp_modes=("sp", "plain"), expert_parallel=True,
             recompute=("none", "selective", "full"), uneven_stages=True, hsdp=False,
             source="train's own rules (plan/export.refusal)"),
@@ -136,7 +141,8 @@ def _sharding(rt: Runtime, cand: Candidate, model: ModelSpec) -> str | None:
 def _pipeline(rt: Runtime, cand: Candidate, model: ModelSpec) -> str | None:
     if cand.pp == 1:
         return None
-    schedule = "interleaved" if cand.virtual_stages > 1 else cand.schedule
+    schedule = ("interleaved" if cand.virtual_stages > 1 and cand.schedule == "1f1b"
+                else cand.schedule)
     if schedule not in rt.schedules:
         return f"the {schedule} pipeline schedule is not one of its ({', '.join(rt.schedules)})"
     if not rt.uneven_stages and model.n_layers % (cand.pp * cand.virtual_stages):
@@ -221,3 +227,38 @@ _COMPARED = ("dp", "tp", "pp", "cp", "ep", "zero", "schedule", "virtual_stages",
 
 def _distance(cand: Candidate, like: Candidate) -> int:
     return sum(getattr(cand, name) != getattr(like, name) for name in _COMPARED)
+
+
+def speed(runtime: str, eager: bool, cluster_kind: str) -> Speed:
+    """What ``runtime`` is timed at: its measured profile on GPUs (compiled unless
+    ``eager``); on the local cluster the fused model, whose constants ``--calibrate``
+    measured on paratrain's own eager step."""
+    if cluster_kind == "local":
+        return FUSED
+    return profile(runtime, compiled=not eager)
+
+
+def search_options(runtime: Runtime) -> dict:
+    """``search``'s switches for what ``runtime`` can run; ``restrict`` removes the rest."""
+    if runtime.name == DEFAULT_RUNTIME:
+        return {}
+    return dict(zero=runtime.zero, context_parallel=bool(runtime.cp_methods),
+                sequence_parallel="sp" in runtime.tp_modes,
+                ulysses="ulysses" in runtime.cp_methods, hsdp=runtime.hsdp,
+                uneven_stages=runtime.uneven_stages)
+
+
+def restrict(result: SearchResult, runtime: Runtime, model: ModelSpec,
+             training: Training) -> SearchResult:
+    """``result`` with the plans ``runtime`` cannot express moved to its rejections."""
+    if runtime.name == DEFAULT_RUNTIME:  # the search already holds train's own rules
+        return result
+    kept = []
+    for plan in result.plans:
+        why = refusal(runtime, plan.cand, model, training)
+        if why:
+            result.reject(f"{runtime.name} cannot run it", plan.cand.describe(), why)
+        else:
+            kept.append(plan)
+    result.plans = kept
+    return result
