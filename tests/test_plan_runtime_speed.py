@@ -112,9 +112,10 @@ def test_runtime_searches_only_what_it_runs_at_its_speed():
     plans = titan["plans"]
     assert plans
     rt, model = RUNTIMES["torchtitan"], PRESETS["llama3-8b"]
-    for plan in plans:  # no ZeRO-1/2, no Ulysses
+    for plan in plans:  # no ZeRO-1/2, no Ulysses, no attention-core-only recompute
         assert plan["layout"]["zero"] in (0, 3), plan
         assert plan["layout"]["cp_method"] == "ring", plan
+        assert plan["layout"]["recompute"] != "selective", plan
     eager = _plan_json("--runtime", "torchtitan", "--eager")
     assert eager["speed"] == speeds.TORCHTITAN_EAGER.name
     assert eager["plans"][0]["time_s"]["step"] > 1.05 * plans[0]["time_s"]["step"]
@@ -144,3 +145,20 @@ def test_local_cluster_keeps_its_calibrated_model():
     assert speed("paratrain", eager=True, cluster_kind="local") is speeds.FUSED
     assert speed("paratrain", eager=True, cluster_kind="gpu") is speeds.PARATRAIN_EAGER
     assert speed("megatron", eager=False, cluster_kind="gpu") is speeds.FUSED
+
+
+def test_restrict_moves_what_the_runtime_cannot_run_to_the_rejections():
+    from paratrain.plan.candidate import Training
+    from paratrain.plan.hardware import Cluster, gpu_preset
+    from paratrain.plan.models import PRESETS
+    from paratrain.plan.runtimes import restrict
+    from paratrain.plan.search import search
+
+    model, training = PRESETS["llama3-8b"], Training(64, 8192)
+    result = search(model, training, Cluster(gpu_preset("h100-96g"), 16))  # paratrain's space
+    before = len(result.plans)
+    rt = RUNTIMES["deepspeed"]
+    restrict(result, rt, model, training)
+    assert 0 < len(result.plans) < before
+    assert all(refusal(rt, p.cand, model, training) is None for p in result.plans)
+    assert result.rejected["deepspeed cannot run it"].count == before - len(result.plans)
