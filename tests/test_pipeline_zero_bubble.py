@@ -280,3 +280,43 @@ def test_trainer_dp2_pp2_zero_with_zero_bubble(trainer_references, tmp_path):
 @pytest.mark.slow
 def test_trainer_dp2_pp2_zero_with_zero_bubble_every_variant(trainer_references, tmp_path):
     _trainer_check(trainer_references, tmp_path, TRAINER_SLOW, 360)
+
+
+# ---- planner ---------------------------------------------------------------------------------
+
+
+def test_planner_peaks_and_idle_time_follow_the_tables():
+    from paratrain.parallel.pipeline.simulator import idle_microbatches
+    from paratrain.plan.memory import inflight_microbatches
+
+    for kind, v in ZB:
+        for p in (2, 3, 4, 6, 8):
+            for m in range(2 * p if kind == "dualpipev" else 1, 4 * p + 1):
+                assert [inflight_microbatches(kind, p, m, v, s) for s in range(p)] == \
+                    peak_inflight(kind, p, m, v), (kind, p, m)
+    # In units of one microbatch's work: ZB-H1 (p - 1)(F + B - W) / (F + B + W), here
+    # F = B = W; past 8 ranks the simulation of 8 is scaled by (p - 1) / 7, exact for it.
+    for p, m in ((4, 16), (8, 32), (16, 64), (64, 1024)):
+        assert idle_microbatches("zbh1", p, m, 1, 2.0) == pytest.approx((p - 1) / 3)
+        assert idle_microbatches("1f1b", p, m, 1, 2.0) == pytest.approx(p - 1)
+        assert idle_microbatches("zbv", p, m, 2, 2.0) < idle_microbatches("zbh1", p, m, 1, 2.0)
+
+
+def test_planner_searches_zero_bubble_beside_1f1b_and_interleaved():
+    from dataclasses import replace
+
+    from paratrain.plan.candidate import Training
+    from paratrain.plan.hardware import Cluster, gpu_preset
+    from paratrain.plan.models import PRESETS
+    from paratrain.plan.search import search
+
+    result = search(PRESETS["llama3-8b"], Training(64, 4096), Cluster(gpu_preset("h100-80g"), 32),
+                    zero=(1,), context_parallel=False)
+    plans = {p.cand: p for p in result.plans if p.cand.pp > 1}
+    assert {"1f1b", "zbh1", "zbv", "dualpipev"} <= {c.schedule for c in plans}
+    pairs = [(plans[replace(c, schedule="1f1b")], p) for c, p in plans.items()
+             if c.schedule == "zbh1" and replace(c, schedule="1f1b") in plans]
+    assert pairs
+    for one, zb in pairs:  # the same layout: a smaller bubble, more activations (the price)
+        assert zb.time.bubble < one.time.bubble
+        assert zb.memory.activations >= one.memory.activations

@@ -50,7 +50,7 @@ def render(rows: list[list[Interval]], path: str | Path, title: str, stages: int
         raise RenderError(f"cannot write {path.name!r}: use a .png or .svg file name")
     span = span or max((i.end for row in rows for i in row), default=1.0)
     chunks = max((i.stage for row in rows for i in row), default=0) // max(stages, 1) + 1
-    busiest = max((sum(i.kind in ("F", "B") for i in row) for row in rows), default=1)
+    busiest = max((sum(i.kind in ("F", "B", "W") for i in row) for row in rows), default=1)
     fig = _figure(min(24.0, max(8.0, 0.22 * busiest)), 1.2 + 0.55 * len(rows))
     ax = fig.add_subplot()
     from matplotlib import colormaps  # imported with the figure above
@@ -67,7 +67,7 @@ def render(rows: list[list[Interval]], path: str | Path, title: str, stages: int
             forward = i.kind == "F"
             ax.broken_barh([(i.start, width)], (r - 0.4, 0.8), edgecolor="0.2", lw=0.4,
                            facecolor=_tint(rgb, 0.55) if forward else rgb,
-                           hatch=None if forward else "///")
+                           hatch=None if forward else "..." if i.kind == "W" else "///")
             if width / span > 0.012:
                 chunk = "" if chunks == 1 else chr(ord("a") + (i.stage // stages) % 26)
                 ax.text(i.start + width / 2, r, f"{i.microbatch}{chunk}", ha="center",
@@ -78,6 +78,9 @@ def render(rows: list[list[Interval]], path: str | Path, title: str, stages: int
     ax.set_xlabel("time" if span > 50 or span != int(span) else "time (cost units)")
     ax.set_title(title, fontsize=10)
     legend = "forward: light   backward: dark, hatched   grey: waiting for a transfer"
+    if any(i.kind == "W" for row in rows for i in row):
+        legend = ("forward: light   B (input gradient): dark, hatched   W (weight gradients): "
+                  "dark, dotted   grey: waiting for a transfer")
     if any(i.kind == "POST" for row in rows for i in row):
         legend += "   black: posting transfers"
     ax.text(1.0, -0.9 / (len(rows) + 1), legend, transform=ax.transAxes, ha="right",
@@ -91,6 +94,11 @@ def render_schedule(kind: str, stages: int, microbatches: int, chunks: int, path
     """Simulate the schedule's tables with the given costs and draw them."""
     sim = simulate(schedule(kind, stages, microbatches, chunks), f_cost, b_cost)
     theory = theoretical_bubble(stages, microbatches, chunks)
+    if kind == "zbh1":  # the paper's (p - 1)(F + B - W), W half the backward
+        idle = (stages - 1) * f_cost
+        theory = idle / (microbatches * (f_cost + b_cost) + idle)
+    elif kind in ("zbv", "dualpipev"):  # no closed form: the equal-stage tables' own
+        theory = sim.bubble
     v = f", v={chunks}" if chunks > 1 else ""
     title = (f"{kind} pp={stages} m={microbatches}{v} (forward {f_cost:g}, backward "
              f"{b_cost:g}): bubble {sim.bubble:.1%}, theory {theory:.1%}")

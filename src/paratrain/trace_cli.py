@@ -46,7 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--pp", type=int, help="pipeline stages (default: 4)")
     p.add_argument("--microbatches", type=int, help="microbatches per step (default: 8)")
     p.add_argument("--virtual-stages", type=int,
-                   help="chunks per rank, for --schedule interleaved (default: 1)")
+                   help="chunks per rank, for --schedule interleaved (zbv, dualpipev: 2) "
+                        "(default: 1)")
     p.add_argument("--f-cost", type=_cost, help="time of a forward, > 0 (default: 1)")
     p.add_argument("--b-cost", type=_cost,
                    help="time of a backward, > 0 (default: 1; 2 is closer to real models)")
@@ -120,7 +121,13 @@ def _trace_schedule(args: argparse.Namespace, render_schedule) -> None:
     theory = theoretical_bubble(p, m, v)
     print(f"schedule {args.schedule}: pp={p}, microbatches={m}, virtual stages={v}; "
           f"forward {args.f_cost:g}, backward {args.b_cost:g}")
-    print(f"bubble      simulated {sim.bubble:.2%}   theory (p-1)/(v*m+p-1) = {theory:.2%}")
+    if args.schedule == "zbh1":  # Qi et al.: (p - 1)(F + B - W), W half the backward
+        idle = (p - 1) * args.f_cost
+        formula = f"(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)) = {idle / (m * (args.f_cost + args.b_cost) + idle):.2%}"
+    else:
+        formula = f"(p-1)/(v*m+p-1) = {theory:.2%}" + (
+            " (1F1B's; W fills part of it)" if args.schedule in ("zbv", "dualpipev") else "")
+    print(f"bubble      simulated {sim.bubble:.2%}   theory {formula}")
     print("in flight   peak microbatches per rank: "
           + " ".join(f"{x:g}" for x in sim.peak_inflight))
     for note in notes(args.schedule, p, m, v):

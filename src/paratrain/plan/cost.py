@@ -40,6 +40,8 @@ the step about its whole time, docs/plan.md). CP's exchange is charged the same 
 
 **Bubble.** With per-microbatch stage time t, a pipeline of p stages, m microbatches and
 v chunks per rank idles (p - 1)/v · t per step: a bubble fraction (p - 1)/(v·m + p - 1).
+The zero-bubble schedules (zbh1, zbv, dualpipev) idle less, by their simulated tables
+with W half the backward (``simulator.idle_microbatches``; ZB-H1: (p - 1)(F + B - W)).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..parallel.pipeline.simulator import idle_microbatches
+from ..parallel.pipeline.zero_bubble import KINDS as ZERO_BUBBLE
 from .candidate import Candidate, Training
 from .compute import attention_time, elementwise_bytes, matmul_time, unfused_attention_time
 from .flops import attention_core_flops, layer_matmuls
@@ -230,7 +234,10 @@ def step_time(model: ModelSpec, training: Training, cluster: Cluster,
     ep = moe.all_to_all_time(model, training, cluster, cand, max(
         model.stage_moe_layers(p, s, v) for s in range(p))) if model.n_experts else None
     per_micro = micro.fwd + micro.bwd + tp + cp + pp + (ep or 0.0)
-    bubble = (p - 1) / v * per_micro
+    # The zero-bubble schedules' W's fill part of it: their tables, simulated.
+    idle = (idle_microbatches(cand.schedule, p, m, v, micro.bwd / micro.fwd)
+            if cand.schedule in ZERO_BUBBLE and p > 1 else (p - 1) / v)
+    bubble = idle * per_micro
     return StepTime(compute=m * (micro.fwd + micro.bwd), bubble=bubble, tp=m * tp, cp=m * cp,
                     pp=m * pp, dp=_dp_time(model, training, cluster, cand, micro),
                     optimizer=_optimizer_time(model, training, cluster, cand),

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..parallel.pipeline.posting import receives_ahead
+from ..parallel.pipeline.schedules import ScheduleError, peak_inflight
+from ..parallel.pipeline.zero_bubble import KINDS as ZERO_BUBBLE
 from . import mla, moe, runtime
 from .candidate import Candidate, Training
 from .models import ModelSpec
@@ -157,6 +159,8 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, stage: int 
     on stage 0 is Korthikanti's factor 1 + (p - 1)/(pv) on a full model's layers.
     Without a pipeline one microbatch is alive at a time. The schedule tables of
     ``parallel/pipeline`` can replace this closed form: it is the one place that asks.
+    The zero-bubble schedules' peaks are their tables' (ZB-H1 and ZBV: p on every rank,
+    1F1B's first stage's; DualPipeV: p + 1/2).
     """
     if p == 1:
         return 1.0
@@ -164,6 +168,8 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, stage: int 
         return float(m)
     if schedule == "1f1b":
         return float(min(p - stage, m))
+    if schedule in ZERO_BUBBLE:  # from the tables: a split backward holds them to its W
+        return _zero_bubble_peaks(schedule, p, m, v)[stage]
     units = min(2 * (p - stage - 1) + (v - 1) * p + 1, v * m)
     return units / v
 
@@ -262,7 +268,8 @@ def peak_moment(cand: Candidate, stage: int, per_micro: float,
     under a pipeline), one chunk's share allocated by each chunk's first backward."""
     inflight = inflight_microbatches(cand.schedule, cand.pp, cand.microbatches,
                                      cand.virtual_stages, stage)
-    if not (cand.zero >= 2 and cand.shard > 1 and cand.pp > 1 and cand.virtual_stages > 1):
+    if not (cand.zero >= 2 and cand.shard > 1 and cand.pp > 1 and cand.virtual_stages > 1
+            and cand.schedule == "interleaved"):  # the V's: counted whole at the peak
         return inflight, 1.0  # one chunk: its first backward runs at the activation peak
     v = cand.virtual_stages
     moments = first_backward_inflight(cand.pp, cand.microbatches, v, stage)
@@ -324,3 +331,19 @@ def logits_inflight(cand: Candidate) -> int:
     last (virtual) stage runs each microbatch's backward right after its forward under
     1F1B and interleaving alike; GPipe runs every forward first, so all m."""
     return cand.microbatches if cand.schedule == "gpipe" and cand.pp > 1 else 1
+
+
+@lru_cache(maxsize=1 << 10)
+def _zero_bubble_peaks(schedule: str, p: int, m: int, v: int) -> tuple[float, ...]:
+    """Each rank's peak in flight under a zero-bubble table: ZB-H1 min(m, p) on every
+    rank; with m >= 2p, ZBV p and DualPipeV p + 1/2 (closed forms of
+    ``schedules.peak_inflight``, which tests/test_pipeline_zero_bubble.py holds them to);
+    otherwise the table's. Sizes it cannot run count p + 1 (the search refuses them)."""
+    if schedule == "zbh1":
+        return (float(min(m, p)),) * p
+    if m >= 2 * p:
+        return (p + 0.5 if schedule == "dualpipev" else float(p),) * p
+    try:
+        return tuple(peak_inflight(schedule, p, m, v))
+    except ScheduleError:
+        return (p + 1.0,) * p

@@ -291,6 +291,10 @@ def _schedules(problem: _Problem, shape: Candidate, result: SearchResult):
         yield shape
         return
     yield replace(shape, schedule="1f1b")
+    for kind, v in (("zbh1", 1), ("zbv", 2), ("dualpipev", 2)):  # beside them, zero-bubble
+        cand = replace(shape, schedule=kind, virtual_stages=v)
+        if v == 1 or _valid(problem, cand, v, cand.describe(), result):
+            yield cand
     for v in _virtual_stages(problem.model.n_layers, shape.pp, problem.uneven_stages):
         cand = replace(shape, schedule="interleaved", virtual_stages=v)
         if _valid(problem, cand, v, cand.describe(), result):
@@ -373,6 +377,10 @@ def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...]
         if trial.schedule == "interleaved" and not _holds(rules.interleaved_microbatches, m, trial.pp):
             result.reject("interleaved needs microbatches divisible by pp", trial.describe(),
                           lambda m=m, p=trial.pp: f"{m} microbatches % pp={p} != 0 (Megatron's rule)")
+            continue
+        if trial.schedule == "dualpipev" and m < 2 * trial.pp:
+            result.reject("dualpipev needs 2 x pp microbatches", trial.describe(),
+                          lambda m=m, p=trial.pp: f"{m} microbatches < 2 x pp = {2 * p}")
             continue
         memory = rank_memory(problem.model, training, trial, problem.paratrain)
         if memory.total > cluster.memory_limit:

@@ -245,11 +245,20 @@ def idle_microbatches(kind: str, p: int, m: int, v: int = 1, b_over_f: float = 2
     """A rank's mean idle time per step under ``kind``, in units of one microbatch's work
     on the rank (its forward and backward): p - 1 for GPipe and 1F1B, (p - 1)/v
     interleaved, less for the zero-bubble schedules, whose W (half the backward) fills
-    gaps. Simulated from the tables with a backward ``b_over_f`` times the forward. Past
-    the warm-up the tables repeat and add no idle time, so at most 4p microbatches are
-    simulated (the planner asks for thousands)."""
-    ratio = round(b_over_f * 20) / 20  # the planner's many shapes share a few simulations
-    return _idle(kind, p, min(m, 4 * p) if m > 4 * p else m, v, max(ratio, 0.05))
+    gaps. Simulated from the tables with a backward ``b_over_f`` times the forward.
+
+    The planner asks for thousands of shapes up to p = 128, where one simulation takes
+    seconds: past the warm-up the tables repeat and add no idle time, and the idle time
+    grows as p - 1 at a given m / p (ZB-H1's (p - 1)(F + B - W)), so a pipeline of more
+    than 8 ranks is simulated as 8 ranks with as many microbatches per rank (at most 4),
+    its idle time scaled by (p - 1) / 7."""
+    if p == 1:
+        return 0.0
+    small = min(p, 8)
+    per_rank = min(m, 4 * p) / p
+    m_small = max(round(per_rank * small), 2 * small if kind == "dualpipev" else 1)
+    ratio = max(round(b_over_f * 4) / 4, 0.25)  # the many shapes share a few simulations
+    return _idle(kind, small, m_small, v, ratio) * (p - 1) / (small - 1)
 
 
 @lru_cache(maxsize=1 << 12)
