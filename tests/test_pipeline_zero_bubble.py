@@ -119,14 +119,18 @@ def test_sizes_that_cannot_run_are_refused_with_the_fix(kind, p, m, v, match):
         check(kind, p, m, v)
 
 
-def test_config_refuses_bad_zero_bubble_sizes_before_any_process():
+def test_config_refuses_bad_zero_bubble_sizes_before_any_process(tmp_path):
     from paratrain.train.config import ConfigError
 
     with pytest.raises(ConfigError, match="virtual-stages 2"):
-        config("/tmp", pp=2, schedule="zbv", microbatches=4)
+        config(str(tmp_path), pp=2, schedule="zbv", microbatches=4)
     with pytest.raises(ConfigError, match="microbatches"):
-        config("/tmp", pp=2, schedule="dualpipev", virtual_stages=2, microbatches=2)
-    config("/tmp", pp=2, schedule="zbv", virtual_stages=2, microbatches=4)
+        config(str(tmp_path), pp=2, schedule="dualpipev", virtual_stages=2, microbatches=2)
+    with pytest.raises(ConfigError, match="tied embeddings with --schedule zbv"):
+        config(str(tmp_path), pp=2, schedule="zbv", virtual_stages=2, microbatches=4,
+               tie_embeddings=True)
+    config(str(tmp_path), pp=2, schedule="zbv", virtual_stages=2, microbatches=4)
+    config(str(tmp_path), pp=2, schedule="zbh1", microbatches=4, tie_embeddings=True)
 
 
 # ---- split backward, one process ------------------------------------------------------------

@@ -59,7 +59,7 @@ def test_out_writes_a_train_config(tmp_path, capsys):
         "dp", "tp", "pp", "cp", "zero", "sp", "cp_method", "schedule", "microbatches",
         "virtual_stages"}
     assert par["dp"] * par["tp"] * par["pp"] * par["cp"] == 8
-    assert par["schedule"] in ("gpipe", "1f1b", "interleaved")
+    assert par["schedule"] in ("gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
     assert train["global_batch"] == 32 and config["data"]["seq_len"] == 4096
     assert train["precision"] == "bf16" and train["recompute"] in ("none", "selective", "full")
     assert par["dp"] * train["micro_batch"] * par["microbatches"] == 32

@@ -77,7 +77,8 @@ def virtual_stages(v: int, schedule: str) -> None:
                           f"(not {schedule})")
 
 
-def tied_embeddings(tied: bool, pp: int, zero: int = 0, local_update: bool = False) -> None:
+def tied_embeddings(tied: bool, pp: int, zero: int = 0, local_update: bool = False,
+                    schedule: str = "") -> None:
     """A tied embedding is one tensor used at both ends of the model: ZeRO keeps it in one
     unit gathered at both ends; a pipeline keeps a copy on the last stage whose gradient is
     summed with the first stage's (parallel/pipeline/tied.py) before the data-parallel
@@ -91,6 +92,11 @@ def tied_embeddings(tied: bool, pp: int, zero: int = 0, local_update: bool = Fal
         raise LayoutError("tied embeddings under a pipeline with --compress METHOD:update are not "
                           "supported yet (the two ends' copies would be updated apart): drop "
                           ":update, or set tie_embeddings = false")
+    if tied and pp > 1 and schedule in ("zbv", "dualpipev"):
+        raise LayoutError(f"tied embeddings with --schedule {schedule} are not supported: its V "
+                          f"places the embedding and the head both on pipeline rank 0, where "
+                          f"the two-rank tied copy does not apply; use --schedule zbh1, or set "
+                          f"tie_embeddings = false")
 
 
 def context(cp: int, method: str, seq_len: int, local_heads: int, local_kv: int) -> None:

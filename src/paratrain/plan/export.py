@@ -96,7 +96,7 @@ def refusal(cand: Candidate, model: ModelSpec, training: Training) -> str | None
     if training.optimizer != "adam":
         return f"`paratrain train` trains with AdamW; optimizer {training.optimizer!r} is planner-only"
     try:
-        rules.tied_embeddings(model.tie_embeddings, cand.pp, cand.zero)
+        rules.tied_embeddings(model.tie_embeddings, cand.pp, cand.zero, schedule=cand.schedule)
         rules.sequence_parallel(cand.sp, cand.tp, cand.cp, training.seq_len)
         rules.expert_strategies(model.n_experts, cand.ep, cand.zero, "none")
     except LayoutError as err:

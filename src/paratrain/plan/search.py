@@ -293,7 +293,10 @@ def _schedules(problem: _Problem, shape: Candidate, result: SearchResult):
     yield replace(shape, schedule="1f1b")
     for kind, v in (("zbh1", 1), ("zbv", 2), ("dualpipev", 2)):  # beside them, zero-bubble
         cand = replace(shape, schedule=kind, virtual_stages=v)
-        if v == 1 or _valid(problem, cand, v, cand.describe(), result):
+        if v == 2 and problem.model.tie_embeddings:  # the V puts both ends on rank 0
+            result.reject("tied embeddings need a loop placement", cand.describe(),
+                          f"{kind} holds the embedding and the head on one rank")
+        elif v == 1 or _valid(problem, cand, v, cand.describe(), result):
             yield cand
     for v in _virtual_stages(problem.model.n_layers, shape.pp, problem.uneven_stages):
         cand = replace(shape, schedule="interleaved", virtual_stages=v)

@@ -150,7 +150,8 @@ class Config:
             rules.check_split(m.shape, self.layout, virtual_stages=p.virtual_stages,
                               seq_len=self.data.seq_len, cp_method=p.cp_method)
             rules.sequence_parallel(p.sp, p.tp, p.cp, self.data.seq_len)
-            rules.tied_embeddings(m.tie_embeddings, p.pp, p.zero, p.compress.endswith(":update"))
+            rules.tied_embeddings(m.tie_embeddings, p.pp, p.zero, p.compress.endswith(":update"),
+                                  schedule=p.schedule)
             rules.virtual_stages(p.virtual_stages, p.schedule)
             rules.expert_strategies(m.n_experts, p.ep, p.zero, p.compress,
                                     capacity_factor=m.capacity_factor,
