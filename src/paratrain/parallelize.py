@@ -105,10 +105,9 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
               else model.get_submodule(desc.blocks))
     apply_recompute(blocks, opts.recompute, core=desc.attention_core)
     if opts.compile:  # after every strategy changed the blocks; hooks stay outside
-        # tp's vocabulary-parallel loss talks to its ranks: it stays eager. Blocks that
-        # hold tp/cp operators run them between compiled parts (parallel/compile.py).
+        # tp's vocabulary-parallel loss talks to its ranks: it stays eager.
         compile_regions(blocks, loss_modules(model, desc, p.pp) if p.tp == 1 else [],
-                        fullgraph=p.tp == 1 and p.cp == 1)
+                        eager=talking_operators(tp, blocks, desc.attention_core if p.cp > 1 else None))
     group = mesh.group(DP_CP)
     plan = step_plan(model, mesh, opts, moe=desc.shape.n_experts > 0)
     plan.tied_copy = ((f"{desc.head}.weight", f"{desc.embedding}.weight")
@@ -140,6 +139,14 @@ def loss_modules(model: nn.Module, desc, pp: int) -> list[nn.Module]:
     if pp == 1:
         return [model.get_submodule(desc.loss)]
     return [chunk.get_submodule(desc.loss) for chunk in model if chunk.is_last]
+
+
+def talking_operators(tp, blocks, cp_core: str | None) -> list[tuple[object, str]]:
+    """The operators inside the blocks that talk to other ranks, as (object, method):
+    tensor parallelism's region entry and exit, and the attention core at path
+    ``cp_core`` that context parallelism put in each block (parallel/compile.py)."""
+    ops = [(tp.regions, "enter_overlapped"), (tp.regions, "exit")] if tp is not None else []
+    return ops + ([(b.get_submodule(cp_core), "forward") for b in blocks] if cp_core else [])
 
 
 def place(mesh: Mesh) -> str:

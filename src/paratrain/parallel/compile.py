@@ -13,9 +13,10 @@ recomputation replaces it: parallel/recompute.py), not the module's ``__call__``
   inputs): the optimizer steps exactly the tensors the compiled block computes with, and
   a ZeRO-3 unit can free and regather their storage between calls.
 - Whatever tensor parallelism, sequence parallelism or context parallelism put inside a
-  block (its region operators, the ring attention core) is traced with the block; the
-  operators that talk to other ranks are kept out of the graph (``EAGER_OPS``) and run
-  eagerly between its compiled parts.
+  block (its region operators, the ring attention core) is traced with the block, except
+  the operators that talk to other ranks: those run eagerly between its compiled parts
+  (``compile_regions``' ``eager``). They are marked only when compiling: importing
+  ``torch._dynamo`` costs a second, which ``paratrain train --help`` should not pay.
 
 Every block of a model has the same code and, with ``dynamic=False``, the same shapes,
 so the blocks share one compiled graph (and the loss one more); a pipeline rank's chunks
@@ -24,19 +25,10 @@ share them too. The compile time is torch's own count (``compile_seconds``).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
-
-
-def eager(fn: Callable) -> Callable:
-    """Keep ``fn`` out of every compiled graph: a compiled region that calls it is split
-    there, runs ``fn`` eagerly and resumes (dynamo counts one graph break per split). For
-    the operators that talk to other ranks inside a block (tensor parallelism's region
-    entries and exits, context parallelism's attention): their collectives are launched
-    asynchronously and awaited by hand, which dynamo does not trace."""
-    return torch._dynamo.disable(fn, recursive=True)
 
 
 def compile_forward(module: nn.Module, fullgraph: bool = True) -> None:
@@ -46,11 +38,21 @@ def compile_forward(module: nn.Module, fullgraph: bool = True) -> None:
 
 
 def compile_regions(blocks: Iterable[nn.Module], losses: Iterable[nn.Module],
-                    fullgraph: bool = True) -> int:
-    """Compile every block and loss module in place; returns how many regions."""
+                    eager: Iterable[tuple[object, str]] = ()) -> int:
+    """Compile every block and loss module in place; returns how many regions.
+
+    ``eager``: (object, method name) of the operators inside the blocks that talk to other
+    ranks (tensor parallelism's region entry and exit, context parallelism's attention
+    core). They launch collectives asynchronously and wait on them by hand, which dynamo
+    does not trace, so each is replaced on its instance by ``torch.compiler.disable`` of
+    itself: a block that calls one is compiled in parts, the call running eagerly between
+    them (dynamo counts a graph break there). Without any, a graph break is an error."""
+    eager = list(eager)
+    for obj, name in eager:
+        setattr(obj, name, torch.compiler.disable(getattr(obj, name)))
     regions = [*blocks, *losses]
     for module in regions:
-        compile_forward(module, fullgraph)
+        compile_forward(module, fullgraph=not eager)
     return len(regions)
 
 

@@ -35,7 +35,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..comm import autograd as A
-from .compile import eager
 
 
 class EnterColumnParallel(torch.autograd.Function):
@@ -133,8 +132,7 @@ class Regions:
         ``layers``."""
         def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
             return (self.enter_overlapped(args[0], layers), *args[1:])
-        return eager(hook)
+        return hook
 
-    @eager  # a compiled block (--compile) runs its collectives between compiled parts
     def exit_hook(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         return self.exit(output)

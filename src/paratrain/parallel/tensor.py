@@ -130,9 +130,10 @@ class TensorParallel:
     that ``sync_replicated_grads`` sums.
     """
 
-    def __init__(self, group: ProcessGroup, sequence_parallel: bool):
+    def __init__(self, group: ProcessGroup, sequence_parallel: bool, regions: Regions | None = None):
         self.group = group
         self.sequence_parallel = sequence_parallel
+        self.regions = regions  # the blocks' region operators (--compile keeps them eager)
         self.specs: dict[nn.Parameter, ShardSpec] = {}  # absent: replicated on all ranks
         self.hooks: list = []  # handles of the region hooks
         self.sharded_params: list[nn.Parameter] = []
@@ -372,7 +373,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, sequence_par
     desc = description or describe(model)
     _check_model(model, desc, C.size(tp_group))
     regions = Regions(tp_group, sequence_parallel, overlap_comm)
-    tp = TensorParallel(tp_group, sequence_parallel)
+    tp = TensorParallel(tp_group, sequence_parallel, regions)
     tied = model.get_submodule(desc.head).weight is model.get_submodule(desc.embedding).weight
     _apply_plan(model, desc.model_plan(), tp, regions, desc)
     head = model.get_submodule(desc.head)

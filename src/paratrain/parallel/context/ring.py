@@ -36,7 +36,6 @@ from torch.distributed import ProcessGroup
 
 from ...comm import collectives as C
 from .blocks import BlockKernel, pick_kernel
-from ..compile import eager
 
 
 @dataclass(frozen=True)
@@ -185,7 +184,6 @@ class RingAttention(nn.Module):
         self.cp_group = cp_group
         self.kernel = kernel
 
-    @eager  # talks to the cp ranks: runs between a compiled block's parts (--compile)
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         check_qkv(q, k, v)
         kernel = pick_kernel(self.kernel, q.device)

@@ -29,7 +29,6 @@ from ...comm import collectives as C
 from ...models.gpt import CausalAttention
 from .ring import check_qkv
 from .sharding import chunk_ids, unshard_sequence
-from ..compile import eager
 
 
 def seq_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -111,7 +110,6 @@ class UlyssesAttention(nn.Module):
         self.cp_group = cp_group
         self.local = CausalAttention()  # the plain model's attention, on whole sequences
 
-    @eager  # talks to the cp ranks: runs between a compiled block's parts (--compile)
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         check_qkv(q, k, v)
         check_heads(q.shape[1], k.shape[1], C.size(self.cp_group))
