@@ -44,9 +44,12 @@ def _timed(step, steps: int) -> float:
     return statistics.median(times[2:])
 
 
-def peer_step_time(cfg, steps: int) -> float:
-    """The plain loop's median step seconds on ``cfg``'s model, batch and microbatch."""
+def peer_step_time(cfg, steps: int, compiled: bool = False) -> float:
+    """The plain loop's median step seconds on ``cfg``'s model, batch and microbatch;
+    ``compiled``: the model through ``torch.compile`` too (torch's recommended loop)."""
     model = GPT(cfg.model, seed=0).cuda()
+    if compiled:
+        model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     mb, seq = cfg.micro_batch, cfg.data.seq_len
     micro = [torch.randint(cfg.model.vocab_size, (mb, seq + 1), device="cuda")
