@@ -182,6 +182,75 @@ def test_a_first_stage_runs_its_whole_backward_at_w():
     assert all(p.grad is not None for p in chunk.parameters())
 
 
+def tp_split_world() -> dict:
+    """On tp2 with sequence parallelism: one middle chunk's backward whole, and split into
+    B and W on an identical copy. Counts the collectives and the fused entry's weight GEMMs
+    in each pass."""
+    from paratrain.comm import collectives as C
+    from paratrain.parallel import sequence
+    from paratrain.parallel.tensor import apply_tensor_parallel
+
+    torch.set_num_threads(1)
+    mesh = Mesh.build(Layout(tp=2))
+    chunks = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=True)
+        chunks.append(split_model(model, 1, 2, 2)[0])  # stage 1 of 4
+    counts = {"collectives": 0, "weight_gemms": 0}
+    originals = {n: getattr(C, n) for n in ("all_reduce", "reduce_scatter", "all_gather")}
+    gemms = sequence._weight_grads
+
+    def counted(fn, key):
+        def call(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for n, fn in originals.items():
+        setattr(C, n, counted(fn, "collectives"))
+    sequence._weight_grads = counted(gemms, "weight_gemms")
+    torch.manual_seed(1)
+    x = torch.randn(2, 16 // 2, CFG.d_model)
+    g = torch.randn(2, 16 // 2, CFG.d_model)
+    seen = {}
+    try:
+        for chunk, split in zip(chunks, (False, True)):
+            xi = x.clone().requires_grad_()
+            out = chunk(xi, None, torch.arange(16))
+            counts.update(collectives=0, weight_gemms=0)
+            if split:
+                dx, kept = backward_input(out, g, xi, list(chunk.parameters()))
+                seen["B"] = dict(counts)
+                counts.update(collectives=0, weight_gemms=0)
+                backward_weight(kept)
+                seen["W"] = dict(counts)
+            else:
+                out.backward(g)
+                dx = xi.grad
+                seen["whole"] = dict(counts)
+            seen[split] = (dx, [p.grad for p in chunk.parameters()])
+    finally:
+        for n, fn in originals.items():
+            setattr(C, n, fn)
+        sequence._weight_grads = gemms
+    (dx_a, g_a), (dx_b, g_b) = seen[False], seen[True]
+    return {"equal": torch.equal(dx_a, dx_b) and all(torch.equal(a, b) for a, b in zip(g_a, g_b)),
+            "B": seen["B"], "W": seen["W"], "whole": seen["whole"]}
+
+
+def test_tp_split_backward_moves_the_fused_entrys_weight_gemms_to_w():
+    """tp2+SP: B runs every collective and no weight GEMM of the fused column entry, W
+    runs those GEMMs and no collective; B then W equals the whole backward bit for bit."""
+    for rank in run_world(tp_split_world, 2):
+        assert rank["equal"]
+        whole, b, w = rank["whole"], rank["B"], rank["W"]
+        assert whole["weight_gemms"] > 0 and b["weight_gemms"] == 0
+        assert w["weight_gemms"] == whole["weight_gemms"]
+        assert b["collectives"] == whole["collectives"] > 0 and w["collectives"] == 0
+
+
 # ---- worlds ---------------------------------------------------------------------------------
 
 

@@ -63,6 +63,9 @@ class EnterColumnParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_entered: torch.Tensor | None, *grads: torch.Tensor | None):
         entered, *weights = ctx.saved_tensors
+        wants_input, wants_weights = _passes(ctx)
+        if not wants_input:  # a zero-bubble W (pipeline/split.py): the weights' GEMMs only
+            return (None, None, None, *_weight_grads(entered, grads, weights, ctx.has_bias))
         group = ctx.regions.group
         used = [(g, w) for g, w in zip(grads, weights) if g is not None]
         grad_input = grad_entered
@@ -75,17 +78,43 @@ class EnterColumnParallel(torch.autograd.Function):
             grad_input, work = A.start_reduce_scatter_seq(grad_input, group)
         else:
             grad_input, work = A.start_all_reduce(grad_input, group)
-        weight_grads, bias_grads = [], []
-        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
-            if g is None:
-                weight_grads.append(None)
-                bias_grads.append(None)
-                continue
-            flat_g, flat_x = g.reshape(-1, g.shape[-1]), entered.reshape(-1, entered.shape[-1])
-            weight_grads.append((flat_g.t() @ flat_x.to(g.dtype)).to(w.dtype))
-            bias_grads.append(flat_g.sum(0).to(w.dtype) if has_bias else None)
+        # While the collective is in flight; a zero-bubble B leaves them to its W.
+        params = (_weight_grads(entered, grads, weights, ctx.has_bias) if wants_weights
+                  else [None] * 2 * len(weights))
         work.wait()
-        return (grad_input, None, None, *weight_grads, *bias_grads)
+        return (grad_input, None, None, *params)
+
+
+def _weight_grads(entered: torch.Tensor, grads: tuple, weights: list,
+                  has_bias: list[bool]) -> list[torch.Tensor | None]:
+    """The layers' weight gradients, then their bias gradients (None where unused)."""
+    weight_grads, bias_grads = [], []
+    for g, w, bias in zip(grads, weights, has_bias):
+        if g is None:
+            weight_grads.append(None)
+            bias_grads.append(None)
+            continue
+        flat_g, flat_x = g.reshape(-1, g.shape[-1]), entered.reshape(-1, entered.shape[-1])
+        weight_grads.append((flat_g.t() @ flat_x.to(g.dtype)).to(w.dtype))
+        bias_grads.append(flat_g.sum(0).to(w.dtype) if bias else None)
+    return weight_grads + bias_grads
+
+
+def _passes(ctx) -> tuple[bool, bool]:
+    """Whether this backward pass wants the entry's input gradient, and its weights'.
+
+    A whole backward wants both. A pipeline's split backward (pipeline/split.py) runs
+    this node twice: B for the input only (the weights' accumulators are not in that
+    pass), W for the weights only (the input's node is not). The engine says which nodes
+    a pass runs; it cannot say for a leaf under ``autograd.grad``, where both are done."""
+    def runs(edge: int) -> bool:
+        node = ctx.next_functions[edge][0] if edge < len(ctx.next_functions) else None
+        try:
+            return node is None or torch._C._will_engine_execute_node(node)
+        except RuntimeError:  # a leaf, asked during autograd.grad: unknown
+            return True
+    # next_functions lists the tensor inputs: the entry's input, then the weights.
+    return runs(0), runs(1)
 
 
 class Regions:

@@ -1,6 +1,8 @@
 """Pipeline parallelism: stages of layers on different ranks, microbatches flowing through.
 
-* ``schedules``: GPipe, 1F1B and interleaved 1F1B as pure tables of actions per rank.
+* ``schedules``: GPipe, 1F1B and interleaved 1F1B as pure tables of actions per rank;
+  ``zero_bubble``: the orders of ZB-H1, ZBV and DualPipeV (B and W: a split backward).
+* ``split``: a chunk's backward as B (input gradient) and later W (weight gradients).
 * ``posting``: when a rank's transfers are posted and waited for, and the buffers held.
 * ``simulator``: executes tables with given costs (bubble, peak in-flight microbatches,
   deadlock check). Like ``schedules``, ``posting`` and ``timeline``, no torch.

@@ -120,9 +120,12 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor | None
             handles.append(node.register_prehook(keep))
     try:
         # The engine itself: the Python wrapper checks ``grad`` against ``out``, whose data
-        # may be released after its send (executor: only its graph is kept).
-        (dx,) = torch.autograd.Variable._execution_engine.run_backward(
-            (out,), (grad,), True, False, (x,), allow_unreachable=True, accumulate_grad=False)
+        # may be released after its send (executor: only its graph is kept). Accumulated
+        # into x, the pass's one input: a node may then ask which of its inputs this pass
+        # runs (tensor parallelism's fused entry leaves its weight GEMMs to W).
+        torch.autograd.Variable._execution_engine.run_backward(
+            (out,), (grad,), True, False, (x,), allow_unreachable=True, accumulate_grad=True)
+        dx = x.grad
     finally:
         for h in handles:
             h.remove()
