@@ -393,3 +393,20 @@ def test_planner_searches_zero_bubble_beside_1f1b_and_interleaved():
     for one, zb in pairs:  # the same layout: a smaller bubble, more activations (the price)
         assert zb.time.bubble < one.time.bubble
         assert zb.memory.activations >= one.memory.activations
+
+
+# ---- trace ----------------------------------------------------------------------------------
+
+
+def test_trace_draws_w_and_prints_zbh1s_formula(tmp_path, capsys):
+    from paratrain.cli import main
+
+    out = tmp_path / "zbh1.svg"
+    assert main(["trace", "--schedule", "zbh1", "--pp", "4", "--microbatches", "8",
+                 "--b-cost", "2", "--out", str(out)]) in (0, None)
+    text = capsys.readouterr().out
+    assert "simulated 11.11%" in text and "(p-1)(F+B-W)" in text and "= 11.11%" in text
+    assert "W (weight gradients)" in out.read_text()
+    assert main(["trace", "--schedule", "zbv", "--pp", "2", "--microbatches", "4",
+                 "--out", str(out)]) == 2
+    assert "--virtual-stages 2" in capsys.readouterr().err
