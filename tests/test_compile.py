@@ -123,8 +123,12 @@ def test_compile_time_is_reported(one_process):
 
 def test_unsupported_combinations_are_refused_before_launch(tmp_path):
     """A mixture of experts (routing's data-dependent shapes break its blocks into many
-    graphs), and the heat2d task (its U-Net is not compiled), each named."""
+    graphs), a zero-bubble schedule (it splits each backward in two; a compiled block's is
+    one piece that frees its buffers: measured, "compiled with non-empty donated buffers"
+    at zbh1 and zbv), and the heat2d task (its U-Net is not compiled), each named."""
     with pytest.raises(ConfigError, match="--compile with a mixture of experts"):
         tiny_config(str(tmp_path), compile=True, n_experts=4, top_k=2)
+    with pytest.raises(ConfigError, match="--compile with --schedule zbh1 is not supported"):
+        tiny_config(str(tmp_path), compile=True, pp=2, dp=1, schedule="zbh1", microbatches=4)
     with pytest.raises(ConfigError, match="--compile: language-model settings"):
         load(None, {"task": "heat2d", "compile": True}).validate()

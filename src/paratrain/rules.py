@@ -155,15 +155,23 @@ def expert_strategies(n_experts: int, ep: int, zero: int, compress: str, *,
                           f"--compress none")
 
 
-def compiled(compile: bool, n_experts: int) -> None:
-    """``--compile`` compiles whole transformer blocks; a mixture-of-experts block routes
+def compiled(compile: bool, n_experts: int, split_backward: str = "") -> None:
+    """``--compile`` compiles whole transformer blocks. A mixture-of-experts block routes
     tokens with data-dependent shapes (bincount, ``.item()``), which split it into some
     twenty graphs recompiled as the routing changes (measured: 23 graph breaks and 97 s
-    for 3 steps of a 2-layer model on CPU, against 7 s eager)."""
+    for 3 steps of a 2-layer model on CPU, against 7 s eager). ``split_backward``: the
+    pipeline schedule, when it splits each backward into input and weight halves at
+    autograd's nodes (zero-bubble schedules); a compiled block's backward is one node that
+    computes both, and frees its saved buffers on the first pass."""
     if compile and n_experts:
         raise LayoutError(f"--compile with a mixture of experts (n_experts={n_experts}) is not "
                           f"supported: routing's data-dependent shapes break each block into "
                           f"many recompiled graphs; drop --compile")
+    if compile and split_backward:
+        raise LayoutError(f"--compile with --schedule {split_backward} is not supported: the "
+                          f"schedule splits each block's backward into its input and weight "
+                          f"halves, and a compiled block's backward is one piece; use --schedule "
+                          f"1f1b or interleaved, or drop --compile")
 
 
 def check_split(shape: ModelShape, layout: Layout, *, virtual_stages: int = 1, seq_len: int = 0,

@@ -156,7 +156,7 @@ class Config:
             rules.expert_strategies(m.n_experts, p.ep, p.zero, p.compress,
                                     capacity_factor=m.capacity_factor,
                                     splits_sequences=p.cp > 1 or (p.sp and p.tp > 1))
-            rules.compiled(self.train.compile, m.n_experts)
+            rules.compiled(self.train.compile, m.n_experts, self._split_backward())
         except LayoutError as exc:
             raise ConfigError(str(exc)) from None
         if m.rope_scaling:
@@ -169,6 +169,13 @@ class Config:
         self._check_strategies()
         self._check_batch()
         self._check_logs()
+
+    def _split_backward(self) -> str:
+        """The pipeline schedule if it splits backwards into B and W (zero bubble), else ''."""
+        from ..parallel.pipeline.zero_bubble import KINDS
+
+        p = self.parallel
+        return p.schedule if p.pp > 1 and p.schedule in KINDS else ""
 
     def _check_logs(self) -> None:
         from . import logs
