@@ -1,7 +1,8 @@
 """Turn a plain model into a parallel one, in a fixed order.
 
 The order every strategy composes in:
-TP/SP -> CP -> pipeline split -> activation checkpointing -> ZeRO/DDP wrapping.
+TP/SP -> CP -> pipeline split -> activation checkpointing -> compilation (--compile) ->
+ZeRO/DDP wrapping.
 Impossible combinations are rejected up front by ``Config.validate``.
 """
 
