@@ -332,6 +332,7 @@ TRAINER_SLOW = {
     "zbh1 zero3 clipped": dict(schedule="zbh1", zero=3, grad_clip=0.3),
     "zbv zero1": dict(schedule="zbv", virtual_stages=2, zero=1),
     "zbv zero3 reshard": dict(schedule="zbv", virtual_stages=2, zero=3, reshard_after_forward="yes"),
+    "zbv zero3 clipped": dict(schedule="zbv", virtual_stages=2, zero=3, grad_clip=0.3),
     "dualpipev zero3": dict(schedule="dualpipev", virtual_stages=2, zero=3),
 }
 
