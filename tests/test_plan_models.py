@@ -157,7 +157,6 @@ def test_unmodelled_moe_and_encoder_decoder_configs_are_refused_by_name(tmp_path
 
 
 @pytest.mark.parametrize("edit, words", [
-    (dict(head_dim=128, hidden_size=5120, num_attention_heads=32), r"head_dim = 128 differs from hidden_size / num_attention_heads = 160"),
     (dict(tie_word_embeddings="false"), r"tie_word_embeddings must be true or false, got \"false\""),
     (dict(attention_dropout=[0.1]), r"attention_dropout must be a number in \[0, 1\), got \[0.1\]"),
     (dict(attention_dropout="0.1x"), r"attention_dropout must be a number"),
@@ -165,8 +164,8 @@ def test_unmodelled_moe_and_encoder_decoder_configs_are_refused_by_name(tmp_path
     (dict(hidden_size=4100), r"hidden_size = 4100 is not divisible by num_attention_heads = 32"),
 ])
 def test_hf_fields_that_would_be_misread_are_refused_by_name(tmp_path, edit, words):
-    """Mistral-Nemo's head_dim, a string "false", a list as a rate: each read wrongly, or a
-    traceback, before; now one line naming the field."""
+    """A string "false", a list as a rate: each read wrongly, or a traceback, before; now
+    one line naming the field."""
     with pytest.raises(ValueError, match=words):
         load_model(str(_write(tmp_path, "m", {**LLAMA3_8B_CONFIG, **edit})))
 
@@ -187,3 +186,33 @@ def test_hf_reading_of_windows_gates_files_and_paths(tmp_path, monkeypatch):
     assert load_model("mistral").preset == ""  # a config.json alone: no weights to train from
     (tmp_path / "mistral" / "model.safetensors").touch()
     assert load_model("mistral").preset == str(tmp_path / "mistral")  # absolute: --out from anywhere
+
+
+def test_a_head_dim_other_than_hidden_over_heads_is_planned_and_not_trained(tmp_path):
+    """Mistral-NeMo's shape (hidden 5120, 32 heads of 128): the planner counts q and the
+    attention output 4096 wide, as transformers builds it; train's reader refuses it by
+    name, and --out says it is planner-only."""
+    import torch
+    import transformers
+
+    from paratrain.layout import Layout
+    from paratrain.models.hf_config import HFModelError, read_shape
+    from paratrain.plan.candidate import Candidate, Training
+    from paratrain.plan.export import refusal
+    from paratrain.plan.mla import HEAD_DIM_REFUSAL
+
+    small = {**LLAMA3_8B_CONFIG, "hidden_size": 320, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
+             "num_hidden_layers": 2, "vocab_size": 1000}
+    path = _write(tmp_path, "nemo", small)
+    model = load_model(str(path))
+    assert (model.head_dim, model.q_dim, model.explicit_head_dim) == (64, 256, 64)
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in small.items()
+                                            if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(hf_config)
+    assert model.num_params() == sum(p.numel() for p in hf.parameters())
+    with pytest.raises(HFModelError, match="head_dim = 64 differs from hidden_size"):
+        read_shape(small, path)
+    cand = Candidate(Layout(dp=1), zero=0, micro_batch=1, microbatches=1)
+    assert refusal(cand, model, Training(1, 64)) == HEAD_DIM_REFUSAL

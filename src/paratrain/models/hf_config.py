@@ -72,8 +72,10 @@ def rope_parameters(raw: dict) -> dict:
                                           **(raw.get("rope_scaling") or {})}
 
 
-def read_shape(raw: dict, path: str | Path) -> ModelShape:
-    """The shape a config.json describes, each value checked for its kind."""
+def read_shape(raw: dict, path: str | Path, any_head_dim: bool = False) -> ModelShape:
+    """The shape a config.json describes, each value checked for its kind. ``any_head_dim``
+    (the planner): a head_dim other than hidden / heads becomes ``explicit_head_dim``
+    instead of an error."""
     path = Path(path)
     check_types(raw, path)
     values, keys = {}, {}
@@ -86,7 +88,7 @@ def read_shape(raw: dict, path: str | Path) -> ModelShape:
     if values["n_layers"] > MAX_LAYERS:
         raise HFModelError(f"{path}: {keys['n_layers']} = {values['n_layers']}: more than "
                            f"{MAX_LAYERS:,} layers, beyond any trained transformer; check the file")
-    _check_head_dim(raw, values, keys, path)
+    head_dim = _check_head_dim(raw, values, keys, path, any_head_dim)
     kind = model_type(raw)
     gpt_like = kind in _GPT_LIKE
     act = str(raw.get("hidden_act", raw.get("activation_function", "")))
@@ -102,7 +104,8 @@ def read_shape(raw: dict, path: str | Path) -> ModelShape:
             norm="layernorm" if gpt_like else "rmsnorm", learned_pos=kind in ("gpt2", "gpt_bigcode", "opt"),
             dropout=any(float(raw.get(k) or 0) > 0 for k in _DROPOUT_KEYS),
             # Qwen2 biases q, k and v only, without a config key (Qwen2-MoE says qkv_bias)
-            qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and raw.get("qkv_bias", True) is not False))
+            qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and raw.get("qkv_bias", True) is not False),
+            explicit_head_dim=head_dim)
     except ValueError as exc:  # the shape's own checks, in its own field names
         raise HFModelError(f"{path.parent if path.name == 'config.json' else path}: config.json "
                            f"describes a shape paratrain cannot build: {exc} (d_model is "
@@ -137,17 +140,22 @@ def check_types(raw: dict, path: Path) -> None:
             raise HFModelError(f"{path}: {key} must be a number in [0, 1), got {json.dumps(rate)}")
 
 
-def _check_head_dim(raw: dict, values: dict, keys: dict, path: Path) -> None:
-    """A head_dim other than hidden / heads (Mistral-Nemo, Gemma, Qwen3-4B) changes every
-    attention width derived from hidden / heads: refused, not misread."""
+def _check_head_dim(raw: dict, values: dict, keys: dict, path: Path, allowed: bool) -> int:
+    """A head_dim other than hidden / heads (Mistral-Nemo, Gemma, Qwen3-4B, Qwen3-MoE)
+    changes every attention width derived from hidden / heads: refused, not misread, unless
+    ``allowed`` (then returned, for ``explicit_head_dim``; 0 when it is hidden / heads)."""
+    head_dim = raw.get("head_dim")
+    derived = values["d_model"] // values["n_heads"]
+    if allowed and isinstance(head_dim, int) and head_dim > 0:
+        return 0 if head_dim == derived and not values["d_model"] % values["n_heads"] else head_dim
     if values["d_model"] % values["n_heads"]:
         raise HFModelError(f"{path}: {keys['d_model']} = {values['d_model']} is not divisible by "
                            f"{keys['n_heads']} = {values['n_heads']}")
-    derived, head_dim = values["d_model"] // values["n_heads"], raw.get("head_dim")
     if head_dim is not None and head_dim != derived:
         raise HFModelError(f"{path}: head_dim = {json.dumps(head_dim)} differs from "
-                           f"{keys['d_model']} / {keys['n_heads']} = {derived}, which paratrain "
-                           f"(train and plan) assumes; such models are not modelled yet")
+                           f"{keys['d_model']} / {keys['n_heads']} = {derived}, which paratrain's "
+                           f"GPT assumes; `paratrain plan` models it, `train` cannot build it")
+    return 0
 
 
 # ---- what the trainer loads ----------------------------------------------------------------

@@ -76,10 +76,16 @@ class ModelShape:
     """Block i is a mixture of experts when (i + 1) % moe_every == 0 ..."""
     moe_first_dense: int = 0
     """... and i >= moe_first_dense."""
+    explicit_head_dim: int = 0
+    """Each head's width where it is not d_model / n_heads (Qwen3's larger models, Mistral
+    NeMo, Gemma: q and the attention output are n_heads x head_dim wide); planner-only,
+    as train's GPT derives it. 0: d_model / n_heads."""
 
     def __post_init__(self) -> None:
         name = getattr(self, "name", "") or "model"
-        if self.d_model % self.n_heads:
+        if self.explicit_head_dim < 0:
+            raise ValueError(f"{name}: explicit_head_dim={self.explicit_head_dim} must be >= 0")
+        if not self.explicit_head_dim and self.d_model % self.n_heads:
             raise ValueError(f"{name}: d_model={self.d_model} is not divisible by "
                              f"n_heads={self.n_heads}")
         if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
@@ -90,7 +96,13 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.explicit_head_dim or self.d_model // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries and of the attention output: n_heads x head_dim (d_model
+        unless ``explicit_head_dim``)."""
+        return self.n_heads * self.head_dim
 
     def kv_heads_per_rank(self, tp: int) -> int:
         """KV heads each TP rank holds: split when there are at least tp, else one replica."""
@@ -103,11 +115,11 @@ class ModelShape:
     @lru_cache(maxsize=64)  # noqa: B019 - shapes are few, frozen and hashable
     def layer_params(self, tp: int = 1) -> int:
         """Parameters of one block on one TP rank (norms and row-parallel biases replicated)."""
-        h, f = self.d_model, self.ffn_hidden
+        h, f, q = self.d_model, self.ffn_hidden, self.q_dim
         kv = self.kv_heads_per_rank(tp) * self.head_dim
         mlp_in = 2 if self.gated_mlp else 1
-        weights = h * h // tp * 2 + 2 * h * kv + (mlp_in + 1) * h * f // tp
-        biases = (h // tp + 2 * kv + h + mlp_in * f // tp + h) if self.bias else self.qkv_bias_params(tp)
+        weights = h * q // tp * 2 + 2 * h * kv + (mlp_in + 1) * h * f // tp
+        biases = (q // tp + 2 * kv + h + mlp_in * f // tp + h) if self.bias else self.qkv_bias_params(tp)
         qk_norms = 2 * self.head_dim if self.qk_norm else 0
         return weights + biases + 2 * self._norm_params() + qk_norms
 
@@ -132,7 +144,7 @@ class ModelShape:
     def qkv_bias_params(self, tp: int = 1) -> int:
         """The query, key and value biases of one block on one TP rank (split like their
         weights' rows); 0 without ``qkv_bias``."""
-        return self.d_model // tp + 2 * self.kv_heads_per_rank(tp) * self.head_dim if self.qkv_bias else 0
+        return self.q_dim // tp + 2 * self.kv_heads_per_rank(tp) * self.head_dim if self.qkv_bias else 0
 
     def embedding_params(self, tp: int = 1) -> int:
         """Vocab-parallel token embedding (plus replicated position embeddings)."""

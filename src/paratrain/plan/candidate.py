@@ -12,6 +12,8 @@ from .speed import FUSED, Speed
 PRECISIONS = ("bf16", "fp32")
 OPTIMIZERS = ("adam", "sgd")
 RECOMPUTE = ("none", "selective", "full")
+DEFAULT_RANK_ORDER = ("tp", "cp", "pp", "dp")
+"""paratrain's rank order, fastest-varying first (``layout.DEFAULT_ORDER``)."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
@@ -57,6 +59,10 @@ class Training:
     the routed rows of the busiest expert-parallel rank over the mean. Its experts' GEMM
     rows, the all-to-all bytes it receives and its routed activations are scaled by it
     when ep > 1. 1.0: balanced routing."""
+    rank_order: tuple[str, ...] = DEFAULT_RANK_ORDER
+    """Axes from fastest- to slowest-varying rank (the runtime's, ``--runtime``): which
+    groups share a node. paratrain puts pp inside dp; Megatron, torchtitan and DeepSpeed
+    put pp outermost, so that dp (and ep folded over it) are neighbours."""
     speed: Speed = FUSED
     """How fast the trainer runs the counted work (``plan/speed.py``, ``--runtime``): the
     fused model unless the runtime's measured profile says otherwise."""

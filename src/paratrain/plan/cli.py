@@ -132,6 +132,7 @@ def build_training(args: argparse.Namespace, model: ModelSpec, cluster: Cluster)
     batch = args.global_batch or max(1, DEFAULT_TOKENS[cluster.kind] // seq)
     precision = args.precision or ("fp32" if cluster.kind == "local" else "bf16")
     return Training(batch, seq, precision, args.optimizer, moe_imbalance=args.moe_imbalance,
+                    rank_order=RUNTIMES[args.runtime].rank_order,
                     speed=runtimes.speed(args.runtime, args.eager, cluster.kind))
 
 

@@ -121,7 +121,7 @@ def elementwise_bytes(model: ModelSpec, tokens: int, tp: int, sp: bool, elem: in
     h, f = model.d_model, model.ffn_hidden
     kv = model.kv_heads_per_rank(tp) * model.head_dim
     replicated = 2 * (2 * h) + 2 * (3 * h) + (2 * (2 * h) + 2 * h / elem if model.dropout else 0)
-    sharded = 2 * (h // tp + kv) + (3 if model.gated_mlp else 2) * f // tp
+    sharded = 2 * (model.q_dim // tp + kv) + (3 if model.gated_mlp else 2) * f // tp
     if model.mla is not None:  # RoPE on the rotary parts only, and the latents' norms
         sharded += rope_and_norm_elems(model, tp)
     return tokens * elem * (replicated / (tp if sp else 1) + sharded)

@@ -51,7 +51,7 @@ from functools import lru_cache
 
 from ..parallel.pipeline.simulator import idle_microbatches
 from ..parallel.pipeline.zero_bubble import KINDS as ZERO_BUBBLE
-from .candidate import Candidate, Training
+from .candidate import DEFAULT_RANK_ORDER, Candidate, Training
 from .compute import attention_time, elementwise_bytes, matmul_time, unfused_attention_time
 from .flops import attention_core_flops, layer_matmuls
 from .hardware import Cluster, Link, members_per_node
@@ -59,7 +59,7 @@ from . import mla, moe
 from .models import ModelSpec
 from .overlap import exposed, link_collective_time, p2p_time, prefetched
 
-ORDER = ("tp", "cp", "pp", "dp")  # Layout's default order, fastest first
+ORDER = DEFAULT_RANK_ORDER  # paratrain's, fastest first; a runtime's is Training.rank_order
 OPTIMIZER_BYTES = {"adam": 28, "sgd": 20}
 """Bytes the update reads and writes per parameter (gradient, master weight, states,
 new weight): Adam 2 + 8 + 8 + 8 + 2, SGD with momentum 2 + 8 + 8 + 2 (same for fp32)."""
@@ -260,7 +260,7 @@ def _micro_comm(model: ModelSpec, training: Training, cluster: Cluster,
 def _tp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate) -> float:
     if cand.tp == 1:
         return 0.0
-    link = cluster.link(cand.sizes(), ORDER, ("tp",))
+    link = cluster.link(cand.sizes(), training.rank_order, ("tp",))
     nbytes = cand.micro_batch * training.seq_len // cand.cp * model.d_model * training.act_bytes
     per_layer = 4 + (2 if cand.recompute == "full" else 0)
     count = per_layer * max_layers(model, cand) + 1  # + the output layer's
@@ -295,7 +295,7 @@ def _cp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
     passes = 1 if cand.recompute == "none" else 2
     if cand.cp_method == "ulysses":
         return max_layers(model, cand) * (passes + 1) * _ulysses_time(model, training, cluster, cand)
-    link = cluster.link(cand.sizes(), ORDER, ("cp",), p2p=True)
+    link = cluster.link(cand.sizes(), training.rank_order, ("cp",), p2p=True)
     _, k, v, _ = mla.widths(model, cand.tp)
     kv = cand.micro_batch * training.seq_len // cand.cp * (k + v)
     step = p2p_time(kv * training.act_bytes, link.alpha, link.bw)
@@ -312,7 +312,7 @@ def _ulysses_time(model: ModelSpec, training: Training, cluster: Cluster, cand: 
     """One attention's all-to-alls in one direction: q, k, v from sequence to head
     sharding and the output back (the backward pass runs the same four on gradients).
     nccl-tests' all-to-all size is each rank's input: its s/cp tokens of those heads."""
-    link = cluster.link(cand.sizes(), ORDER, ("cp",))
+    link = cluster.link(cand.sizes(), training.rank_order, ("cp",))
     tokens = cand.micro_batch * training.seq_len // cand.cp
     return sum(link_collective_time(cluster, link, "all-to-all", tokens * n * training.act_bytes,
                                     cand.cp) for n in mla.widths(model, cand.tp))
@@ -321,7 +321,7 @@ def _ulysses_time(model: ModelSpec, training: Training, cluster: Cluster, cand: 
 def _pp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate) -> float:
     if cand.pp == 1:
         return 0.0
-    link = cluster.link(cand.sizes(), ORDER, ("pp",), p2p=True)
+    link = cluster.link(cand.sizes(), training.rank_order, ("pp",), p2p=True)
     nbytes = (cand.micro_batch * training.seq_len // cand.cp * model.d_model
               * training.act_bytes / (cand.tp if cand.sp else 1))
     return 2 * cand.virtual_stages * p2p_time(nbytes, link.alpha, link.bw)
@@ -331,14 +331,14 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
              micro: _Micro) -> float:
     if cand.shard == 1:
         return 0.0
-    link = cluster.link(cand.sizes(), ORDER, ("cp", "dp"))
+    link = cluster.link(cand.sizes(), training.rank_order, ("cp", "dp"))
     psi = max_stage_params(model, cand)
     experts = moe.stage_max_expert_params(model, cand)
     if not experts or cand.expert_shard == 1:  # every expert on its own rank: nothing to reduce
         return _reduce_time(model, training, cluster, cand, micro, psi, cand.shard, link)
     # A MoE model's expert gradients reduce over the ranks holding the same experts
     # (moe.expert_reduction): its own group and link, in the same backward window.
-    edp = moe.group_link(cluster, moe.expert_data_group(cand.layout))
+    edp = moe.group_link(cluster, moe.expert_data_group(cand.layout, training.rank_order))
     if cand.zero == 0:  # one DDP reduction per group, hidden behind the same backward
         grad = 4 if cluster.kind == "local" else training.act_bytes
         comm = (link_collective_time(cluster, link, "all-reduce", psi * grad, cand.shard)
@@ -374,7 +374,8 @@ def _reduce_time(model: ModelSpec, training: Training, cluster: Cluster, cand: C
         return coll(reduce_op(cluster), psi * grad, window) + gather
     if cand.zero == 2:
         return m * coll(reduce_op(cluster), psi * grad, window) + gather
-    return _zero3_time(model, cluster, cand, micro, psi * weight, psi * grad, m)
+    return _zero3_time(model, cluster, cand, micro, psi * weight, psi * grad, m,
+                       training.rank_order)
 
 
 def reduce_op(cluster: Cluster) -> str:
@@ -385,7 +386,8 @@ def reduce_op(cluster: Cluster) -> str:
 
 
 def _zero3_time(model: ModelSpec, cluster: Cluster, cand: Candidate, micro: _Micro,
-                weight_bytes: float, grad_bytes: float, m: int) -> float:
+                weight_bytes: float, grad_bytes: float, m: int,
+                order: tuple[str, ...] = ORDER) -> float:
     """ZeRO-3 / FSDP: per unit (one block) an all-gather of its parameters before forward,
     again before backward, and a reduce-scatter of its gradient after, every microbatch;
     kept through the step instead (``cand.reshards`` False, paratrain's default under a
@@ -394,7 +396,7 @@ def _zero3_time(model: ModelSpec, cluster: Cluster, cand: Candidate, micro: _Mic
     over the shard group, then the replicas all-reduce their shard's gradient once per
     step."""
     n, g = cand.shard, cand.zero_shard
-    link, replicas = zero3_links(cluster, cand)
+    link, replicas = zero3_links(cluster, cand, order)
     units = max_layers(model, cand)
 
     cost = cluster.gpu.overlap_cost
@@ -414,7 +416,8 @@ def _zero3_time(model: ModelSpec, cluster: Cluster, cand: Candidate, micro: _Mic
     return total
 
 
-def zero3_links(cluster: Cluster, cand: Candidate) -> tuple[Link, Link]:
+def zero3_links(cluster: Cluster, cand: Candidate,
+                order: tuple[str, ...] = ORDER) -> tuple[Link, Link]:
     """(shard group's link, replica group's link) of ZeRO-3 / HSDP.
 
     Within a node the shard group uses NVLink. Across nodes each rank gets its own NIC,
@@ -427,9 +430,9 @@ def zero3_links(cluster: Cluster, cand: Candidate) -> tuple[Link, Link]:
     inter = cluster.inter_bw or cluster.gpu.network_bw
     n, g = cand.shard, cand.zero_shard
     sizes = cand.sizes()
-    k = members_per_node(sizes, ORDER, ("cp", "dp"), cluster.node_size)
+    k = members_per_node(sizes, order, ("cp", "dp"), cluster.node_size)
     if g == n:
-        shard = cluster.link(sizes, ORDER, ("cp", "dp"), p2p=True)
+        shard = cluster.link(sizes, order, ("cp", "dp"), p2p=True)
     elif g <= k:
         shard = Link(intra, cluster.gpu.nvlink_alpha, "nvlink")
     else:

@@ -91,8 +91,9 @@ def refusal(cand: Candidate, model: ModelSpec, training: Training) -> str | None
     also models what other software runs (SGD, tied embeddings split over stages or
     shards, plain TP where SP's split does not divide), so a plan can rank without being
     trainable here."""
-    if getattr(model, "mla", None) is not None:  # no train config builds latent attention
-        return mla.REFUSAL
+    why = mla.planner_only(model)  # latent attention, or heads not d_model / n_heads wide
+    if why:
+        return why
     if training.optimizer != "adam":
         return f"`paratrain train` trains with AdamW; optimizer {training.optimizer!r} is planner-only"
     try:

@@ -34,15 +34,15 @@ def layer_matmuls(model: ModelSpec, tokens: int, tp: int) -> list[tuple[int, int
     mlp = [(tokens, h, mlp_in * f // tp), (tokens, f // tp, h)]
     if model.mla is not None:
         return mla.matmuls(model, tokens, tp) + mlp
-    kv = model.kv_heads_per_rank(tp) * model.head_dim
-    return [(tokens, h, h // tp + 2 * kv), (tokens, h // tp, h)] + mlp
+    kv, q = model.kv_heads_per_rank(tp) * model.head_dim, model.q_dim
+    return [(tokens, h, q // tp + 2 * kv), (tokens, q // tp, h)] + mlp
 
 
 def attention_core_flops(model: ModelSpec, b: int, s_q: int, s_kv: int, tp: int) -> float:
     """QK^T and softmax·V of one block's forward on one TP rank."""
     if model.mla is not None:  # head widths d_n + d_r for QK^T, d_v for softmax·V
         return mla.core_flops(model, b, s_q, s_kv, tp)
-    return 4 * b * s_q * s_kv * model.d_model / tp
+    return 4 * b * s_q * s_kv * model.q_dim / tp
 
 
 def step_flops(model: ModelSpec, training: Training, recompute: str = "none") -> float:

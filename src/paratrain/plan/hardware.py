@@ -115,6 +115,11 @@ GPUS: dict[str, GpuSpec] = {
                         **{**_H100, "efficiency": _H100["efficiency"] * GRAND_TETON_RATE,
                            "attention_efficiency": _H100["attention_efficiency"]
                            * GRAND_TETON_RATE}),
+    # The H100 export part DeepSeek-V3 was trained on: the H100 SXM's compute and memory,
+    # NVLink at 400 GB/s bidirectional (DeepSeek-V3 report, section 3.1), so 160 GB/s of
+    # achievable bus bandwidth at the H100's 80%; 400 Gb/s InfiniBand per GPU.
+    "h800": GpuSpec("h800", 989e12, 67e12, 81559 * 2**20, 3.35e12,
+                    160 * GB, 45 * GB, **_H100),
     # Same compute and NVLink as H100; more and faster memory (143771 MiB, 4.8 TB/s).
     "h200": GpuSpec("h200", 989e12, 67e12, 143771 * 2**20, 4.8e12,
                     360 * GB, 45 * GB, **_H100),

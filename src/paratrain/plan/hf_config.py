@@ -26,7 +26,7 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         name = f"{path.parent.name or path.name} ({raw['model_type']})"
         return of_shape(shape, name, mla=attention)
     refuse_unmodelled(raw, path)
-    shape = read_shape(raw, path)
+    shape = read_shape(raw, path, any_head_dim=True)
     kind = str(raw.get("model_type", "llama"))
     experts = read_fields(raw, path) if kind in MOE_PLANNED else {}
     if experts:  # the experts as train reads them; the routing values are carried to --out

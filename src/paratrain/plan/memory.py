@@ -136,7 +136,8 @@ def layer_activation_bytes(model: ModelSpec, s: int, b: int, t: int, sp: bool,
         return elem * sbh / (t if sp else 1)
     masks = 2 if model.dropout else 0
     outside = (4 * elem + masks) * sbh
-    attention = 2 + 2 * model.n_kv_heads / a  # q and the output projection's input, k, v
+    # q and the output projection's input, k and v
+    attention = (2 * model.q_dim + 2 * model.n_kv_heads * model.head_dim) / h
     if model.mla is not None:  # plan/mla.py: MLA's q, k, v, output; its latents outside tp
         inside_elems, latent = mla.stored(model)
         attention, outside = inside_elems / h, outside + elem * latent * s * b

@@ -149,12 +149,28 @@ def describe(model) -> str:
             f"rope, v {m.v_head_dim}; planner-only: `paratrain train` does not run it)")
 
 
+HEAD_DIM_REFUSAL = ("a head_dim other than d_model / n_heads is planner-only: `paratrain train` "
+                    "builds heads of d_model / n_heads, so no train config can be written for it")
+"""Why ``--out`` writes no config for a model with ``explicit_head_dim``."""
+
+
+def planner_only(model) -> str | None:
+    """Why ``paratrain train`` cannot build ``model`` (MLA, or heads wider or narrower than
+    d_model / n_heads), or None."""
+    if model.mla is not None:
+        return REFUSAL
+    if model.explicit_head_dim:
+        return HEAD_DIM_REFUSAL
+    return None
+
+
 def check_cluster(model, kind: str) -> None:
-    """ValueError for an MLA model on the local cluster, whose memory is paratrain's own
-    runtime's (``plan.runtime``), which builds no MLA."""
-    if model.mla is not None and kind == "local":
+    """ValueError for a planner-only model on the local cluster, whose memory is
+    paratrain's own runtime's (``plan.runtime``), which cannot build it."""
+    why = planner_only(model)
+    if why and kind == "local":
         raise ValueError(f"{model.name}: --cluster local plans paratrain's own processes, and "
-                         f"{REFUSAL.split(': ', 1)[1]}; plan it on --cluster gpu")
+                         f"{why.split(': ', 1)[1]}; plan it on --cluster gpu")
 
 
 # ---- DeepSeek-V3's config.json -----------------------------------------------------------

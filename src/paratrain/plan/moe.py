@@ -33,10 +33,12 @@ them on its own sequence shard under SP (on every token without SP).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from ..models.shape import ModelShape
+from .candidate import DEFAULT_RANK_ORDER
 
 if TYPE_CHECKING:  # the planner's types; moe.py is imported by the modules defining them
     from .candidate import Training
@@ -246,17 +248,23 @@ def expert_bias_params(model: ModelShape) -> int:
 # ---- the expert-parallel group ------------------------------------------------------------
 
 @lru_cache(maxsize=1 << 10)
-def expert_group(layout) -> tuple[int, ...]:
-    """Rank 0's expert-parallel group (``Layout.expert_ranks``: where ep is folded), the
-    ranks its all-to-alls span."""
-    return tuple(layout.expert_ranks(0))
+@lru_cache(maxsize=1 << 10)
+def expert_group(layout, order: tuple[str, ...] = DEFAULT_RANK_ORDER) -> tuple[int, ...]:
+    """Rank 0's expert-parallel group (``Layout.expert_ranks``: where ep is folded) with
+    the runtime's rank ``order`` (fastest first), the ranks its all-to-alls span."""
+    return tuple(_ordered(layout, order).expert_ranks(0))
 
 
 @lru_cache(maxsize=1 << 10)
-def expert_data_group(layout) -> tuple[int, ...]:
+def expert_data_group(layout, order: tuple[str, ...] = DEFAULT_RANK_ORDER) -> tuple[int, ...]:
     """Rank 0's expert-data-parallel group (``Layout.expert_data_ranks``), over which its
     expert gradients are reduced."""
-    return tuple(layout.expert_data_ranks(0))
+    return tuple(_ordered(layout, order).expert_data_ranks(0))
+
+
+def _ordered(layout, order: tuple[str, ...]):
+    text = "-".join(order)
+    return layout if layout.order == text else replace(layout, order=text)
 
 
 def stage_max_expert_params(model, cand) -> int:
@@ -302,7 +310,7 @@ def all_to_all_time(model, training, cluster, cand, layers: int) -> float:
     tokens = cand.micro_batch * training.seq_len // cand.cp // (cand.tp if cand.sp else 1)
     # the busiest rank receives (and sends back) load_factor times the mean rows
     full = tokens * model.top_k * model.d_model * training.act_bytes * load_factor(training, ep)
-    link = group_link(cluster, expert_group(cand.layout))
+    link = group_link(cluster, expert_group(cand.layout, training.rank_order))
     one = link_collective_time(cluster, link, "all-to-all", full, ep)
     passes = 4 + (2 if cand.recompute == "full" else 0)
     return layers * passes * one

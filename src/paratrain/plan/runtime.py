@@ -59,7 +59,8 @@ def block_params(model: ModelSpec, tp: int = 1) -> int:
     its Llama-style block for every shape)."""
     h, f = model.d_model, model.ffn_hidden
     kv = model.kv_heads_per_rank(tp) * model.head_dim
-    return 2 * h + 2 * h * h // tp + 2 * h * kv + 3 * h * f // tp + model.qkv_bias_params(tp)
+    return (2 * h + 2 * h * model.q_dim // tp + 2 * h * kv + 3 * h * f // tp
+            + model.qkv_bias_params(tp))
 
 
 def unit_params(model: ModelSpec, tp: int = 1, pp: int = 1, stage: int = 0,

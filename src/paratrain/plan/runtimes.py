@@ -54,6 +54,10 @@ class Runtime:
     """Tensor and pipeline parallelism together."""
     replicate_1d_only: bool = False
     """Plain data parallelism (ZeRO-0) only when it is the one parallel axis."""
+    rank_order: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+    """Its axes from fastest- to slowest-varying rank: Megatron's ``tp-cp-ep-dp-pp``,
+    torchtitan's mesh ``[pp, dp_replicate, dp_shard, cp, tp]`` and DeepSpeed's pipe-outermost
+    topology all put pp outermost (paratrain: pp inside dp)."""
     source: str = ""
     """Where the facts above were read."""
 
@@ -75,7 +79,7 @@ RUNTIMES: dict[str, Runtime] = {r.name: r for r in (
             cp_methods=("ring", "ulysses"),
             tp_modes=("sp", "plain"), expert_parallel=True,
             recompute=("none", "selective", "full"), uneven_stages=True, hsdp=False,
-            source="train's own rules (plan/export.refusal)"),
+            rank_order=("tp", "cp", "pp", "dp"), source="train's own rules (plan/export.refusal)"),
     Runtime("torchtitan", "torchtitan 0.2 (JobConfig TOML)", "a job TOML for --job.config_file",
             zero=(0, 3), zero_with_pp=(3,), schedules=("gpipe", "1f1b", "interleaved"),
             cp_methods=("ring",), tp_modes=("sp",), expert_parallel=True,

@@ -27,7 +27,7 @@ from functools import lru_cache
 from .. import rules
 from ..layout import Layout, LayoutError
 from .candidate import RECOMPUTE, Candidate, Training
-from .cost import ORDER, step_time
+from .cost import step_time
 from .flops import step_flops
 from .hardware import GiB, Cluster, members_per_node
 from .memory import Memory, rank_memory, rank_states
@@ -180,7 +180,8 @@ def _hsdp_groups(problem: _Problem, cand: Candidate, most: int = 1) -> list[int]
     if not problem.hsdp:
         return []
     n = cand.shard
-    g = members_per_node(cand.sizes(), ORDER, ("cp", "dp"), problem.cluster.node_size)
+    g = members_per_node(cand.sizes(), problem.training.rank_order, ("cp", "dp"),
+                         problem.cluster.node_size)
     groups = []
     while 1 < g < n and n % g == 0 and len(groups) < most:  # a group of 1 shards nothing
         groups.append(g)

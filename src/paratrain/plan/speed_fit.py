@@ -1,6 +1,6 @@
 """Fit and check the runtime speed profiles of ``plan/speed.py`` on measured runs.
 
-    python -m paratrain.plan.speed_fit tests/data/runtime_runs.toml
+    python -m paratrain.plan.speed_fit tests/data/runtime_runs.toml [--plot FILE.png]
 
 Each run is one trainer's published or measured step time for a layout the planner can
 time (``tests/data/runtime_runs.toml`` names the sources). A profile's free numbers are
@@ -23,7 +23,7 @@ from .candidate import Candidate, Training
 from .cost import step_time
 from .hardware import _H100, GRAND_TETON_RATE, Cluster, GpuSpec, gpu_preset
 from .models import PRESETS, ModelSpec
-from .speed import PROFILES, Speed
+from .speed import FUSED, PROFILES, Speed
 
 MODELS = {
     "837m": ModelSpec(16, 2048, 16, 4, 5472, 32000, 2048, name="837m"),
@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", help="the runs file (tests/data/runtime_runs.toml)")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw predicted against measured")
     args = parser.parse_args(argv)
     points = load_points(args.runs)
     rate = fit_grand_teton(points)
@@ -201,6 +202,39 @@ def main(argv: list[str] | None = None) -> None:
         print(report(mine, fitted))
         print("  matches plan/speed.py" if matches(fitted, speed) else
               f"  plan/speed.py has elementwise {speed.elementwise}, host_block {speed.host_block}")
+    if args.plot:
+        plot(args.plot, points)
+        print(f"wrote {args.plot}")
+
+
+def plot(path: str, points: list[Point]) -> None:
+    """Measured against predicted step time, each runtime at its own profile and at the
+    fused model (hollow): the distance the profile closes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 5.2))
+    colours = {("paratrain", False): "tab:blue", ("torchtitan", False): "tab:orange",
+               ("torchtitan", True): "tab:green"}
+    for key, colour in colours.items():
+        mine = [p for p in points if (p.runtime, p.compiled) == key]
+        speed = PROFILES[key]
+        ax.scatter([predict(p, FUSED) for p in mine], [p.step_s for p in mine],
+                   facecolors="none", edgecolors=colour, alpha=0.6)
+        for role, marker in (("calibrate", "s"), ("check", "o")):
+            sel = [p for p in mine if p.role == role]
+            ax.scatter([predict(p, speed) for p in sel], [p.step_s for p in sel], color=colour,
+                       marker=marker, label=f"{speed.name}: {role}" if sel else None)
+    lo, hi = 0.1, 60.0
+    ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
+    ax.fill_between([lo, hi], [lo / 1.15, hi / 1.15], [lo * 1.15, hi * 1.15], color="grey",
+                    alpha=0.12, label="±15%")
+    ax.set(xscale="log", yscale="log", xlabel="predicted step (s); hollow: the fused model",
+           ylabel="measured step (s)", title="Runtime speed profiles: predicted vs measured")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
