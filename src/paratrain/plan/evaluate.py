@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from .. import rules
 from ..layout import Layout
+from ..parallel.pipeline.zero_bubble import V_SHAPED
 from .candidate import RECOMPUTE, SCHEDULES, Candidate, Training
 from .cost import StepTime, step_time
 from .flops import step_flops
@@ -53,7 +54,8 @@ class LayoutSpec:
     microbatches: int | None = None
     """Microbatches per step (only checked: the batch sets it)."""
     schedule: str | None = None
-    """``gpipe``, ``1f1b`` or ``interleaved``."""
+    """``gpipe``, ``1f1b``, ``interleaved``, or the zero-bubble ``zbh1``, ``zbv`` and
+    ``dualpipev`` (named only: the search times them)."""
     virtual_stages: int | None = None
     """Chunks per pipeline rank."""
     recompute: str | None = None
@@ -87,8 +89,11 @@ def parse_layout(text: str) -> LayoutSpec:
             values[key], given[key] = value, token
     spec = LayoutSpec(**values)
     v = spec.virtual_stages or 1
-    if v > 1 and spec.schedule not in (None, "interleaved"):
+    if v > 1 and spec.schedule not in (None, "interleaved", *V_SHAPED):
         raise ValueError(f"--layout {text!r}: v{v} needs the interleaved schedule")
+    if spec.schedule in V_SHAPED and v != 2 and spec.virtual_stages is not None:
+        raise ValueError(f"--layout {text!r}: {spec.schedule} runs two chunks per rank "
+                         f"(v2), not v{v}")
     return spec
 
 
@@ -134,7 +139,7 @@ def _read_token(token: str) -> dict:
             values["microbatches"] = int(m.group(2))
     elif m := re.fullmatch(r"v(\d+)", low):
         values["virtual_stages"] = int(m.group(1))
-    elif m := re.fullmatch(r"(gpipe|1f1b|interleaved)(?:/v(\d+))?", low):
+    elif m := re.fullmatch(r"(gpipe|1f1b|interleaved|zbh1|zbv|dualpipev)(?:/v(\d+))?", low):
         values["schedule"] = m.group(1)
         if m.group(2):
             values["virtual_stages"] = int(m.group(2))
@@ -200,7 +205,8 @@ def candidates(spec: LayoutSpec, model: ModelSpec, training: Training,
         raise ValueError(f"--layout {spec.text!r}: {sizes} needs {need}; the cluster has {n}")
     # A schedule or v means a pipeline, Ulysses context parallelism: never complete them
     # with pp1 or cp1, where the choice would silently mean nothing.
-    piped = spec.schedule in ("gpipe", "interleaved") or (spec.virtual_stages or 1) > 1
+    piped = (spec.schedule in ("gpipe", "interleaved", "zbh1", *V_SHAPED)
+             or (spec.virtual_stages or 1) > 1)
     _needs_more_than_one(spec, "pp", piped, "a pipeline schedule or v")
     _needs_more_than_one(spec, "cp", spec.cp_method == "ulysses", "ulysses")
     if (spec.ep or 1) > 1 and not model.n_experts:
@@ -233,7 +239,7 @@ def _choices(spec, model, training, dp, tp, pp, cp):
     schedules = ("1f1b",) if pp == 1 and spec.schedule is None else _options(
         spec.schedule, SCHEDULES if (spec.virtual_stages or 1) == 1 else ("interleaved",))
     for schedule in schedules:
-        vs = (1,) if schedule != "interleaved" else _options(
+        vs = (2,) if schedule in V_SHAPED else (1,) if schedule != "interleaved" else _options(
             spec.virtual_stages, _virtual_stages(model.n_layers, pp) or [2])
         for v in vs:
             for zero in _options(spec.zero, (0, 1, 2, 3) if dp * cp > 1 else (0,)):

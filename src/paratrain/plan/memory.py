@@ -41,6 +41,7 @@ from functools import lru_cache
 from ..parallel.pipeline.posting import receives_ahead
 from ..parallel.pipeline.schedules import ScheduleError, peak_inflight
 from ..parallel.pipeline.zero_bubble import KINDS as ZERO_BUBBLE
+from ..parallel.pipeline.zero_bubble import V_SHAPED
 from . import mla, moe, runtime
 from .candidate import Candidate, Training
 from .models import ModelSpec
@@ -186,10 +187,25 @@ def rank_memory(model: ModelSpec, training: Training, cand: Candidate,
     stages = sorted({0, cand.pp - 1} | ({1} if cand.pp > 2 and counts[1] > counts[0] else set()))
     if paratrain:
         ahead = receives_ahead(backend)
-        peaks = (_paratrain_stage_memory(model, training, cand, s, ahead) for s in stages)
+        peaks = [_paratrain_stage_memory(model, training, cand, s, ahead) for s in stages]
     else:
-        peaks = (stage_memory(model, training, cand, s) for s in stages)
+        peaks = [stage_memory(model, training, cand, s) for s in stages]
+    if cand.schedule in V_SHAPED and cand.pp > 1:  # the V holds the head on rank 0 too
+        peaks.append(_v_first_rank(model, training, cand, peaks[0], peaks[-1]))
     return max(peaks, key=lambda m: m.total)
+
+
+def _v_first_rank(model: ModelSpec, training: Training, cand: Candidate, first: Memory,
+                  last: Memory) -> Memory:
+    """Rank 0 under a V (zbv, dualpipev), which holds the first stage and the last: the
+    loop's stage 0 with the head's states added, and the larger of the two ends'
+    activations and buffers (the last's hold the logits). The loop's last stage, counted
+    too, holds more than the V's last rank: an upper bound there."""
+    weight, grad, k = training_bytes_per_param(training)
+    zero = cand.zero if cand.shard > 1 else 0
+    head = model_state_bytes(model.head_params(cand.tp), cand.zero_shard, zero, weight, grad, k)
+    return Memory(first.params + head[0], first.grads + head[1], first.optimizer + head[2],
+                  max(first.activations, last.activations), max(first.buffers, last.buffers), 0)
 
 
 def rank_states(model: ModelSpec, training: Training, cand: Candidate,

@@ -67,6 +67,9 @@ class _Problem:
     Megatron-LM required before 2023)."""
     ulysses: bool = True
     """Search Ulysses beside ring attention for cp > 1 (False: a framework without it)."""
+    zero_bubble: bool = True
+    """Search the zero-bubble schedules (zbh1, zbv, dualpipev) beside 1F1B and interleaved
+    (False: a framework, or a published run, without them)."""
 
     @property
     def paratrain(self) -> bool:
@@ -79,11 +82,12 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
            micro_batch: int | None = None, recompute: str | None = None,
            zero: tuple[int, ...] = (0, 1, 2, 3), context_parallel: bool = True,
            sequence_parallel: bool = True, hsdp: bool = True,
-           uneven_stages: bool = True, ulysses: bool = True) -> SearchResult:
+           uneven_stages: bool = True, ulysses: bool = True,
+           zero_bubble: bool = True) -> SearchResult:
     """Every valid layout of ``model`` on ``cluster``, ranked by predicted step time.
     ``micro_batch`` / ``recompute`` fix those choices instead of searching them; ``zero``
     lists the ZeRO stages to consider; ``context_parallel``, ``sequence_parallel``,
-    ``hsdp``, ``uneven_stages`` and ``ulysses`` False leave those out (what a given
+    ``hsdp``, ``uneven_stages``, ``ulysses`` and ``zero_bubble`` False leave those out (what a given
     framework cannot run). HSDP is never
     searched on the local cluster: ``train`` does not run it."""
     start = time.perf_counter()
@@ -91,7 +95,8 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
     problem = _Problem(model, training, cluster, micro_batch,
                        (recompute,) if recompute else RECOMPUTE, step_flops(model, training),
                        context_parallel, sequence_parallel,
-                       hsdp and cluster.kind != "local" and 3 in zero, uneven_stages, ulysses)
+                       hsdp and cluster.kind != "local" and 3 in zero, uneven_stages, ulysses,
+                       zero_bubble)
     for shape in _cp_methods(problem, _expert_splits(problem, _shapes(problem, result), result),
                              result):
         for cand in _schedules(problem, shape, result):
@@ -292,7 +297,7 @@ def _schedules(problem: _Problem, shape: Candidate, result: SearchResult):
         yield shape
         return
     yield replace(shape, schedule="1f1b")
-    for kind, v in (("zbh1", 1), ("zbv", 2), ("dualpipev", 2)):  # beside them, zero-bubble
+    for kind, v in (("zbh1", 1), ("zbv", 2), ("dualpipev", 2)) if problem.zero_bubble else ():
         cand = replace(shape, schedule=kind, virtual_stages=v)
         if v == 2 and problem.model.tie_embeddings:  # the V puts both ends on rank 0
             result.reject("tied embeddings need a loop placement", cand.describe(),
