@@ -212,6 +212,8 @@ def test_a_head_dim_other_than_hidden_over_heads_is_planned_and_not_trained(tmp_
     with torch.device("meta"):
         hf = transformers.LlamaForCausalLM(hf_config)
     assert model.num_params() == sum(p.numel() for p in hf.parameters())
+    from paratrain.plan.flops import layer_matmuls  # the GEMMs timed are the weights counted
+    assert sum(k * n for _, k, n in layer_matmuls(model, 1, 1)) == model.layer_params(1) - 2 * 320
     with pytest.raises(HFModelError, match="head_dim = 64 differs from hidden_size"):
         read_shape(small, path)
     cand = Candidate(Layout(dp=1), zero=0, micro_batch=1, microbatches=1)

@@ -100,3 +100,28 @@ def test_pass_count_is_what_the_docs_say():
     within 5% (each miss has its measured reason in the data file)."""
     passing = [c for c in CASES if c.get("expect") != "fail"]
     assert (len(passing), len(CASES)) == (0, 5)
+
+
+def test_a_runtimes_rank_order_places_the_expert_group():
+    """Megatron puts pp outermost, so ep folded over dp sits on neighbouring ranks (two
+    nodes for tp2 x ep8) where paratrain's tp-cp-pp-dp spreads it over eight; the
+    all-to-all then runs on four NICs per node instead of one."""
+    from paratrain.layout import Layout
+    from paratrain.plan import moe
+    from paratrain.plan.candidate import DEFAULT_RANK_ORDER, Candidate
+
+    layout = Layout(dp=16, tp=2, pp=4, ep=8)
+    megatron = RUNTIMES["megatron"].rank_order
+    assert RUNTIMES["paratrain"].rank_order == DEFAULT_RANK_ORDER
+    assert moe.expert_group(layout, megatron) == tuple(range(0, 16, 2))
+    assert moe.expert_group(layout, DEFAULT_RANK_ORDER) == tuple(range(0, 64, 8))
+    model = from_hf_config(DATA_DIR / "moe" / "qwen3-30b-a3b.json")
+    cluster = Cluster(gpu_preset("h100-80g"), 128)
+    cand = Candidate(layout, zero=1, micro_batch=1, microbatches=4)
+    times = [moe.all_to_all_time(model, Training(64, 4096, rank_order=order), cluster, cand, 1)
+             for order in (megatron, DEFAULT_RANK_ORDER)]
+    assert times[0] < 0.5 * times[1]
+    from paratrain.plan.cost import step_time
+    dp = [step_time(model, Training(64, 4096, rank_order=order), cluster, cand.but(zero=0)).dp
+          for order in (megatron, DEFAULT_RANK_ORDER)]
+    assert dp[0] < dp[1]  # the gradient all-reduce's dp group too: on more NICs per node
