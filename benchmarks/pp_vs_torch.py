@@ -294,6 +294,9 @@ def main() -> None:
                       "paratrain": head["paratrain_ms"], "peer": head["peer_ms"],
                       "peer_name": "torch.distributed.pipelining", "ratio": head["ratio"],
                       "cpu_ratio": head["cpu_ratio"], "microbatches": args.microbatches,
+                      "zero_bubble_worst_ratio": max((v["ratio"] for (pp, kind), v in pairs.items()
+                                                      if kind in CHUNKS or kind == "zbh1"),
+                                                     default=None),
                       "pairs": {f"{kind} pp={pp}": v for (pp, kind), v in pairs.items()}}))
 
 
