@@ -268,7 +268,7 @@ def _paratrain_stage_memory(model: ModelSpec, training: Training, cand: Candidat
         tokens = s * b // (cand.tp if cand.sp else 1)
         per_micro += model.stage_moe_layers(cand.pp, stage, cand.virtual_stages) * \
             moe.paratrain_activation_delta(model, tokens, b, mode, cand.ep,
-                                           moe.load_factor(training, cand.ep))
+                                           moe.load_factor(training, cand.ep), cand.tp, cand.sp)
     held_grad = runtime.held_grad_bytes(model, cand, stage, training.precision)
     inflight, fraction = peak_moment(cand, stage, per_micro, held_grad)
     buffers = runtime.paratrain_buffer_bytes(model, training, cand, stage, receives_ahead,

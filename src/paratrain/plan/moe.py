@@ -203,7 +203,8 @@ def activation_delta(model: ModelShape, tokens: int, tp: int, elem: int,
 
 
 def paratrain_activation_delta(model: ModelShape, tokens: int, b: int, mode: str,
-                               ep: int = 1, factor: float = 1.0) -> float:
+                               ep: int = 1, factor: float = 1.0, tp: int = 1,
+                               sp: bool = False) -> float:
     """Bytes one paratrain MoE block (``models/moe.py``) saves for backward beyond its
     dense block (``runtime.paratrain_layer_activation_bytes``), ``tokens`` on this rank in
     ``b`` sequences; exact against saved-tensor hooks (tests/test_plan_moe.py). With c the
@@ -220,7 +221,11 @@ def paratrain_activation_delta(model: ModelShape, tokens: int, b: int, mode: str
     (4 · n_experts). Less the dense MLP's gate, up and product (3c · ffn_hidden). With
     ep > 1 the all-to-alls keep one more copy of the routed rows (c · d_model per row,
     measured: tests/test_plan_peaks.py). ``factor`` scales the per-row terms: the busiest
-    rank's routed rows over the mean."""
+    rank's routed rows over the mean. Under tensor parallelism a MoE block has no
+    row-parallel MLP output held in partial sums (the dense block's, c · d_model per token
+    of the whole sequence), and under SP it routes its own sequence shard, so the MLP's
+    all-gathered input (c · d_model per token, one per input cast under autocast) is not
+    kept either (measured: tests/test_plan_peaks.py)."""
     c = 4 if mode == "fp32" else 2
     r = 2 if mode == "bf16" else 4
     h, k, autocast = model.d_model, model.top_k, mode == "autocast"
@@ -236,7 +241,9 @@ def paratrain_activation_delta(model: ModelShape, tokens: int, b: int, mode: str
     if model.shared_gate:
         shared += c * h + c + (c * h if autocast else 0)
     per_token = routed + router + casts + shared - 3 * c * model.ffn_hidden
-    return tokens * (per_token + (factor - 1) * routed) + 4 * model.n_experts * b
+    whole = tokens * (tp if sp else 1)  # the sequence's tokens, which the dense block holds
+    not_dense = whole * c * h * ((1 if tp > 1 else 0) + ((2 if autocast else 1) if sp else 0))
+    return tokens * (per_token + (factor - 1) * routed) + 4 * model.n_experts * b - not_dense
 
 
 def expert_bias_params(model: ModelShape) -> int:
