@@ -48,6 +48,9 @@ from paratrain.train.loop import train
 
 from common import at_least
 
+MOE = {"n_experts": 4, "top_k": 2, "expert_ffn": 256}
+"""The mixture of experts the ep layouts train (on the ``small`` preset: MLP width 512)."""
+
 # (label, processes, config overrides): every strategy paratrain runs on CPU today; the
 # data-parallel size is what the other axes leave of the processes.
 LAYOUTS = [
@@ -69,6 +72,12 @@ LAYOUTS = [
     ("dp2 tp2 sp", 4, {"tp": 2, "sp": True}),
     ("dp2 pp2 1f1b", 4, {"pp": 2, "schedule": "1f1b", "microbatches": 4}),
     ("tp2 cp2", 4, {"tp": 2, "cp": 2}),
+    # a mixture of experts: 4 experts of half the MLP's width, top-2, ep folded over dp
+    ("dp2 moe", 2, {**MOE}),
+    ("dp2 ep2 moe", 2, {**MOE, "ep": 2}),
+    ("dp4 ep4 moe", 4, {**MOE, "ep": 4}),
+    ("dp4 ep2 zero1 moe", 4, {**MOE, "ep": 2, "zero": 1}),
+    ("dp2 pp2 ep2 moe", 4, {**MOE, "ep": 2, "pp": 2, "schedule": "1f1b", "microbatches": 4}),
 ]
 
 
