@@ -34,6 +34,8 @@ class _Group:
     params: list[torch.Tensor]
     nodes: list[Node]
     grads: list[tuple | None] = field(default_factory=list)
+    batch: object = None
+    """Groups with the same ``batch`` run in one W pass (``_batch_keys``)."""
 
 
 @dataclass
@@ -102,7 +104,32 @@ def _groups(root: Node, x_node: Node, params: Sequence[torch.Tensor]) -> list[_G
             group.nodes += [n for n in other.nodes if n not in group.nodes]
         for n in group.nodes:
             by_node[n] = group
-    return list({id(g): g for g in by_node.values()}.values())
+    groups = list({id(g): g for g in by_node.values()}.values())
+    _batch_keys(root, users, on_x_path, groups)
+    return groups
+
+
+def _batch_keys(root: Node, users: dict[Node, list[Node]], on_x_path: set,
+                groups: list[_Group]) -> None:
+    """Key the groups whose W can run in one engine pass: those whose frontier nodes have
+    as many frontier nodes above them (siblings such as q, k and v, which read the same
+    input). None of them then lies below another, so the pass computes no input-path
+    gradient from one frontier node towards another's parameters (it would be correct,
+    the kept gradients replacing it, but wasted). A group of several nodes runs alone."""
+    frontier = {n for g in groups for n in g.nodes}
+    waiting = {n: len(users.get(n, ())) for n in on_x_path}
+    depth, ready = {root: 0}, [root]
+    while ready:  # from the output down the input's path, each node after its consumers
+        node = ready.pop()
+        below = depth[node] + (node in frontier)
+        for child, _ in node.next_functions:
+            if child in waiting:
+                depth[child] = max(depth.get(child, 0), below)
+                waiting[child] -= 1
+                if waiting[child] == 0:
+                    ready.append(child)
+    for g in groups:
+        g.batch = depth.get(g.nodes[0]) if len(g.nodes) == 1 else id(g)
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor | None,
@@ -132,6 +159,33 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor | None
     return dx, KeptWork(groups)
 
 
+def _weight_pass(groups: list[_Group]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One engine pass from the groups' frontier nodes, with their kept gradients, to
+    their parameters: (parameter, gradient) pairs."""
+    nodes = [n for g in groups for n in g.nodes]
+    kept = [k for g in groups for k in g.grads]
+    edges, given = [], []
+    for node, kept_grads in zip(nodes, kept):
+        for i, g in enumerate(kept_grads or ()):
+            if g is not None:
+                edges.append(GradientEdge(node, i))
+                given.append(g)
+    if not edges:
+        return []
+    # Where one frontier node lies below another, what flows into it is replaced by
+    # what B kept (B counted that path already).
+    handles = ([node.register_prehook(lambda _, g=g: g) for node, g in zip(nodes, kept)]
+               if len(nodes) > 1 else [])
+    params = [p for g in groups for p in g.params]
+    try:
+        got = torch.autograd.grad(edges, [GradientEdge(_node(p), 0) for p in params], given,
+                                  retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return [(p, g) for p, g in zip(params, got) if g is not None]
+
+
 def backward_weight(kept: KeptWork) -> None:
     """Compute the kept weight gradients and accumulate them into ``.grad`` (hooks fire)."""
     if kept.whole is not None:
@@ -139,28 +193,13 @@ def backward_weight(kept: KeptWork) -> None:
         torch.autograd.Variable._execution_engine.run_backward(
             (out,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
         return
-    params, grads = [], []
+    batches: dict[object, list[_Group]] = {}
     for group in kept.groups:
-        edges, given = [], []
-        for node, kept_grads in zip(group.nodes, group.grads):
-            for i, g in enumerate(kept_grads or ()):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    given.append(g)
-        if not edges:
-            continue
-        handles = [node.register_prehook(lambda _, g=g: g)
-                   for node, g in zip(group.nodes, group.grads)] if len(group.nodes) > 1 else []
-        try:
-            targets = [GradientEdge(_node(p), 0) for p in group.params]
-            got = torch.autograd.grad(edges, targets, given, retain_graph=True,
-                                      allow_unused=True)
-        finally:
-            for h in handles:
-                h.remove()
-        for p, g in zip(group.params, got):
-            if g is not None:
-                params.append(p)
-                grads.append(g)
+        batches.setdefault(group.batch, []).append(group)
+    params, grads = [], []
+    for batch in batches.values():
+        for p, g in _weight_pass(batch):
+            params.append(p)
+            grads.append(g)
     if params:  # through each parameter's accumulator, as a backward ends
         torch.autograd.backward(params, grads)
