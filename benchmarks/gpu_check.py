@@ -8,9 +8,9 @@ Llama shape of ``plan_vs_gpu.py`` at microbatches 1 and 8 (8 x 2048 tokens per s
   ``torch.compile`` (``gpu_step.peer_step_time(compiled=True)``), on paratrain's own GPT.
 
 Each with its MFU (the model's FLOPs per token as the run's metrics count them, over the
-GPU's bf16 peak) and the planner's predicted step time (``plan_vs_gpu.predicted``: the
-planner has one runtime model today, so the prediction is the same for the three at one
-microbatch). Step times are medians of the steps after the first two (the compiles).
+GPU's bf16 peak) and the planner's predicted step time (``plan_vs_gpu.predicted`` at the
+runtime's speed profile, plan/speed.py: paratrain's eager profile for the eager run, the
+compiled one, not yet measured on a GPU, for the two compiled runs). Step times are medians of the steps after the first two (the compiles).
 
     python benchmarks/gpu_check.py [--micro-batches 1 8] [--steps 8] [--gpu h100-80g]
 
@@ -29,6 +29,7 @@ import torch
 
 from paratrain.launch import spawn
 from paratrain.plan.hardware import gpu_preset
+from paratrain.plan.speed import PARATRAIN_COMPILED, PARATRAIN_EAGER
 from paratrain.train import logs
 from paratrain.train.task import task_for
 
@@ -79,8 +80,9 @@ def main() -> None:
         tokens = cfg.train.global_batch * cfg.data.seq_len
         flops = task_for(cfg).flops_per_unit(cfg) * tokens
         peak = logs.peak_flops(torch.device("cuda"), "bf16", 1) or gpu.peak_flops
-        predicted = plan_vs_gpu.predicted(cfg, gpu)[0]
-        for name in VARIANTS:
+        for name in VARIANTS:  # eager at paratrain's eager profile, the others compiled
+            speed = PARATRAIN_EAGER if name == VARIANTS[0] else PARATRAIN_COMPILED
+            predicted = plan_vs_gpu.predicted(cfg, gpu, speed)[0]
             s = seconds[f"{name} mb{mb}"]
             rows[f"{name} mb{mb}"] = {"step_s": round(s, 5), "mfu": round(flops / s / peak, 4),
                                       "predicted_s": round(predicted, 5)}

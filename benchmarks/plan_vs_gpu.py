@@ -34,6 +34,7 @@ from paratrain.plan.cost import step_time
 from paratrain.plan.hardware import Cluster, gpu_preset
 from paratrain.plan.memory import rank_memory
 from paratrain.plan.models import from_gpt_config
+from paratrain.plan.speed import FUSED, Speed
 from paratrain.train.config import Config, load
 from paratrain.train.loop import train
 
@@ -81,11 +82,12 @@ def measured(cfg: Config) -> tuple[float, int]:
     return statistics.median(times[2:] or times), max(peaks)
 
 
-def predicted(cfg: Config, gpu) -> tuple[float, float]:
-    """(step seconds, peak bytes) the planner gives the run ``cfg`` describes."""
+def predicted(cfg: Config, gpu, speed: Speed = FUSED) -> tuple[float, float]:
+    """(step seconds, peak bytes) the planner gives the run ``cfg`` describes, timed at a
+    runtime ``speed`` (plan/speed.py; default the fused model)."""
     t = cfg.train
     model = from_gpt_config(cfg.model, "bench")
-    training = Training(t.global_batch, cfg.data.seq_len, t.precision)
+    training = Training(t.global_batch, cfg.data.seq_len, t.precision, speed=speed)
     cand = Candidate(Layout(), zero=0, micro_batch=cfg.micro_batch,
                      microbatches=cfg.accumulation, recompute=t.recompute)
     time = step_time(model, training, Cluster(gpu, 1), cand).step
