@@ -249,7 +249,8 @@ def search_options(runtime: Runtime) -> dict:
     return dict(zero=runtime.zero, context_parallel=bool(runtime.cp_methods),
                 sequence_parallel="sp" in runtime.tp_modes,
                 ulysses="ulysses" in runtime.cp_methods, hsdp=runtime.hsdp,
-                uneven_stages=runtime.uneven_stages)
+                uneven_stages=runtime.uneven_stages,
+                zero_bubble=bool(set(runtime.schedules) & {"zbh1", "zbv", "dualpipev"}))
 
 
 def restrict(result: SearchResult, runtime: Runtime, model: ModelSpec,
