@@ -322,6 +322,10 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     would fail deep in the model or in torch's schedule."""
     from paratrain.parallel.pipeline import ScheduleError, check
 
+    # the batch's own flags first: the schedules' checks below assume its microbatches
+    if args.batch % args.microbatches:
+        parser.error(f"--batch {args.batch} must be a multiple of --microbatches {args.microbatches}: "
+                     f"both runners cut the batch into equal microbatches")
     for pp in args.pp:
         for v in sorted({CHUNKS.get(k, 1) for k in args.schedules}):
             try:
@@ -336,9 +340,6 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.seq > MODEL.max_seq_len:
         parser.error(f"--seq {args.seq} is longer than the model's max_seq_len {MODEL.max_seq_len}; "
                      f"pass --seq {MODEL.max_seq_len} or less")
-    if args.batch % args.microbatches:
-        parser.error(f"--batch {args.batch} must be a multiple of --microbatches {args.microbatches}: "
-                     f"both runners cut the batch into equal microbatches")
 
 
 def _pair(result: dict, kind: str, theory: float) -> dict:

@@ -1,6 +1,7 @@
 """The mutation check's CI subset: a few fast deliberate bugs from scripts/mutants/*.toml,
-each applied to a temporary copy of the repository, must make their tests fail. The full
-check (every mutant; tens of minutes) is `python scripts/mutants.py`."""
+each applied to a temporary copy of the repository, must make their tests fail (behind
+-m slow: 3-4 minutes). The default suite checks that every mutant still finds its place.
+The full check (every mutant; tens of minutes) is `python scripts/mutants.py`."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def test_every_mutant_file_is_well_formed():
     assert done.stdout.count("tests:") >= 12
 
 
-@pytest.mark.timeout(600)  # 2-4 minutes; more on a loaded machine (the subprocess's own limit)
+@pytest.mark.slow  # 3-4 minutes on 2 cores: a sixth of the suite (-m slow, README)
+@pytest.mark.timeout(600)  # more on a loaded machine (the subprocess's own limit)
 def test_ci_mutants_are_caught():
     # No baseline run: the suite runs every one of these tests unmutated anyway, and a
     # failing one shows there (the baseline cost 35 s of a 2-minute check). Two at a time:
