@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .candidate import Candidate, Training
 from .models import ModelSpec
 from .results import Plan, SearchResult, rank_key
+from ..parallel.pipeline.zero_bubble import KINDS as ZERO_BUBBLE
 from .speed import FUSED, Speed, profile
 
 
@@ -250,7 +251,7 @@ def search_options(runtime: Runtime) -> dict:
                 sequence_parallel="sp" in runtime.tp_modes,
                 ulysses="ulysses" in runtime.cp_methods, hsdp=runtime.hsdp,
                 uneven_stages=runtime.uneven_stages,
-                zero_bubble=bool(set(runtime.schedules) & {"zbh1", "zbv", "dualpipev"}))
+                zero_bubble=bool(set(runtime.schedules) & set(ZERO_BUBBLE)))
 
 
 def restrict(result: SearchResult, runtime: Runtime, model: ModelSpec,
