@@ -122,9 +122,10 @@ def test_hsdp_is_searched_on_gpus_and_written_for_train():
     spec = parse_layout("dp32 z3/hsdp8")
     assert (spec.zero, spec.shard_group) == (3, 8) and parse_layout("hsdp8").zero == 3
     from paratrain.layout import Layout
-    from paratrain.plan.search import _hsdp_groups, _Problem
+    from paratrain.plan.search import _hsdp_groups
+    from paratrain.plan.sweep import Problem
 
-    problem = _Problem(model, training, Cluster(gpu_preset("h100-80g"), 32), None, ("none",), 1.0)
+    problem = Problem(model, training, Cluster(gpu_preset("h100-80g"), 32), None, ("none",), 1.0)
     assert _hsdp_groups(problem, Candidate(Layout(dp=32), 3, 1, 2), most=3) == [8, 16]
     assert _hsdp_groups(problem, Candidate(Layout(dp=4, tp=8), 3, 1, 16), most=3) == []  # 1 rank a node
 

@@ -169,15 +169,10 @@ class Layout:
         only if cp is named first; the group's *set* is the same either way).
         """
         names = _as_axes(axes)
-        base = self.coords(rank)
-        fixed = {a: v for a, v in base.items() if a not in names}
-        ranks = []
-        for index in range(self.size(names)):
-            free = {}
-            for axis in names:
-                free[axis] = index % getattr(self, axis)
-                index //= getattr(self, axis)
-            ranks.append(self.rank_of(**fixed, **free))
+        strides, base = self._strides(), self.coords(rank)
+        ranks = [rank - sum(base.get(a, 0) * strides[a] for a in names)]  # coordinate 0 on axes
+        for axis in names:  # arithmetic, not rank_of per member: groups span thousands
+            ranks = [r + i * strides[axis] for i in range(getattr(self, axis)) for r in ranks]
         return sorted(ranks)
 
     def groups(self, axes: str | Iterable[str]) -> list[list[int]]:

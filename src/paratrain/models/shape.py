@@ -164,6 +164,7 @@ class ModelShape:
                 + self.head_params(1))
 
     # ---- pipeline cut --------------------------------------------------------------------
+    @lru_cache(maxsize=64)  # noqa: B019 - as layer_params; the planner asks per candidate
     def stage_costs(self) -> tuple[float, float]:
         """The embedding's and the head's cost, in blocks, that an uneven pipeline cut
         balances (``paratrain.stages``)."""
@@ -175,6 +176,7 @@ class ModelShape:
         counts them."""
         return pipeline_split(self.n_layers, pp, v, *self.stage_costs())
 
+    @lru_cache(maxsize=1 << 12)  # noqa: B019 - as stage_costs
     def stage_layer_counts(self, pp: int, v: int = 1) -> tuple[int, ...]:
         """Blocks each pipeline rank holds (virtual stages r, r + pp, ...)."""
         return stage_layer_counts(self.n_layers, pp, v, *self.stage_costs())

@@ -81,6 +81,11 @@ def add_parser(subparsers) -> None:
     tr.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F", help=MOE_IMBALANCE_HELP)
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, metavar="N", help=f"plans to show (default {DEFAULT_TOP})")
+    out.add_argument("--within", type=float, metavar="F",
+                     help="rank only the plans within F times the fastest step (1.25: up to "
+                          "25%% slower), skipping what a lower bound shows cannot come that "
+                          "close: the same plans in that range, several times faster on "
+                          "thousands of GPUs (default: rank every plan that fits)")
     out.add_argument("--explain", action="store_true", help="why the winner wins")
     out.add_argument("--show-rejected", action="store_true", help="why layouts were dropped")
     out.add_argument("--json", action="store_true", help="machine-readable output")
@@ -159,6 +164,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {path}: the directory {Path(path).parent} does not exist")
         if path and Path(path).is_dir():
             raise ValueError(f"{flag} {path}: a directory; give a file name")
+    if args.within is not None and not (math.isfinite(args.within) and args.within >= 1):
+        raise ValueError(f"--within must be a factor of at least 1 (1.25: plans up to 25% "
+                         f"slower than the fastest), got {args.within}")
     if args.plot and Path(args.plot).suffix.lower() not in PLOT_FORMATS:
         raise ValueError(f"--plot {args.plot}: name a {', '.join(PLOT_FORMATS)} file (the format "
                          f"follows the extension)")
@@ -241,7 +249,9 @@ def run(args: argparse.Namespace) -> int:
     recompute = None if args.recompute == "search" else args.recompute
     rt = RUNTIMES[args.runtime]
     result = runtimes.restrict(search(model, training, cluster, micro_batch=micro,
-                                      recompute=recompute, **runtimes.search_options(rt)),
+                                      recompute=recompute, within=args.within,
+                                      refuse=runtimes.refuser(rt, model, training),
+                                      **runtimes.search_options(rt)),
                                rt, model, training)
     if args.layout or args.compare:
         return _evaluate(args, result, model, training, cluster, log, micro, recompute)

@@ -338,7 +338,7 @@ def _dp_time(model: ModelSpec, training: Training, cluster: Cluster, cand: Candi
         return _reduce_time(model, training, cluster, cand, micro, psi, cand.shard, link)
     # A MoE model's expert gradients reduce over the ranks holding the same experts
     # (moe.expert_reduction): its own group and link, in the same backward window.
-    edp = moe.group_link(cluster, moe.expert_data_group(cand.layout, training.rank_order))
+    edp = moe.expert_link(cluster, cand.layout, training.rank_order, data=True)
     if cand.zero == 0:  # one DDP reduction per group, hidden behind the same backward
         grad = 4 if cluster.kind == "local" else training.act_bytes
         comm = (link_collective_time(cluster, link, "all-reduce", psi * grad, cand.shard)

@@ -26,7 +26,8 @@ from .hardware import Cluster
 from .memory import Memory, rank_memory
 from .models import ModelSpec
 from .results import SearchResult, rank_key
-from .search import _holds, _virtual_stages, divisors, layout_problems
+from .search import _virtual_stages, divisors, layout_problems
+from .sweep import _holds
 
 _SIZE = re.compile(r"(dp|tp|pp|cp|ep)(\d+)([+-]sp)?(?:/(ring|ulysses))?")
 _ALIASES = {"sel": "selective", "no": "none", "off": "none"}
@@ -332,6 +333,10 @@ def evaluate(spec: LayoutSpec, model: ModelSpec, training: Training, cluster: Cl
                          f" runs it")
     elif not result.plans:
         best.unranked = "no layout fits, so there is nothing to rank against"
+    elif result.within and best.time.step > result.within * result.fastest:
+        best.unranked = (f"{best.time.step / result.fastest:.2f}x the fastest step, and only "
+                         f"plans within {result.within:g}x are ranked (--within); drop --within "
+                         f"to rank every plan")
     else:
         key = rank_key(best.time.step, best.memory.total)
         best.rank = 1 + sum(rank_key(p.time.step, p.memory.total) < key for p in result.plans)

@@ -53,7 +53,7 @@ class ModelSpec(ModelShape):
         the rule ``train`` cuts by)."""
         return self.stage_layer_counts(pp, v)[stage]
 
-    @lru_cache(maxsize=1024)  # noqa: B019 - the search asks for the same stages often
+    @lru_cache(maxsize=1 << 14)  # noqa: B019 - the search asks for the same stages often
     def stage_params(self, tp: int, pp: int, stage: int, v: int = 1) -> int:
         """Parameters one rank of pipeline ``stage`` holds."""
         n = self.stage_layers(pp, stage, v) * self.layer_params(tp)
@@ -65,7 +65,7 @@ class ModelSpec(ModelShape):
             n += self.head_params(tp, own_copy=pp > 1 and self.tie_embeddings)
         return n
 
-    @lru_cache(maxsize=1024)  # noqa: B019 - as stage_params
+    @lru_cache(maxsize=1 << 14)  # noqa: B019 - as stage_params
     def stage_moe_layers(self, pp: int, stage: int, v: int = 1) -> int:
         """Mixture-of-experts blocks one rank of pipeline ``stage`` holds (virtual stages
         stage, stage + pp, ...; 0 for a dense model)."""
@@ -76,6 +76,7 @@ class ModelSpec(ModelShape):
         runs = self.stage_runs(pp, v)
         return [i for c in range(stage, pp * v, pp) for i in runs[c]]
 
+    @lru_cache(maxsize=1 << 14)  # noqa: B019 - as stage_params
     def stage_expert_params(self, pp: int, stage: int, v: int = 1, ep: int = 1) -> int:
         """Routed-expert parameters one rank of pipeline ``stage`` holds: n_experts / ep
         experts of each of its MoE blocks (sharded by ZeRO over dp x cp / ep, not dp x cp).

@@ -254,15 +254,24 @@ def expert_bias_params(model: ModelShape) -> int:
 
 # ---- the expert-parallel group ------------------------------------------------------------
 
-@lru_cache(maxsize=1 << 10)
-@lru_cache(maxsize=1 << 10)
+def expert_link(cluster, layout, order: tuple[str, ...], data: bool = False):
+    """The link of rank 0's expert-parallel group (``data``: its expert-data-parallel
+    group) under the runtime's rank ``order``: ``group_link`` of ``expert_group`` or
+    ``expert_data_group``."""
+    return _expert_link(cluster, layout, order, data)
+
+
+@lru_cache(maxsize=1 << 16)  # a 2,048-GPU search meets thousands of layouts
+def _expert_link(cluster, layout, order: tuple[str, ...], data: bool):
+    return group_link(cluster, (expert_data_group if data else expert_group)(layout, order))
+
+
 def expert_group(layout, order: tuple[str, ...] = DEFAULT_RANK_ORDER) -> tuple[int, ...]:
     """Rank 0's expert-parallel group (``Layout.expert_ranks``: where ep is folded) with
     the runtime's rank ``order`` (fastest first), the ranks its all-to-alls span."""
     return tuple(_ordered(layout, order).expert_ranks(0))
 
 
-@lru_cache(maxsize=1 << 10)
 def expert_data_group(layout, order: tuple[str, ...] = DEFAULT_RANK_ORDER) -> tuple[int, ...]:
     """Rank 0's expert-data-parallel group (``Layout.expert_data_ranks``), over which its
     expert gradients are reduced."""
@@ -276,10 +285,13 @@ def _ordered(layout, order: tuple[str, ...]):
 
 def stage_max_expert_params(model, cand) -> int:
     """Routed-expert parameters on the fullest pipeline rank of ``cand`` (0: dense)."""
-    if not model.n_experts:
-        return 0
-    return max(model.stage_expert_params(cand.pp, s, cand.virtual_stages, cand.ep)
-               for s in range(cand.pp))
+    return _stage_max_expert_params(model, cand.pp, cand.virtual_stages, cand.ep) \
+        if model.n_experts else 0
+
+
+@lru_cache(maxsize=1 << 12)
+def _stage_max_expert_params(model, pp: int, v: int, ep: int) -> int:
+    return max(model.stage_expert_params(pp, s, v, ep) for s in range(pp))
 
 
 def group_link(cluster, ranks: tuple[int, ...]):
@@ -317,7 +329,7 @@ def all_to_all_time(model, training, cluster, cand, layers: int) -> float:
     tokens = cand.micro_batch * training.seq_len // cand.cp // (cand.tp if cand.sp else 1)
     # the busiest rank receives (and sends back) load_factor times the mean rows
     full = tokens * model.top_k * model.d_model * training.act_bytes * load_factor(training, ep)
-    link = group_link(cluster, expert_group(cand.layout, training.rank_order))
+    link = expert_link(cluster, cand.layout, training.rank_order)
     one = link_collective_time(cluster, link, "all-to-all", full, ep)
     passes = 4 + (2 if cand.recompute == "full" else 0)
     return layers * passes * one

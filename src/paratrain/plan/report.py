@@ -94,7 +94,9 @@ def search_line(result: SearchResult) -> str:
     return (f"searched {result.considered:,} candidates in {result.seconds:.2f} s: "
             f"{len(result.plans):,} ranked, {result.dominated:,} skipped (no faster or smaller "
             f"than less recompute or a lower ZeRO stage), {dropped:,} rejected "
-            f"(--show-rejected for why)")
+            f"(--show-rejected for why)" + (f"; only plans within {result.within:g}x of the "
+                                            f"fastest are ranked (--within)"
+                                            if result.within else ""))
 
 
 # ---- --explain ----------------------------------------------------------------------------
@@ -150,7 +152,9 @@ def explain(result: SearchResult, cluster: Cluster, training: Training | None = 
         other = next((p for p in result.plans if getattr(p.cand, knob) != mine), None)
         if other is None:
             lines.append(f"  every ranked plan has {knob}={mine}: the others are invalid, "
-                         f"do not fit, or are never faster")
+                         f"do not fit, or are " + (f"not within {result.within:g}x of it "
+                                                   f"(--within)" if result.within
+                                                   else "never faster"))
         else:
             what = f"best with {knob}={getattr(other.cand, knob)}"
             lines.append("  " + _versus(best, other, what))

@@ -59,11 +59,21 @@ class SearchResult:
     ``--layout`` completes to them."""
     seconds: float = 0.0
     """Wall time of the search."""
+    fastest: float = float("inf")
+    """The fastest step time timed so far (the search's bound measures from it)."""
+    within: float | None = None
+    """The factor of the fastest within which plans were ranked (``search(within=)``);
+    None: every fitting plan was timed."""
 
     @property
     def considered(self) -> int:
         """Candidates enumerated: fitting, rejected or dominated."""
         return len(self.plans) + self.dominated + sum(r.count for r in self.rejected.values())
+
+    def add(self, plan: Plan) -> None:
+        """Rank ``plan`` (the search sorts them at the end)."""
+        self.plans.append(plan)
+        self.fastest = min(self.fastest, plan.time.step)
 
     def reject(self, reason: str, example: str, detail: str, count: int = 1,
                overflow: float = float("inf")) -> None:

@@ -254,6 +254,14 @@ def search_options(runtime: Runtime) -> dict:
                 zero_bubble=bool(set(runtime.schedules) & set(ZERO_BUBBLE)))
 
 
+def refuser(runtime: Runtime, model: ModelSpec, training: Training):
+    """``search``'s ``refuse`` for what ``runtime`` cannot run (None: paratrain's own
+    runtime, whose rules the search already holds)."""
+    if runtime.name == DEFAULT_RUNTIME:
+        return None
+    return runtime.name, lambda cand: refusal(runtime, cand, model, training)
+
+
 def restrict(result: SearchResult, runtime: Runtime, model: ModelSpec,
              training: Training) -> SearchResult:
     """``result`` with the plans ``runtime`` cannot express moved to its rejections."""

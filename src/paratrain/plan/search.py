@@ -23,16 +23,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Callable
 
 from .. import rules
 from ..layout import Layout, LayoutError
 from .candidate import RECOMPUTE, Candidate, Training
-from .cost import step_time
 from .flops import step_flops
-from .hardware import GiB, Cluster, members_per_node
-from .memory import Memory, rank_memory, rank_states
+from .hardware import Cluster, members_per_node
 from .models import ModelSpec
 from .results import Plan, SearchResult, rank_key
+from .sweep import Problem, _holds, family_reach, sweep
 
 
 @lru_cache(maxsize=1024)
@@ -40,90 +40,91 @@ def divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-@dataclass(frozen=True)
-class _Problem:
-    """What every candidate of one search shares."""
-
-    model: ModelSpec
-    """The model being planned."""
-    training: Training
-    """Batch, sequence, precision, optimizer."""
-    cluster: Cluster
-    """Where it runs."""
-    micro_batch: int | None
-    """A fixed microbatch size, or None to search them."""
-    policies: tuple[str, ...]
-    """Recompute policies to try, least recompute first."""
-    model_flops: float
-    """FLOPs of one step without recompute (for MFU)."""
-    context_parallel: bool = True
-    """Search cp > 1 (False: a framework without context parallelism)."""
-    sequence_parallel: bool = True
-    """Sequence parallelism with tp > 1 (False: a framework without it)."""
-    hsdp: bool = True
-    """Search hybrid sharding (HSDP) for ZeRO-3 across nodes."""
-    uneven_stages: bool = True
-    """Allow pipeline stages with unequal block counts (False: layers % pp == 0, as
-    Megatron-LM required before 2023)."""
-    ulysses: bool = True
-    """Search Ulysses beside ring attention for cp > 1 (False: a framework without it)."""
-    zero_bubble: bool = True
-    """Search the zero-bubble schedules (zbh1, zbv, dualpipev) beside 1F1B and interleaved
-    (False: a framework, or a published run, without them)."""
-
-    @property
-    def paratrain(self) -> bool:
-        """Count memory as paratrain's own runtime holds it (processes on this machine
-        run paratrain), not by the published formulas."""
-        return self.cluster.kind == "local"
-
-
 def search(model: ModelSpec, training: Training, cluster: Cluster,
            micro_batch: int | None = None, recompute: str | None = None,
            zero: tuple[int, ...] = (0, 1, 2, 3), context_parallel: bool = True,
            sequence_parallel: bool = True, hsdp: bool = True,
            uneven_stages: bool = True, ulysses: bool = True,
-           zero_bubble: bool = True) -> SearchResult:
+           zero_bubble: bool = True, within: float | None = None,
+           refuse: tuple[str, Callable[[Candidate], str | None]] | None = None) -> SearchResult:
     """Every valid layout of ``model`` on ``cluster``, ranked by predicted step time.
     ``micro_batch`` / ``recompute`` fix those choices instead of searching them; ``zero``
     lists the ZeRO stages to consider; ``context_parallel``, ``sequence_parallel``,
-    ``hsdp``, ``uneven_stages``, ``ulysses`` and ``zero_bubble`` False leave those out (what a given
-    framework cannot run). HSDP is never
-    searched on the local cluster: ``train`` does not run it."""
+    ``hsdp``, ``uneven_stages``, ``ulysses`` and ``zero_bubble`` False leave those out
+    (what a given framework cannot run). HSDP is never searched on the local cluster:
+    ``train`` does not run it. ``within`` (a factor >= 1) ranks only the plans within it of
+    the fastest, skipping what ``plan.sweep``'s bound shows cannot come that close: the
+    same plans in that range as the full search, in a fraction of its time. ``refuse``:
+    (a trainer's name, why it cannot run a candidate or None), tallied instead of ranked
+    (``runtimes.refuser``; what ``runtimes.restrict`` does after a full search)."""
+    if within is not None and within < 1:
+        raise ValueError(f"within={within}: a factor of the fastest step time, at least 1")
     start = time.perf_counter()
-    result = SearchResult(plans=[])
-    problem = _Problem(model, training, cluster, micro_batch,
-                       (recompute,) if recompute else RECOMPUTE, step_flops(model, training),
-                       context_parallel, sequence_parallel,
-                       hsdp and cluster.kind != "local" and 3 in zero, uneven_stages, ulysses,
-                       zero_bubble)
-    for shape in _cp_methods(problem, _expert_splits(problem, _shapes(problem, result), result),
-                             result):
-        for cand in _schedules(problem, shape, result):
-            first = len(result.plans)
-            fitted: set = set()
-            # Every stage is timed: ZeRO-2/3 send more than the stage below but can hide
-            # more of it (ZeRO-3 gathers each unit behind the previous one's compute,
-            # where ZeRO-1/2's gather of the updated parameters waits after the step).
-            for stage in _zero_stages(problem, cand, zero, result):
-                fitted = _sweep(problem, cand.but(zero=stage), result, set())
-            if 3 in zero and cand.shard > 1 and _experts_allow(problem, cand.but(zero=3)):
-                # ZeRO-3's other choice: under a pipeline, regathering every microbatch
-                # (less memory, more traffic and the same overlap: only where keeping did
-                # not fit); without one, keeping the units gathered (more memory, fewer
-                # gathers).
-                other = cand.but(zero=3, reshard_after_forward=cand.pp > 1)
-                _sweep(problem, other, result, fitted if cand.pp > 1 else set())
-            for group in _hsdp_groups(problem, cand) if 3 in zero and _experts_allow(
-                    problem, cand.but(zero=3)) else ():
-                _sweep(problem, cand.but(zero=3, shard_group=group), result, set())
-            _drop_dominated(result, first)
+    result = SearchResult(plans=[], within=within)
+    problem = Problem(model, training, cluster, micro_batch,
+                      (recompute,) if recompute else RECOMPUTE, step_flops(model, training),
+                      context_parallel, sequence_parallel,
+                      hsdp and cluster.kind != "local" and 3 in zero, uneven_stages, ulysses,
+                      zero_bubble, within, refuse)
+    for cand, sizes in _candidates(problem, result):
+        first = len(result.plans)
+        fitted: set = set()
+        # Every stage is timed: ZeRO-2/3 send more than the stage below but can hide
+        # more of it (ZeRO-3 gathers each unit behind the previous one's compute,
+        # where ZeRO-1/2's gather of the updated parameters waits after the step).
+        for stage in _zero_stages(problem, cand, zero, result):
+            fitted = sweep(problem, cand.but(zero=stage), result, set(), sizes)
+        if 3 in zero and cand.shard > 1 and _experts_allow(problem, cand.but(zero=3)):
+            # ZeRO-3's other choice: under a pipeline, regathering every microbatch
+            # (less memory, more traffic and the same overlap: only where keeping did
+            # not fit); without one, keeping the units gathered (more memory, fewer
+            # gathers).
+            other = cand.but(zero=3, reshard_after_forward=cand.pp > 1)
+            sweep(problem, other, result, fitted if cand.pp > 1 else set(), sizes)
+        for group in _hsdp_groups(problem, cand) if 3 in zero and _experts_allow(
+                problem, cand.but(zero=3)) else ():
+            sweep(problem, cand.but(zero=3, shard_group=group), result, set(), sizes)
+        _drop_dominated(result, first)
     result.plans.sort(key=lambda p: rank_key(p.time.step, p.memory.total))
     result.seconds = time.perf_counter() - start
     return result
 
 
-def _expert_splits(problem: _Problem, shapes, result: SearchResult):
+def _candidates(problem: Problem, result: SearchResult):
+    """Every valid layout with each of its schedules, and the microbatch sizes to try.
+    With a bound (``problem.within``): only the sizes at which something may fit
+    (``family_reach``), most promising first (its bound, lowest first) so the
+    fastest plan is timed early and the bound skips the most, and none past the first
+    the bound rules out."""
+    valid = (cand for shape in _cp_methods(problem, _expert_splits(
+        problem, _shapes(problem, result), result), result)
+        for cand in _schedules(problem, shape, result))
+    if not problem.within:
+        yield from ((cand, problem.sizes(cand)) for cand in valid)
+        return
+    ordered = []
+    for i, cand in enumerate(valid):
+        bound, sizes = family_reach(problem, cand)
+        if sizes:
+            ordered.append((bound, i, cand, sizes))
+        else:
+            result.reject("activations exceed memory at any ZeRO stage and recompute",
+                          cand.describe().rsplit(" z", 1)[0],
+                          "fully sharded states and the most recompute's activations overflow "
+                          "at every microbatch size", count=len(problem.sizes(cand)))
+    ordered.sort(key=lambda entry: entry[:2])
+    for n, (bound, _, cand, sizes) in enumerate(ordered):
+        if bound > problem.reach(result):  # and so are the rest: tally them together
+            result.reject(f"cannot come within {problem.within:g}x of the fastest",
+                          cand.describe().rsplit(" z", 1)[0],
+                          f"at least {bound:.3g} s a step at any ZeRO stage, recompute and "
+                          f"microbatch, the fastest {result.fastest:.3g} s",
+                          count=len(ordered) - n)
+            return
+        yield cand, sizes
+
+
+def _expert_splits(problem: Problem, shapes, result: SearchResult):
     """Each shape with every expert-parallel degree of a mixture of experts: ep dividing
     n_experts and dp x cp (where ep is folded), kept where ``rules.check_split`` (its
     ``rules.experts``) accepts it, as train does; a dense model's shapes as they are."""
@@ -139,14 +140,14 @@ def _expert_splits(problem: _Problem, shapes, result: SearchResult):
                 yield shape if ep == 1 else split
 
 
-def _zero_stages(problem: _Problem, cand: Candidate, zero: tuple[int, ...],
+def _zero_stages(problem: Problem, cand: Candidate, zero: tuple[int, ...],
                  result: SearchResult) -> list[int]:
     """The ZeRO stages to time for ``cand``: every one asked for with dp x cp > 1 (0
     otherwise), less those ``rules.expert_strategies`` refuses for a mixture of experts."""
     return [z for z in (zero if cand.shard > 1 else (0,)) if _experts_allow(problem, cand.but(zero=z), result)]
 
 
-def _experts_allow(problem: _Problem, cand: Candidate, result: SearchResult | None = None) -> bool:
+def _experts_allow(problem: Problem, cand: Candidate, result: SearchResult | None = None) -> bool:
     """Whether ``train`` runs a mixture of experts with ``cand``'s strategies
     (``rules.expert_strategies``: its ZeRO stage with its ep); a refusal is tallied."""
     try:
@@ -177,7 +178,7 @@ def _drop_dominated(result: SearchResult, first: int) -> None:
     result.plans[first:] = [p for p in plans if not dominated(p)]
 
 
-def _hsdp_groups(problem: _Problem, cand: Candidate, most: int = 1) -> list[int]:
+def _hsdp_groups(problem: Problem, cand: Candidate, most: int = 1) -> list[int]:
     """HSDP shard groups worth timing for ``cand``: one node's dp x cp ranks (FSDP's
     HYBRID_SHARD), then ``most`` - 1 doublings (two, four nodes), while smaller than the
     whole dp x cp span. One by default: each group is a full sweep, and the search has a
@@ -227,7 +228,7 @@ def layout_problems(model: ModelSpec, training: Training, cluster: Cluster,
     return problems
 
 
-def _shapes(problem: _Problem, result: SearchResult):
+def _shapes(problem: Problem, result: SearchResult):
     """(tp, cp, pp, dp) splits of the world that pass ``rules.check_split``."""
     n, node = problem.cluster.n_gpus, problem.cluster.node_size
     batch = problem.training.global_batch
@@ -253,7 +254,7 @@ def _shapes(problem: _Problem, result: SearchResult):
                     yield shape
 
 
-def _cp_methods(problem: _Problem, shapes, result: SearchResult):
+def _cp_methods(problem: Problem, shapes, result: SearchResult):
     """Each shape with ring attention, and with Ulysses too where cp > 1 and its heads
     split over cp."""
     for shape in shapes:
@@ -264,21 +265,12 @@ def _cp_methods(problem: _Problem, shapes, result: SearchResult):
                 yield uly
 
 
-def _valid(problem: _Problem, cand: Candidate, v: int, label: str,
+def _valid(problem: Problem, cand: Candidate, v: int, label: str,
            result: SearchResult) -> bool:
     try:
         _check_model(problem.model, problem.training.seq_len, cand, v)
     except LayoutError as err:
         result.reject(str(err).split(";")[0], label, str(err))
-        return False
-    return True
-
-
-def _holds(rule, *args) -> bool:
-    """Whether ``rules.<rule>(*args)`` accepts (the search tallies refusals in its own words)."""
-    try:
-        rule(*args)
-    except LayoutError:
         return False
     return True
 
@@ -290,7 +282,7 @@ def _check_model(model: ModelSpec, seq_len: int, cand: Candidate, v: int) -> Non
     rules.sequence_parallel(cand.sp, cand.tp, cand.cp, seq_len)
 
 
-def _schedules(problem: _Problem, shape: Candidate, result: SearchResult):
+def _schedules(problem: Problem, shape: Candidate, result: SearchResult):
     """The shape with every pipeline schedule worth timing. GPipe is left out: it has
     1F1B's bubble and communication and holds more activations, so it never ranks above."""
     if shape.pp == 1:
@@ -320,98 +312,3 @@ def _virtual_stages(n_layers: int, pp: int, uneven: bool = True) -> list[int]:
     if uneven and ends > 1 and pp * ends <= n_layers + 2:
         vs.add(ends)
     return sorted(vs)
-
-
-def _sweep(problem: _Problem, cand: Candidate, result: SearchResult,
-           skip: set[tuple[str, int]]) -> set[tuple[str, int]]:
-    """Every microbatch size and recompute policy of ``cand``. A policy is tried only on
-    the microbatches where less recompute did not fit: where it fits, less recompute is
-    at least as fast (same everything, less compute). (policy, microbatch) pairs in
-    ``skip`` fit with a lower ZeRO stage and are not timed; returns the pairs that fit
-    or were skipped."""
-    sizes = ((problem.micro_batch,) if problem.micro_batch
-             else divisors(problem.training.global_batch // cand.dp))
-    fitted: set[tuple[str, int]] = set()
-    if not _states_fit(problem, cand, len(problem.policies) * len(sizes), result):
-        return fitted
-    first = 0
-    for policy in problem.policies:
-        result.dominated += first
-        first = _sweep_microbatch(problem, cand.but(recompute=policy), sizes, first, result,
-                                  skip, fitted)
-    return fitted
-
-
-def _states_fit(problem: _Problem, cand: Candidate, count: int, result: SearchResult) -> bool:
-    """Whether parameters, gradients and optimizer states alone fit (any microbatch)."""
-    probe = cand.but(micro_batch=1, microbatches=1, recompute="full")
-    states = rank_states(problem.model, problem.training, probe, problem.paratrain)
-    limit = problem.cluster.memory_limit
-    if states <= limit:
-        return True
-    result.reject("model states exceed memory", cand.describe().rsplit(" mb", 1)[0],
-                  f"parameters+gradients+optimizer need {states / GiB:.2f} GiB of "
-                  f"{limit / GiB:.2f} GiB usable", count=count, overflow=states - limit)
-    return False
-
-
-def _sweep_microbatch(problem: _Problem, cand: Candidate, sizes: tuple[int, ...], first: int,
-                      result: SearchResult, skip: set, fitted: set) -> int:
-    """Evaluate ``cand`` at ``sizes[first:]`` (ascending) until one overflows; returns the
-    index of the first size that did not fit. Peak memory never shrinks with the size,
-    except where ZeRO-2/3's accumulated gradient arrives chunk by chunk under interleaving
-    (``memory.peak_moment``: fewer, larger microbatches can reach the peak with fewer
-    chunks' gradients), so there every size is evaluated. Adds the sizes that fit, or are
-    in ``skip``, to ``fitted``; a size that fitted with less recompute is not timed again."""
-    training, cluster = problem.training, problem.cluster
-    per_replica = training.global_batch // cand.dp
-    monotonic = not (cand.zero >= 2 and cand.schedule == "interleaved" and cand.pp > 1)
-    overflowed = len(sizes)
-    for i in range(first, len(sizes)):
-        mb = sizes[i]
-        if (cand.recompute, mb) in skip or any(size == mb for _, size in fitted):
-            result.dominated += 1
-            fitted.add((cand.recompute, mb))
-            continue
-        if per_replica % mb:
-            # ``cand`` holds a placeholder micro batch (1x1): show the size that was tried.
-            result.reject("micro batch does not divide the per-replica batch",
-                          f"{cand.describe().rsplit(' mb', 1)[0]} mb{mb} rc={cand.recompute}",
-                          f"{per_replica} sequences per replica % {mb} != 0")
-            return len(sizes)
-        m = per_replica // mb
-        trial = Candidate(cand.layout, cand.zero, mb, m, cand.schedule,
-                          cand.virtual_stages, cand.recompute, cand.sequence_parallel,
-                          cand.shard_group, cand.cp_method, cand.reshard_after_forward)
-        if trial.schedule == "interleaved" and not _holds(rules.interleaved_microbatches, m, trial.pp):
-            result.reject("interleaved needs microbatches divisible by pp", trial.describe(),
-                          lambda m=m, p=trial.pp: f"{m} microbatches % pp={p} != 0 (Megatron's rule)")
-            continue
-        if trial.schedule == "dualpipev" and m < 2 * trial.pp:
-            result.reject("dualpipev needs 2 x pp microbatches", trial.describe(),
-                          lambda m=m, p=trial.pp: f"{m} microbatches < 2 x pp = {2 * p}")
-            continue
-        memory = rank_memory(problem.model, training, trial, problem.paratrain)
-        if memory.total > cluster.memory_limit:
-            result.reject("activations exceed memory", trial.describe(),
-                          lambda memory=memory: _overflow_text(memory, cluster),
-                          count=len(sizes) - i if monotonic else 1,
-                          overflow=memory.total - cluster.memory_limit)
-            if monotonic:
-                return i
-            overflowed = min(overflowed, i)
-            continue
-        fitted.add((cand.recompute, mb))
-        times = step_time(problem.model, training, cluster, trial)
-        peak = cluster.gpu.peak_flops if training.precision == "bf16" else \
-            cluster.gpu.peak_flops_fp32
-        result.plans.append(Plan(trial, memory, times, training.tokens / times.step,
-                                 problem.model_flops / (times.step * cluster.n_gpus * peak)))
-    return overflowed
-
-
-def _overflow_text(memory: Memory, cluster: Cluster) -> str:
-    return (f"needs {memory.total / GiB:.2f} GiB of {cluster.memory_limit / GiB:.2f} GiB "
-            f"usable (states {memory.states / GiB:.1f}, activations "
-            f"{memory.activations / GiB:.1f}, buffers {memory.buffers / GiB:.1f}); "
-            f"larger microbatches need more")
