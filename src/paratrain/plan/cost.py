@@ -223,16 +223,8 @@ def _micro_compute(model: ModelSpec, training: Training, cluster: Cluster, tp: i
 def step_time(model: ModelSpec, training: Training, cluster: Cluster,
               cand: Candidate) -> StepTime:
     """Predicted time of one optimizer step of ``cand`` (see the module docstring)."""
-    micro = _micro_compute(model, training, cluster, cand.tp, cand.cp, cand.pp,
-                           cand.micro_batch, cand.recompute, cand.virtual_stages, cand.sp,
-                           cand.ep)
-    tp, cp, pp = _micro_comm(model, training, cluster, Candidate(
-        cand.layout, 0, cand.micro_batch, 1, cand.schedule,
-        cand.virtual_stages, cand.recompute, cand.sequence_parallel, cp_method=cand.cp_method))
+    micro, tp, cp, pp, ep = _per_microbatch(model, training, cluster, cand)
     m, p, v = cand.microbatches, cand.pp, cand.virtual_stages
-    # the fullest stage's MoE blocks' all-to-alls, on the critical path like pp's sends
-    ep = moe.all_to_all_time(model, training, cluster, cand, max(
-        model.stage_moe_layers(p, s, v) for s in range(p))) if model.n_experts else None
     per_micro = micro.fwd + micro.bwd + tp + cp + pp + (ep or 0.0)
     # The zero-bubble schedules' W's fill part of it: their tables, simulated.
     idle = (idle_microbatches(cand.schedule, p, m, v, micro.bwd / micro.fwd)
@@ -242,6 +234,53 @@ def step_time(model: ModelSpec, training: Training, cluster: Cluster,
                     pp=m * pp, dp=_dp_time(model, training, cluster, cand, micro),
                     optimizer=_optimizer_time(model, training, cluster, cand),
                     ep=None if ep is None else m * ep)
+
+
+def time_without_bubble(model: ModelSpec, training: Training, cluster: Cluster,
+                        cand: Candidate, zero_terms: bool = True) -> float:
+    """``step_time(...).step`` less its bubble, without simulating the schedule (the
+    search's bound, ``plan.sweep``); ``zero_terms`` False also leaves out the
+    data-parallel and optimizer terms, which depend on the ZeRO stage."""
+    micro, tp, cp, pp, ep = _per_microbatch(model, training, cluster, cand)
+    m = cand.microbatches
+    t = m * (micro.fwd + micro.bwd) + m * tp + m * cp + m * pp + m * (ep or 0.0)
+    return t + (_zero_terms(model, training, cluster, cand, micro) if zero_terms else 0.0)
+
+
+def zero_terms_time(model: ModelSpec, training: Training, cluster: Cluster,
+                    cand: Candidate) -> float:
+    """The data-parallel and optimizer terms of ``step_time`` (those that depend on the
+    ZeRO stage)."""
+    micro = _micro_compute(model, training, cluster, cand.tp, cand.cp, cand.pp,
+                           cand.micro_batch, cand.recompute, cand.virtual_stages, cand.sp,
+                           cand.ep)
+    return _zero_terms(model, training, cluster, cand, micro)
+
+
+def _zero_terms(model, training, cluster, cand, micro) -> float:
+    return (_dp_time(model, training, cluster, cand, micro)
+            + _optimizer_time(model, training, cluster, cand))
+
+
+def _per_microbatch(model: ModelSpec, training: Training, cluster: Cluster, cand: Candidate):
+    """(compute, exposed tp, cp, pp and ep seconds) of one microbatch on the slowest stage."""
+    micro = _micro_compute(model, training, cluster, cand.tp, cand.cp, cand.pp,
+                           cand.micro_batch, cand.recompute, cand.virtual_stages, cand.sp,
+                           cand.ep)
+    # keyed without the schedule, which they do not depend on: its chunks are what count
+    tp, cp, pp = _micro_comm(model, training, cluster, Candidate(
+        cand.layout, 0, cand.micro_batch, 1, "interleaved" if cand.virtual_stages > 1 else "1f1b",
+        cand.virtual_stages, cand.recompute, cand.sequence_parallel, cp_method=cand.cp_method))
+    p, v = cand.pp, cand.virtual_stages
+    # the fullest stage's MoE blocks' all-to-alls, on the critical path like pp's sends
+    ep = moe.all_to_all_time(model, training, cluster, cand, _max_moe_layers(model, p, v)) \
+        if model.n_experts else None
+    return micro, tp, cp, pp, ep
+
+
+@lru_cache(maxsize=1 << 12)
+def _max_moe_layers(model: ModelSpec, pp: int, v: int) -> int:
+    return max(model.stage_moe_layers(pp, s, v) for s in range(pp))
 
 
 @lru_cache(maxsize=1 << 14)

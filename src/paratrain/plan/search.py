@@ -32,7 +32,7 @@ from .flops import step_flops
 from .hardware import Cluster, members_per_node
 from .models import ModelSpec
 from .results import Plan, SearchResult, rank_key
-from .sweep import Problem, _holds, family_reach, sweep
+from .sweep import Problem, _holds, family_reach, quick_bound, sweep
 
 
 @lru_cache(maxsize=1024)
@@ -65,25 +65,25 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
                       (recompute,) if recompute else RECOMPUTE, step_flops(model, training),
                       context_parallel, sequence_parallel,
                       hsdp and cluster.kind != "local" and 3 in zero, uneven_stages, ulysses,
-                      zero_bubble, within, refuse)
-    for cand, sizes in _candidates(problem, result):
+                      zero_bubble, zero, within, refuse)
+    for cand, sizes, floor in _candidates(problem, result):
         first = len(result.plans)
         fitted: set = set()
         # Every stage is timed: ZeRO-2/3 send more than the stage below but can hide
         # more of it (ZeRO-3 gathers each unit behind the previous one's compute,
         # where ZeRO-1/2's gather of the updated parameters waits after the step).
         for stage in _zero_stages(problem, cand, zero, result):
-            fitted = sweep(problem, cand.but(zero=stage), result, set(), sizes)
+            fitted = sweep(problem, cand.but(zero=stage), result, set(), sizes, floor)
         if 3 in zero and cand.shard > 1 and _experts_allow(problem, cand.but(zero=3)):
             # ZeRO-3's other choice: under a pipeline, regathering every microbatch
             # (less memory, more traffic and the same overlap: only where keeping did
             # not fit); without one, keeping the units gathered (more memory, fewer
             # gathers).
             other = cand.but(zero=3, reshard_after_forward=cand.pp > 1)
-            sweep(problem, other, result, fitted if cand.pp > 1 else set(), sizes)
+            sweep(problem, other, result, fitted if cand.pp > 1 else set(), sizes, floor)
         for group in _hsdp_groups(problem, cand) if 3 in zero and _experts_allow(
                 problem, cand.but(zero=3)) else ():
-            sweep(problem, cand.but(zero=3, shard_group=group), result, set(), sizes)
+            sweep(problem, cand.but(zero=3, shard_group=group), result, set(), sizes, floor)
         _drop_dominated(result, first)
     result.plans.sort(key=lambda p: rank_key(p.time.step, p.memory.total))
     result.seconds = time.perf_counter() - start
@@ -91,37 +91,42 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
 
 
 def _candidates(problem: Problem, result: SearchResult):
-    """Every valid layout with each of its schedules, and the microbatch sizes to try.
-    With a bound (``problem.within``): only the sizes at which something may fit
-    (``family_reach``), most promising first (its bound, lowest first) so the
-    fastest plan is timed early and the bound skips the most, and none past the first
-    the bound rules out."""
+    """Every valid layout with each of its schedules, the microbatch sizes to try, and a
+    lower bound on its step time. With a bound (``problem.within``), most promising first
+    so that the fastest plan is timed early and the bound skips the most: ordered by
+    ``sweep.quick_bound`` (one evaluation each), none past the first it rules out, then
+    only those whose ``family_reach`` (a memory floor per recompute policy) is within
+    reach, with the sizes at which something may fit."""
     valid = (cand for shape in _cp_methods(problem, _expert_splits(
         problem, _shapes(problem, result), result), result)
         for cand in _schedules(problem, shape, result))
     if not problem.within:
-        yield from ((cand, problem.sizes(cand)) for cand in valid)
+        yield from ((cand, problem.sizes(cand), None) for cand in valid)
         return
-    ordered = []
-    for i, cand in enumerate(valid):
-        bound, sizes = family_reach(problem, cand)
-        if sizes:
-            ordered.append((bound, i, cand, sizes))
-        else:
+    ordered = sorted((quick_bound(problem, cand), i, cand) for i, cand in enumerate(valid))
+    for n, (quick, _, cand) in enumerate(ordered):
+        if quick > problem.reach(result):  # and so are the rest: tally them together
+            _beyond(problem, result, cand, quick, len(ordered) - n)
+            return
+        bounds, sizes = family_reach(problem, cand)
+        bound = min(bounds.values())
+        if not sizes:
             result.reject("activations exceed memory at any ZeRO stage and recompute",
                           cand.describe().rsplit(" z", 1)[0],
                           "fully sharded states and the most recompute's activations overflow "
                           "at every microbatch size", count=len(problem.sizes(cand)))
-    ordered.sort(key=lambda entry: entry[:2])
-    for n, (bound, _, cand, sizes) in enumerate(ordered):
-        if bound > problem.reach(result):  # and so are the rest: tally them together
-            result.reject(f"cannot come within {problem.within:g}x of the fastest",
-                          cand.describe().rsplit(" z", 1)[0],
-                          f"at least {bound:.3g} s a step at any ZeRO stage, recompute and "
-                          f"microbatch, the fastest {result.fastest:.3g} s",
-                          count=len(ordered) - n)
-            return
-        yield cand, sizes
+        elif bound > problem.reach(result):
+            _beyond(problem, result, cand, bound, 1)
+        else:
+            yield cand, sizes, bounds
+
+
+def _beyond(problem: Problem, result: SearchResult, cand: Candidate, bound: float,
+            count: int) -> None:
+    result.reject(f"cannot come within {problem.within:g}x of the fastest",
+                  cand.describe().rsplit(" z", 1)[0],
+                  f"at least {bound:.3g} s a step at any ZeRO stage, recompute and microbatch, "
+                  f"the fastest {result.fastest:.3g} s", count=count)
 
 
 def _expert_splits(problem: Problem, shapes, result: SearchResult):

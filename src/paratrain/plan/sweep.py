@@ -13,25 +13,40 @@ the exposed part of two such), and the GEMM curve's efficiency only grows with t
 The data-parallel and optimizer terms shrink with fewer, larger microbatches too (the
 backward window that hides the gradient reduction is longer; ZeRO-2/3 reduce and
 gather once per microbatch). Dropping the bubble keeps it a bound whatever the
-schedule. More recompute only adds time, so a candidate is first bounded at its least
-recompute and largest size (``family_bound``, before any memory is counted: the search
-orders candidates by it). ``tests/test_plan_bound.py`` checks the bound against every
-plan of exhaustive searches, and that a bounded search ranks the same plans within
-its factor.
+schedule. Where it is applied, cheapest first:
+
+1. ``quick_bound``: a layout and schedule's compute and communication at its least
+   recompute and largest size (no memory counted): the search orders candidates by it
+   and stops at the first out of reach.
+2. ``family_reach``: per recompute policy, at the largest size a memory floor
+   (``_Floor``: the least states and fixed buffers over the ZeRO stages searched, plus
+   activations) fits; the sizes past every policy's are not tried.
+3. Per ZeRO stage (``sweep``): 2 plus that stage's data-parallel and optimizer terms at
+   their least; then each policy at its own floor (``_live_policies``); then, for those
+   left, the largest size that fits by bisection on the real memory, and the smallest
+   size within reach by bisection on the bound (``_skip_out_of_reach``).
+
+More recompute only adds time and never adds memory (one layer's recompute buffer
+against the activations it saves on every block in flight). ``tests/test_plan_bound.py``
+checks the bounds against every plan of full searches, and that a bounded search ranks
+the same plans within its factor as the full one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 from .. import rules
 from ..layout import LayoutError
 from .candidate import Candidate, Training
-from .cost import step_time
+from .cost import step_time, time_without_bubble, zero_terms_time
 from .hardware import GiB, Cluster
-from .memory import (Memory, _state_bytes, inflight_microbatches, layer_activation_bytes,
-                     rank_memory, rank_states)
+from . import moe
+from .memory import (BUCKET_BYTES, Memory, _state_bytes, bytes_per_param, inflight_microbatches,
+                     layer_activation_bytes, rank_memory, rank_states)
+from ..parallel.pipeline.zero_bubble import V_SHAPED
 from .models import ModelSpec
 from .results import Plan, SearchResult
 
@@ -66,6 +81,8 @@ class Problem:
     zero_bubble: bool = True
     """Search the zero-bubble schedules (zbh1, zbv, dualpipev) beside 1F1B and interleaved
     (False: a framework, or a published run, without them)."""
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    """The ZeRO stages searched."""
     within: float | None = None
     """Rank only plans within this factor of the fastest (1.25: up to 25% slower); what
     the bound shows cannot come that close is tallied, not timed. None: time everything."""
@@ -87,78 +104,123 @@ class Problem:
                 else divisors(self.training.global_batch // cand.dp))
 
     def reach(self, result: SearchResult) -> float:
-        """The slowest step time still ranked: ``within`` times the fastest so far."""
-        return self.within * result.fastest if self.within else float("inf")
+        """The slowest step time still ranked: ``within`` times the fastest so far (and a
+        hair more: a bound that equals a plan's time, summed in another order, may exceed
+        it in the last bit)."""
+        return self.within * result.fastest * (1 + 1e-9) if self.within else float("inf")
 
 
-def family_reach(problem: Problem, cand: Candidate) -> tuple[float, tuple[int, ...]]:
-    """(a lower bound on the step time of every plan of ``cand``'s layout and schedule,
-    the microbatch sizes at which one may fit), at any ZeRO stage and recompute: for
-    each policy, the largest size whose ``memory_floor`` fits bounds the sizes below it
-    (the floor never shrinks with the size), at its compute and communication alone,
-    without the bubble and the data-parallel and optimizer terms (``_bound``'s, less
-    those that depend on the ZeRO stage). paratrain's own runtime (the local cluster)
-    counts memory its own way: every size, at the least recompute."""
+def quick_bound(problem: Problem, cand: Candidate) -> float:
+    """A lower bound on the step time of every plan of ``cand``'s layout and schedule, from
+    one evaluation: the least recompute at the largest size, compute and communication
+    alone (looser than ``family_reach``, which counts memory)."""
+    return _compute_bound(problem, cand.but(recompute=problem.policies[0]), problem.sizes(cand)[-1])
+
+
+def family_reach(problem: Problem, cand: Candidate) -> tuple[dict[str, float], tuple[int, ...]]:
+    """(a lower bound per recompute policy on the step time of every plan of ``cand``'s
+    layout and schedule, the microbatch sizes at which one may fit), at any ZeRO stage:
+    for each policy, the largest size whose memory floor (``_Floor``) fits bounds the
+    sizes below it, at its compute and communication alone, without the bubble and the
+    data-parallel and optimizer terms (``_bound``'s, less those that depend on the ZeRO
+    stage); infinite where no size fits. paratrain's own runtime (the local cluster)
+    counts memory its own way: every size, each policy bounded by the least recompute."""
     sizes = problem.sizes(cand)
     if problem.paratrain:
-        return _compute_bound(problem, cand.but(recompute=problem.policies[0]), sizes[-1]), sizes
-    bound, fits = float("inf"), 0
+        bound = _compute_bound(problem, cand.but(recompute=problem.policies[0]), sizes[-1])
+        return dict.fromkeys(problem.policies, bound), sizes
+    floor = _Floor(problem, cand)
+    bounds, fits = {}, 0
     for policy in problem.policies:
-        least = cand.but(zero=3, recompute=policy)
-        n = _count_fitting(problem, least, sizes)
-        if n:
-            bound = min(bound, _compute_bound(problem, least, sizes[n - 1]))
+        n = floor.count_fitting(policy, sizes)
+        bounds[policy] = _compute_bound(problem, cand.but(recompute=policy), sizes[n - 1]) \
+            if n else float("inf")
         fits = max(fits, n)
-    return bound, sizes[:fits]
+    return bounds, sizes[:fits]
 
 
-def _count_fitting(problem: Problem, cand: Candidate, sizes: tuple[int, ...]) -> int:
-    """How many of ``sizes`` (ascending) ``cand``'s ``memory_floor`` fits, by bisection."""
-    lo, hi, limit = 0, len(sizes) - 1, problem.cluster.memory_limit
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if memory_floor(problem, cand, sizes[mid]) <= limit:
-            lo = mid + 1
-        else:
-            hi = mid - 1
-    return lo
+class _Floor:
+    """A lower bound on the peak bytes of a layout and schedule at any ZeRO stage the
+    search tries (or ``zeros``): per stage, the least of each ZeRO stage's states and the buffers it
+    holds whatever the microbatch (ZeRO-1/2's staging; ZeRO-2's accumulated gradient under
+    a pipeline, at least one chunk's; ZeRO-3's gathered units, the fewer of kept and
+    regathered), plus what grows with the microbatch: the activations of the fewest
+    microbatches the schedule holds at its peak (one for a V short of 2 x pp microbatches,
+    whose tables vary) and the last stage's logits."""
+
+    def __init__(self, problem: Problem, cand: Candidate,
+                 zeros: tuple[int, ...] | None = None) -> None:
+        self.problem, self.cand = problem, cand
+        model, p, v = problem.model, cand.pp, cand.virtual_stages
+        self.stages = sorted({0, p - 1})
+        self.fixed = {s: min(_held(problem.model, problem.training, cand.layout, v,
+                                   cand.shard_group, z, s)
+                             for z in zeros or problem.zero) for s in self.stages}
+        self.layers = {s: model.stage_layers(p, s, v) for s in self.stages}
+
+    def bytes(self, policy: str, mb: int) -> float:
+        """The floor at recompute ``policy`` and microbatch size ``mb``."""
+        problem, cand = self.problem, self.cand
+        model, training = problem.model, problem.training
+        s_len, p, v = training.seq_len // cand.cp, cand.pp, cand.virtual_stages
+        m = training.global_batch // cand.dp // mb
+        per_layer = layer_activation_bytes(model, s_len, mb, cand.tp, cand.sp, policy,
+                                           training.act_bytes, training.flash_attention)
+        short_v = cand.schedule in V_SHAPED and m < 2 * p
+        logits = s_len * mb * model.vocab_size / cand.tp * (training.act_bytes + 4)
+        return max(self.fixed[s] + per_layer * self.layers[s] * (
+            1.0 if short_v else inflight_microbatches(cand.schedule, p, m, v, s))
+            + (logits if s == p - 1 else 0.0) for s in self.stages)
+
+    def count_fitting(self, policy: str, sizes: tuple[int, ...]) -> int:
+        """How many of ``sizes`` (ascending) the floor fits, by bisection: it never
+        shrinks with the size."""
+        lo, hi, limit = 0, len(sizes) - 1, self.problem.cluster.memory_limit
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if self.bytes(policy, sizes[mid]) <= limit:
+                lo = mid + 1
+            else:
+                hi = mid - 1
+        return lo
 
 
-def memory_floor(problem: Problem, cand: Candidate, mb: int) -> float:
-    """A lower bound on the peak bytes of ``cand``'s layout, schedule and recompute at
-    microbatch size ``mb`` and any ZeRO stage: fully sharded states (ZeRO-3's) and the
-    activations of the fewest microbatches the schedule holds at its peak (one for a V
-    short of 2 x pp microbatches, whose tables vary), without buffers."""
-    model, training = problem.model, problem.training
-    least = cand.but(zero=3, micro_batch=mb, microbatches=training.global_batch // cand.dp // mb)
-    per_layer = layer_activation_bytes(model, training.seq_len // cand.cp, mb, cand.tp, cand.sp,
-                                       cand.recompute, training.act_bytes,
-                                       training.flash_attention)
-    m, p, v = least.microbatches, cand.pp, cand.virtual_stages
-    short_v = cand.schedule in ("zbv", "dualpipev") and m < 2 * p
-
-    def stage(s: int) -> float:
-        alive = 1.0 if short_v else inflight_microbatches(cand.schedule, p, m, v, s)
-        return sum(_state_bytes(model, training, least, s)) + alive * per_layer * \
-            model.stage_layers(p, s, v)
-
-    return max(stage(s) for s in {0, p - 1})
+@lru_cache(maxsize=1 << 16)
+def _held(model: ModelSpec, training: Training, layout, v: int, shard_group: int | None,
+          zero: int, stage: int) -> float:
+    """``_Floor``'s bytes of ``stage`` at ZeRO ``zero`` that do not grow with the
+    microbatch (keyed by what they depend on: the search asks once per candidate)."""
+    cand = Candidate(layout, zero, 1, 1, "interleaved" if v > 1 else "1f1b", v,
+                     shard_group=shard_group)
+    zero = zero if cand.shard > 1 else 0
+    states = sum(_state_bytes(model, training, cand.but(zero=zero), stage))
+    weight, grad, _ = bytes_per_param(training.precision, training.optimizer)
+    v = cand.virtual_stages
+    psi = model.stage_params(cand.tp, cand.pp, stage, v) + model.stage_expert_params(
+        cand.pp, stage, v, cand.ep)
+    if zero in (1, 2):
+        states += 2 * BUCKET_BYTES + (psi * grad / v if zero == 2 and cand.pp > 1 else 0)
+    elif zero == 3:
+        unit = model.layer_params(cand.tp)
+        if model.stage_moe_layers(cand.pp, stage, v):
+            unit += moe.replicated_delta(model, cand.tp) + moe.expert_params(model) // cand.ep
+        states += min(2 * unit, psi) * weight + (unit * grad if cand.pp == 1 else 0)
+    return states
 
 
 def _compute_bound(problem: Problem, cand: Candidate, mb: int) -> float:
-    t = _time(problem, cand.but(zero=0), mb)
-    return t.compute + t.tp + t.cp + t.pp + (t.ep or 0.0)
+    return _time(problem, cand, mb, zero_terms=False)
 
 
 def _bound(problem: Problem, cand: Candidate, mb: int) -> float:
     """A lower bound on the step time of ``cand`` at any microbatch size up to ``mb``."""
-    t = _time(problem, cand, mb)
-    return t.step - t.bubble
+    return _time(problem, cand, mb)
 
 
-def _time(problem: Problem, cand: Candidate, mb: int):
-    return step_time(problem.model, problem.training, problem.cluster,
-                     _trial(cand, mb, problem.training.global_batch // cand.dp // mb))
+def _time(problem: Problem, cand: Candidate, mb: int, zero_terms: bool = True) -> float:
+    return time_without_bubble(problem.model, problem.training, problem.cluster,
+                               _trial(cand, mb, problem.training.global_batch // cand.dp // mb),
+                               zero_terms)
 
 
 def _trial(cand: Candidate, mb: int, m: int) -> Candidate:
@@ -176,43 +238,62 @@ def _out_of_reach(problem: Problem, cand: Candidate, result: SearchResult, count
 
 
 def sweep(problem: Problem, cand: Candidate, result: SearchResult,
-          skip: set[tuple[str, int]], sizes: tuple[int, ...] | None = None) -> set[tuple[str, int]]:
+          skip: set[tuple[str, int]], sizes: tuple[int, ...] | None = None,
+          floor: dict[str, float] | None = None) -> set[tuple[str, int]]:
     """Every microbatch size and recompute policy of ``cand``. A policy is tried only on
     the microbatches where less recompute did not fit: where it fits, less recompute is
     at least as fast (same everything, less compute). (policy, microbatch) pairs in
     ``skip`` fit with a lower ZeRO stage and are not timed; returns the pairs that fit
-    or were skipped. ``sizes``: the microbatch sizes to try (``problem.sizes``)."""
+    or were skipped. ``sizes``: the microbatch sizes to try (``problem.sizes``);
+    ``floor``: ``family_reach``'s bounds of its layout and schedule, per policy."""
     sizes = sizes or problem.sizes(cand)
     fitted: set[tuple[str, int]] = set()
     if not _states_fit(problem, cand, len(problem.policies) * len(sizes), result):
         return fitted
-    if problem.within and _out_of_reach_at_any_policy(problem, cand, sizes, result):
-        return fitted
+    live = None
+    if problem.within:
+        # the family's bound with this ZeRO stage's terms at their least (the largest size,
+        # the most recompute's longest backward to hide behind) first: it is cheap
+        most = _trial(cand.but(recompute=problem.policies[-1]), sizes[-1],
+                      problem.training.global_batch // cand.dp // sizes[-1])
+        extra = zero_terms_time(problem.model, problem.training, problem.cluster, most)
+        floor = {p: (floor or {}).get(p, 0.0) + extra for p in problem.policies}
+        if min(floor.values()) > problem.reach(result):
+            _out_of_reach(problem, cand, result, len(problem.policies) * len(sizes),
+                          min(floor.values()))
+            return fitted
+        live = _live_policies(problem, cand, sizes, result, floor)
     first = 0
     for policy in problem.policies:
+        if live is not None and policy not in live:  # every size of it is out of reach
+            _out_of_reach(problem, cand.but(recompute=policy), result, len(sizes) - first,
+                          min((b for b, _ in live.values()), default=float("inf")))
+            continue
         result.dominated += first
         first = _sweep_microbatch(problem, cand.but(recompute=policy), sizes, first, result,
-                                  skip, fitted)
+                                  skip, fitted, live[policy][1] if live else len(sizes))
     return fitted
 
 
-def _out_of_reach_at_any_policy(problem: Problem, cand: Candidate, sizes: tuple[int, ...],
-                                result: SearchResult) -> bool:
-    """Whether no plan of ``cand`` can come within reach, tallied if so: the least
-    recompute's bound at the largest size that fits with the most recompute (memory never
-    grows with more recompute: one layer's recompute buffer against the activations it
-    saves on every block in flight)."""
-    least, last = cand.but(recompute=problem.policies[0]), len(sizes) - 1
-    bound = _bound(problem, least, sizes[last])  # first without memory: often enough
-    if bound <= problem.reach(result) and _monotonic(cand):
-        last = _largest_fitting(problem, cand.but(recompute=problem.policies[-1]), sizes, 0)
-        if last < 0:
-            return False  # nothing fits: the sweep says by how much
-        bound = _bound(problem, least, sizes[last])
-    if bound <= problem.reach(result):
-        return False
-    _out_of_reach(problem, least, result, len(problem.policies) * len(sizes), bound)
-    return True
+def _live_policies(problem: Problem, cand: Candidate, sizes: tuple[int, ...],
+                   result: SearchResult, floor: dict[str, float]) -> dict[str, tuple[float, int]]:
+    """The recompute policies of ``cand`` with a plan that may come within reach: their
+    bound and how many of ``sizes`` may fit, each at the largest size its memory floor
+    (``_Floor`` at ``cand``'s ZeRO stage) fits. paratrain's own runtime counts memory its
+    own way: every policy and size, unless the least recompute at the largest size is out
+    of reach. ``floor``: a cheaper bound per policy, tried first."""
+    reach, policies = problem.reach(result), problem.policies
+    if problem.paratrain:
+        bound = _bound(problem, cand.but(recompute=policies[0]), sizes[-1])
+        return dict.fromkeys(policies, (bound, len(sizes))) if bound <= reach else {}
+    memory, live = _Floor(problem, cand, (cand.zero,)), {}
+    for policy in policies:
+        if floor[policy] > reach:
+            continue
+        n = memory.count_fitting(policy, sizes)
+        if n and (bound := _bound(problem, cand.but(recompute=policy), sizes[n - 1])) <= reach:
+            live[policy] = bound, n
+    return live
 
 
 def _monotonic(cand: Candidate) -> bool:
@@ -241,10 +322,11 @@ def _memory(problem: Problem, cand: Candidate, mb: int) -> Memory:
     return rank_memory(problem.model, problem.training, trial, problem.paratrain)
 
 
-def _largest_fitting(problem: Problem, cand: Candidate, sizes: tuple[int, ...], first: int) -> int:
-    """The index of the largest of ``sizes[first:]`` that fits (``first`` - 1 if none),
-    by bisection: memory never shrinks with the size here (``_monotonic``)."""
-    lo, hi, limit = first, len(sizes) - 1, problem.cluster.memory_limit
+def _largest_fitting(problem: Problem, cand: Candidate, sizes: tuple[int, ...], first: int,
+                     last: int | None = None) -> int:
+    """The index of the largest of ``sizes[first:last + 1]`` that fits (``first`` - 1 if
+    none), by bisection: memory never shrinks with the size here (``_monotonic``)."""
+    lo, hi, limit = first, len(sizes) - 1 if last is None else last, problem.cluster.memory_limit
     while lo <= hi:
         mid = (lo + hi) // 2
         if _memory(problem, cand, sizes[mid]).total <= limit:
@@ -273,13 +355,14 @@ def _first_in_reach(problem: Problem, cand: Candidate, sizes: tuple[int, ...], l
 
 
 def _skip_out_of_reach(problem: Problem, cand: Candidate, sizes: tuple[int, ...], first: int,
-                       result: SearchResult, fitted: set) -> tuple[int, int | None]:
+                       result: SearchResult, fitted: set, top: int) -> tuple[int, int | None]:
     """(the first size to time, or the index to return at once) under the bound: sizes
     below the first whose bound is within reach are tallied, not timed. Where memory is
     monotonic the largest fitting size bounds them all (and the ones that fit are marked
-    in ``fitted`` as the sweep would); past it only the first overflow is evaluated."""
+    in ``fitted`` as the sweep would); past it only the first overflow is evaluated.
+    ``sizes[top + 1:]`` are over the memory floor: none of them fits."""
     monotonic, last = _monotonic(cand), len(sizes) - 1
-    hi = _largest_fitting(problem, cand, sizes, first) if monotonic else last
+    hi = _largest_fitting(problem, cand, sizes, first, top) if monotonic else top
     if hi < first:
         return first, None  # nothing fits: the sweep says by how much
     lo = _first_in_reach(problem, cand, sizes, first, hi, result)
@@ -298,20 +381,21 @@ def _skip_out_of_reach(problem: Problem, cand: Candidate, sizes: tuple[int, ...]
 
 
 def _sweep_microbatch(problem: Problem, cand: Candidate, sizes: tuple[int, ...], first: int,
-                      result: SearchResult, skip: set, fitted: set) -> int:
+                      result: SearchResult, skip: set, fitted: set, fits: int | None = None) -> int:
     """Evaluate ``cand`` at ``sizes[first:]`` (ascending) until one overflows; returns the
     index of the first size that did not fit. Where memory is not monotonic in the size
     (``_monotonic``) every size is evaluated. Adds the sizes that fit, or are in
-    ``skip``, to ``fitted``; a size that fitted with less recompute is not timed again."""
+    ``skip``, to ``fitted``; a size that fitted with less recompute is not timed again.
+    ``fits``: how many sizes may fit at all (over the memory floor past them)."""
     training, cluster = problem.training, problem.cluster
     per_replica = training.global_batch // cand.dp
-    monotonic, start = _monotonic(cand), first
+    monotonic, start, fits = _monotonic(cand), first, len(sizes) if fits is None else fits
     if problem.within and first < len(sizes):
-        start, done = _skip_out_of_reach(problem, cand, sizes, first, result, fitted)
+        start, done = _skip_out_of_reach(problem, cand, sizes, first, result, fitted, fits - 1)
         if done is not None:
             return done
-    overflowed = len(sizes)
-    for i in range(start, len(sizes)):
+    overflowed = len(sizes) if monotonic else fits
+    for i in range(start, len(sizes) if monotonic else fits):
         mb = sizes[i]
         if (cand.recompute, mb) in skip or any(size == mb for _, size in fitted):
             result.dominated += 1
