@@ -15,10 +15,10 @@ pays nothing for it: everything it needs is already kept by torch or by the inte
   heartbeats: a peer of the group that issued fewer collectives on it never arrived, and a
   peer whose heartbeat is stale is stopped or frozen (a SIGSTOPped rank cannot speak for
   itself, so the others must name it).
-* **Launcher death.** Under ``spawn`` the rank asks Linux for SIGTERM when its parent dies
-  (``PR_SET_PDEATHSIG``); the signal wakes this thread even while the main thread is blocked
-  in a collective, and it removes the launcher's temporary directory and exits. A changed
-  parent pid does the same, for the instant before the signal was armed.
+* **Launcher death.** Under ``spawn`` the rank asks Linux for ``PARENT_DEATH`` when its
+  parent dies (``PR_SET_PDEATHSIG``); the signal wakes this thread even while the main thread
+  is blocked in a collective, and it removes the launcher's temporary directory and exits. A
+  changed parent pid does the same, for the instant before the signal was armed.
 """
 
 from __future__ import annotations
@@ -43,6 +43,12 @@ from . import netfault
 HEARTBEAT = "paratrain/heartbeat/"
 LOOPS = ("train/loop.py",)
 """The training loop whose ``train`` frame holds the step (0-based ``step``)."""
+PARENT_DEATH = signal.SIGRTMIN
+"""The signal a rank gets when its launcher dies: its own, not SIGTERM. Linux sends it each
+time the ranks pass to another parent, so a killed launcher sends it once per launcher
+thread that held them as its threads die, then once more for init; as SIGTERM the training
+loop took the first for a preemption and the second for "stop now" (an ``os._exit`` that
+skipped removing the launcher's directory). No scheduler or user sends a real-time signal."""
 
 
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
@@ -71,6 +77,7 @@ class Watchdog:
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
         self._writing = threading.Lock()
+        self._dying = threading.Lock()
         self._signature: tuple = ()
         self._since = self._started = time.monotonic()
         self._last_beat = 0.0
@@ -89,12 +96,13 @@ class Watchdog:
         read, write = os.pipe()
         os.set_blocking(read, False)
         os.set_blocking(write, False)
-        # Whichever sees SIGTERM first, the main thread (between two bytecodes) or this
+        # Whichever sees the signal first, the main thread (between two bytecodes) or this
         # thread (woken by the signal even while the main thread is blocked in C++), ends it.
         self._sigterm = lambda signum, frame: self._die_with_parent()
         signal.signal(signal.SIGTERM, self._sigterm)
+        signal.signal(PARENT_DEATH, self._sigterm)  # never the training loop's (train/preempt.py)
         signal.set_wakeup_fd(write)
-        set_parent_death_signal(signal.SIGTERM)
+        set_parent_death_signal(PARENT_DEATH)
         self._parent, self._cleanup, self._wake_fd = parent_pid, cleanup_dir, read
         if os.getppid() != parent_pid:  # died before the signal was armed
             self._die_with_parent()
@@ -142,27 +150,24 @@ class Watchdog:
                 signals = os.read(self._wake_fd, 64)
             except BlockingIOError:
                 return
-            if signal.SIGTERM in signals:
+            if PARENT_DEATH in signals:
+                self._die_with_parent()
+            elif signal.SIGTERM in signals:
                 self._on_sigterm()
 
     def _on_sigterm(self) -> None:
         """SIGTERM woke this thread. While the training loop has taken the signal over (a
-        preemption: it saves, then ends, train/preempt.py) it is the loop's, unless the
-        parent is gone: then this thread ends the rank, which no save would."""
-        if signal.getsignal(signal.SIGTERM) is not self._sigterm and not self._parent_gone(1.0):
+        preemption: it saves, then ends, train/preempt.py) it is the loop's; the launcher's
+        death comes as PARENT_DEATH, which stays ours."""
+        if signal.getsignal(signal.SIGTERM) is not self._sigterm:
             return
         self._die_with_parent()
 
-    def _parent_gone(self, patience_s: float) -> bool:
-        """Whether the launcher died (its death signal can come before getppid changes)."""
-        deadline = time.monotonic() + patience_s
-        while self._parent is not None and os.getppid() == self._parent:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
-        return self._parent is not None
-
     def _die_with_parent(self) -> None:
+        # One ending at a time: the death signal comes more than once, and a second one must
+        # neither wait on the first's lock (nested in the main thread) nor race its clean-up.
+        if not self._dying.acquire(blocking=False):
+            return
         self._writing.acquire(timeout=2)  # no heartbeat of ours lands after the clean-up
         # The signal comes when the parent's *thread* exits; its other threads may still be
         # dying, and until they are, getppid() names the old parent. Give them a moment.

@@ -10,8 +10,8 @@ step, the checkpoint, the resume command) and returns; ``paratrain train`` exits
 then never published (publishing is atomic), and ``--resume auto`` takes the newest whole
 one.
 
-The rank's watchdog leaves SIGTERM to this handler while it is installed, unless the
-launcher died (watchdog.py).
+The rank's watchdog leaves SIGTERM to this handler while it is installed; the launcher's
+death reaches the rank as another signal, the watchdog's own (watchdog.PARENT_DEATH).
 """
 
 from __future__ import annotations
