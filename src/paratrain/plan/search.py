@@ -20,6 +20,7 @@ search prunes what cannot win, so a 405B model on 16,384 GPUs takes about a seco
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -91,34 +92,52 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
 
 
 def _candidates(problem: Problem, result: SearchResult):
-    """Every valid layout with each of its schedules, the microbatch sizes to try, and a
-    lower bound on its step time. With a bound (``problem.within``), most promising first
-    so that the fastest plan is timed early and the bound skips the most: ordered by
-    ``sweep.quick_bound`` (one evaluation each), none past the first it rules out, then
-    only those whose ``family_reach`` (a memory floor per recompute policy) is within
-    reach, with the sizes at which something may fit."""
+    """Every valid layout with each of its schedules, the microbatch sizes to try, and
+    lower bounds on its step time per recompute policy (None: no bound). With a bound
+    (``problem.within``), best first by ``family_reach``'s bound (a memory floor per
+    policy), so that the fastest plan is timed early and the bound skips the most; that
+    bound is computed lazily, in the order of ``quick_bound`` (one evaluation, looser),
+    only for candidates whose quick bound could still come first. Candidates past the
+    first one out of reach are tallied together."""
     valid = (cand for shape in _cp_methods(problem, _expert_splits(
         problem, _shapes(problem, result), result), result)
         for cand in _schedules(problem, shape, result))
     if not problem.within:
         yield from ((cand, problem.sizes(cand), None) for cand in valid)
         return
-    ordered = sorted((quick_bound(problem, cand), i, cand) for i, cand in enumerate(valid))
-    for n, (quick, _, cand) in enumerate(ordered):
-        if quick > problem.reach(result):  # and so are the rest: tally them together
-            _beyond(problem, result, cand, quick, len(ordered) - n)
+    quick = sorted((quick_bound(problem, cand), i, cand) for i, cand in enumerate(valid))
+    refined: list = []  # a heap of (family bound, order, candidate, sizes, bounds)
+    at = 0
+    while True:
+        while at < len(quick) and (not refined or quick[at][0] < refined[0][0]):
+            if quick[at][0] > problem.reach(result):  # and so are the rest
+                _beyond(problem, result, quick[at][2], quick[at][0], len(quick) - at)
+                at = len(quick)
+                break
+            _refine(problem, result, quick[at][1], quick[at][2], refined)
+            at += 1
+        if not refined:
             return
-        bounds, sizes = family_reach(problem, cand)
-        bound = min(bounds.values())
-        if not sizes:
-            result.reject("activations exceed memory at any ZeRO stage and recompute",
-                          cand.describe().rsplit(" z", 1)[0],
-                          "fully sharded states and the most recompute's activations overflow "
-                          "at every microbatch size", count=len(problem.sizes(cand)))
-        elif bound > problem.reach(result):
-            _beyond(problem, result, cand, bound, 1)
-        else:
-            yield cand, sizes, bounds
+        bound, _, cand, sizes, bounds = heapq.heappop(refined)
+        if bound > problem.reach(result):  # every other refined one too
+            _beyond(problem, result, cand, bound, 1 + len(refined))
+            refined = []
+            continue
+        yield cand, sizes, bounds
+
+
+def _refine(problem: Problem, result: SearchResult, order: int, cand: Candidate,
+            refined: list) -> None:
+    """Push ``cand`` with its ``family_reach`` onto the heap ``refined``, or tally it
+    where nothing fits."""
+    bounds, sizes = family_reach(problem, cand)
+    if sizes:
+        heapq.heappush(refined, (min(bounds.values()), order, cand, sizes, bounds))
+    else:
+        result.reject("activations exceed memory at any ZeRO stage and recompute",
+                      cand.describe().rsplit(" z", 1)[0],
+                      "fully sharded states and the most recompute's activations overflow "
+                      "at every microbatch size", count=len(problem.sizes(cand)))
 
 
 def _beyond(problem: Problem, result: SearchResult, cand: Candidate, bound: float,
