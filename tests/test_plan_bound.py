@@ -16,7 +16,8 @@ from paratrain.plan.hardware import Calibration, Cluster, gpu_preset, local_clus
 from paratrain.plan.models import PRESETS, load_model
 from paratrain.plan.runtimes import RUNTIMES, refuser, restrict, search_options
 from paratrain.plan.search import search
-from paratrain.plan.sweep import Problem, family_reach
+from paratrain.plan.bound import family_reach
+from paratrain.plan.sweep import Problem
 
 H100 = gpu_preset("h100-80g")
 CAL = Calibration(matmul_flops={"fp32": 40e9}, cores=2, alpha=100e-6, beta=1e9,

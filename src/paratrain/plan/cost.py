@@ -239,7 +239,7 @@ def step_time(model: ModelSpec, training: Training, cluster: Cluster,
 def time_without_bubble(model: ModelSpec, training: Training, cluster: Cluster,
                         cand: Candidate, zero_terms: bool = True) -> float:
     """``step_time(...).step`` less its bubble, without simulating the schedule (the
-    search's bound, ``plan.sweep``); ``zero_terms`` False also leaves out the
+    search's bound, ``plan.bound``); ``zero_terms`` False also leaves out the
     data-parallel and optimizer terms, which depend on the ZeRO stage."""
     micro, tp, cp, pp, ep = _per_microbatch(model, training, cluster, cand)
     m = cand.microbatches

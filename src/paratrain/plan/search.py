@@ -33,7 +33,8 @@ from .flops import step_flops
 from .hardware import Cluster, members_per_node
 from .models import ModelSpec
 from .results import Plan, SearchResult, rank_key
-from .sweep import Problem, _holds, family_reach, quick_bound, sweep
+from .bound import family_reach, quick_bound
+from .sweep import Problem, _holds, sweep
 
 
 @lru_cache(maxsize=1024)
@@ -54,7 +55,7 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
     ``hsdp``, ``uneven_stages``, ``ulysses`` and ``zero_bubble`` False leave those out
     (what a given framework cannot run). HSDP is never searched on the local cluster:
     ``train`` does not run it. ``within`` (a factor >= 1) ranks only the plans within it of
-    the fastest, skipping what ``plan.sweep``'s bound shows cannot come that close: the
+    the fastest, skipping what ``plan.bound``'s bounds show cannot come that close: the
     same plans in that range as the full search, in a fraction of its time. ``refuse``:
     (a trainer's name, why it cannot run a candidate or None), tallied instead of ranked
     (``runtimes.refuser``; what ``runtimes.restrict`` does after a full search)."""

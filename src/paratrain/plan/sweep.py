@@ -1,52 +1,19 @@
-"""Time one candidate at every microbatch size and recompute policy that fits, and leave
-out what cannot come within ``Problem.within`` of the fastest plan found so far.
-
-**The bound.** For a candidate at recompute policy r whose largest fitting microbatch
-is b, every size up to b steps in at least the time of size b without its bubble:
-
-    T(size) >= T_b - bubble_b      for every size <= b that fits
-
-because each term is a per-microbatch cost X paid m = B / size times (B sequences per
-replica), and X(size) / size never grows with the size: a GEMM, attention or
-collective costs a fixed latency plus a part that grows with the rows (or, overlapped,
-the exposed part of two such), and the GEMM curve's efficiency only grows with them.
-The data-parallel and optimizer terms shrink with fewer, larger microbatches too (the
-backward window that hides the gradient reduction is longer; ZeRO-2/3 reduce and
-gather once per microbatch). Dropping the bubble keeps it a bound whatever the
-schedule. Where it is applied, cheapest first:
-
-1. ``quick_bound``: a layout and schedule's compute and communication at its least
-   recompute and largest size (no memory counted): the search orders candidates by it
-   and stops at the first out of reach.
-2. ``family_reach``: per recompute policy, at the largest size a memory floor
-   (``_Floor``: the least states and fixed buffers over the ZeRO stages searched, plus
-   activations) fits; the sizes past every policy's are not tried.
-3. Per ZeRO stage (``sweep``): 2 plus that stage's data-parallel and optimizer terms at
-   their least; then each policy at its own floor (``_live_policies``); then, for those
-   left, the largest size that fits by bisection on the real memory, and the smallest
-   size within reach by bisection on the bound (``_skip_out_of_reach``).
-
-More recompute only adds time and never adds memory (one layer's recompute buffer
-against the activations it saves on every block in flight). ``tests/test_plan_bound.py``
-checks the bounds against every plan of full searches, and that a bounded search ranks
-the same plans within its factor as the full one.
-"""
+"""Time one candidate (a layout, schedule and ZeRO stage) at every microbatch size and
+recompute policy that fits; with ``Problem.within``, first leave out what the lower bounds
+of ``plan.bound`` show cannot come within that factor of the fastest plan so far."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable
 
 from .. import rules
 from ..layout import LayoutError
 from .candidate import Candidate, Training
-from .cost import step_time, time_without_bubble, zero_terms_time
+from .cost import step_time, zero_terms_time
 from .hardware import GiB, Cluster
-from . import moe
-from .memory import (BUCKET_BYTES, Memory, _state_bytes, bytes_per_param, inflight_microbatches,
-                     layer_activation_bytes, rank_memory, rank_states)
-from ..parallel.pipeline.zero_bubble import V_SHAPED
+from .bound import Floor, at_size, step_bound
+from .memory import Memory, rank_memory, rank_states
 from .models import ModelSpec
 from .results import Plan, SearchResult
 
@@ -110,125 +77,6 @@ class Problem:
         return self.within * result.fastest * (1 + 1e-9) if self.within else float("inf")
 
 
-def quick_bound(problem: Problem, cand: Candidate) -> float:
-    """A lower bound on the step time of every plan of ``cand``'s layout and schedule, from
-    one evaluation: the least recompute at the largest size, compute and communication
-    alone (looser than ``family_reach``, which counts memory)."""
-    return _compute_bound(problem, cand.but(recompute=problem.policies[0]), problem.sizes(cand)[-1])
-
-
-def family_reach(problem: Problem, cand: Candidate) -> tuple[dict[str, float], tuple[int, ...]]:
-    """(a lower bound per recompute policy on the step time of every plan of ``cand``'s
-    layout and schedule, the microbatch sizes at which one may fit), at any ZeRO stage:
-    for each policy, the largest size whose memory floor (``_Floor``) fits bounds the
-    sizes below it, at its compute and communication alone, without the bubble and the
-    data-parallel and optimizer terms (``_bound``'s, less those that depend on the ZeRO
-    stage); infinite where no size fits. paratrain's own runtime (the local cluster)
-    counts memory its own way: every size, each policy bounded by the least recompute."""
-    sizes = problem.sizes(cand)
-    if problem.paratrain:
-        bound = _compute_bound(problem, cand.but(recompute=problem.policies[0]), sizes[-1])
-        return dict.fromkeys(problem.policies, bound), sizes
-    floor = _Floor(problem, cand)
-    bounds, fits = {}, 0
-    for policy in problem.policies:
-        n = floor.count_fitting(policy, sizes)
-        bounds[policy] = _compute_bound(problem, cand.but(recompute=policy), sizes[n - 1]) \
-            if n else float("inf")
-        fits = max(fits, n)
-    return bounds, sizes[:fits]
-
-
-class _Floor:
-    """A lower bound on the peak bytes of a layout and schedule at any ZeRO stage the
-    search tries (or ``zeros``): per stage, the least of each ZeRO stage's states and the buffers it
-    holds whatever the microbatch (ZeRO-1/2's staging; ZeRO-2's accumulated gradient under
-    a pipeline, at least one chunk's; ZeRO-3's gathered units, the fewer of kept and
-    regathered), plus what grows with the microbatch: the activations of the fewest
-    microbatches the schedule holds at its peak (one for a V short of 2 x pp microbatches,
-    whose tables vary) and the last stage's logits."""
-
-    def __init__(self, problem: Problem, cand: Candidate,
-                 zeros: tuple[int, ...] | None = None) -> None:
-        self.problem, self.cand = problem, cand
-        model, p, v = problem.model, cand.pp, cand.virtual_stages
-        self.stages = sorted({0, p - 1})
-        self.fixed = {s: min(_held(problem.model, problem.training, cand.layout, v,
-                                   cand.shard_group, z, s)
-                             for z in zeros or problem.zero) for s in self.stages}
-        self.layers = {s: model.stage_layers(p, s, v) for s in self.stages}
-
-    def bytes(self, policy: str, mb: int) -> float:
-        """The floor at recompute ``policy`` and microbatch size ``mb``."""
-        problem, cand = self.problem, self.cand
-        model, training = problem.model, problem.training
-        s_len, p, v = training.seq_len // cand.cp, cand.pp, cand.virtual_stages
-        m = training.global_batch // cand.dp // mb
-        per_layer = layer_activation_bytes(model, s_len, mb, cand.tp, cand.sp, policy,
-                                           training.act_bytes, training.flash_attention)
-        short_v = cand.schedule in V_SHAPED and m < 2 * p
-        logits = s_len * mb * model.vocab_size / cand.tp * (training.act_bytes + 4)
-        return max(self.fixed[s] + per_layer * self.layers[s] * (
-            1.0 if short_v else inflight_microbatches(cand.schedule, p, m, v, s))
-            + (logits if s == p - 1 else 0.0) for s in self.stages)
-
-    def count_fitting(self, policy: str, sizes: tuple[int, ...]) -> int:
-        """How many of ``sizes`` (ascending) the floor fits, by bisection: it never
-        shrinks with the size."""
-        lo, hi, limit = 0, len(sizes) - 1, self.problem.cluster.memory_limit
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            if self.bytes(policy, sizes[mid]) <= limit:
-                lo = mid + 1
-            else:
-                hi = mid - 1
-        return lo
-
-
-@lru_cache(maxsize=1 << 16)
-def _held(model: ModelSpec, training: Training, layout, v: int, shard_group: int | None,
-          zero: int, stage: int) -> float:
-    """``_Floor``'s bytes of ``stage`` at ZeRO ``zero`` that do not grow with the
-    microbatch (keyed by what they depend on: the search asks once per candidate)."""
-    cand = Candidate(layout, zero, 1, 1, "interleaved" if v > 1 else "1f1b", v,
-                     shard_group=shard_group)
-    zero = zero if cand.shard > 1 else 0
-    states = sum(_state_bytes(model, training, cand.but(zero=zero), stage))
-    weight, grad, _ = bytes_per_param(training.precision, training.optimizer)
-    v = cand.virtual_stages
-    psi = model.stage_params(cand.tp, cand.pp, stage, v) + model.stage_expert_params(
-        cand.pp, stage, v, cand.ep)
-    if zero in (1, 2):
-        states += 2 * BUCKET_BYTES + (psi * grad / v if zero == 2 and cand.pp > 1 else 0)
-    elif zero == 3:
-        unit = model.layer_params(cand.tp)
-        if model.stage_moe_layers(cand.pp, stage, v):
-            unit += moe.replicated_delta(model, cand.tp) + moe.expert_params(model) // cand.ep
-        states += min(2 * unit, psi) * weight + (unit * grad if cand.pp == 1 else 0)
-    return states
-
-
-def _compute_bound(problem: Problem, cand: Candidate, mb: int) -> float:
-    return _time(problem, cand, mb, zero_terms=False)
-
-
-def _bound(problem: Problem, cand: Candidate, mb: int) -> float:
-    """A lower bound on the step time of ``cand`` at any microbatch size up to ``mb``."""
-    return _time(problem, cand, mb)
-
-
-def _time(problem: Problem, cand: Candidate, mb: int, zero_terms: bool = True) -> float:
-    return time_without_bubble(problem.model, problem.training, problem.cluster,
-                               _trial(cand, mb, problem.training.global_batch // cand.dp // mb),
-                               zero_terms)
-
-
-def _trial(cand: Candidate, mb: int, m: int) -> Candidate:
-    return Candidate(cand.layout, cand.zero, mb, m, cand.schedule, cand.virtual_stages,
-                     cand.recompute, cand.sequence_parallel, cand.shard_group, cand.cp_method,
-                     cand.reshard_after_forward)
-
-
 def _out_of_reach(problem: Problem, cand: Candidate, result: SearchResult, count: int,
                   bound: float) -> None:
     result.reject(f"cannot come within {problem.within:g}x of the fastest",
@@ -254,7 +102,7 @@ def sweep(problem: Problem, cand: Candidate, result: SearchResult,
     if problem.within:
         # the family's bound with this ZeRO stage's terms at their least (the largest size,
         # the most recompute's longest backward to hide behind) first: it is cheap
-        most = _trial(cand.but(recompute=problem.policies[-1]), sizes[-1],
+        most = at_size(cand.but(recompute=problem.policies[-1]), sizes[-1],
                       problem.training.global_batch // cand.dp // sizes[-1])
         extra = zero_terms_time(problem.model, problem.training, problem.cluster, most)
         floor = {p: (floor or {}).get(p, 0.0) + extra for p in problem.policies}
@@ -279,19 +127,19 @@ def _live_policies(problem: Problem, cand: Candidate, sizes: tuple[int, ...],
                    result: SearchResult, floor: dict[str, float]) -> dict[str, tuple[float, int]]:
     """The recompute policies of ``cand`` with a plan that may come within reach: their
     bound and how many of ``sizes`` may fit, each at the largest size its memory floor
-    (``_Floor`` at ``cand``'s ZeRO stage) fits. paratrain's own runtime counts memory its
+    (``Floor`` at ``cand``'s ZeRO stage) fits. paratrain's own runtime counts memory its
     own way: every policy and size, unless the least recompute at the largest size is out
     of reach. ``floor``: a cheaper bound per policy, tried first."""
     reach, policies = problem.reach(result), problem.policies
     if problem.paratrain:
-        bound = _bound(problem, cand.but(recompute=policies[0]), sizes[-1])
+        bound = step_bound(problem, cand.but(recompute=policies[0]), sizes[-1])
         return dict.fromkeys(policies, (bound, len(sizes))) if bound <= reach else {}
-    memory, live = _Floor(problem, cand, (cand.zero,)), {}
+    memory, live = Floor(problem, cand, (cand.zero,)), {}
     for policy in policies:
         if floor[policy] > reach:
             continue
         n = memory.count_fitting(policy, sizes)
-        if n and (bound := _bound(problem, cand.but(recompute=policy), sizes[n - 1])) <= reach:
+        if n and (bound := step_bound(problem, cand.but(recompute=policy), sizes[n - 1])) <= reach:
             live[policy] = bound, n
     return live
 
@@ -318,8 +166,9 @@ def _states_fit(problem: Problem, cand: Candidate, count: int, result: SearchRes
 
 
 def _memory(problem: Problem, cand: Candidate, mb: int) -> Memory:
-    trial = _trial(cand, mb, problem.training.global_batch // cand.dp // mb)
-    return rank_memory(problem.model, problem.training, trial, problem.paratrain)
+    return rank_memory(problem.model, problem.training,
+                       at_size(cand, mb, problem.training.global_batch // cand.dp // mb),
+                       problem.paratrain)
 
 
 def _largest_fitting(problem: Problem, cand: Candidate, sizes: tuple[int, ...], first: int,
@@ -342,12 +191,12 @@ def _first_in_reach(problem: Problem, cand: Candidate, sizes: tuple[int, ...], l
     (``hi`` + 1 if none), by bisection: the bound at a size holds for every smaller one,
     so it never grows with the size."""
     reach = problem.reach(result)
-    if _bound(problem, cand, sizes[hi]) > reach:  # the common case: none is
+    if step_bound(problem, cand, sizes[hi]) > reach:  # the common case: none is
         return hi + 1
     hi -= 1
     while lo <= hi:
         mid = (lo + hi) // 2
-        if _bound(problem, cand, sizes[mid]) <= reach:
+        if step_bound(problem, cand, sizes[mid]) <= reach:
             hi = mid - 1
         else:
             lo = mid + 1
@@ -367,13 +216,13 @@ def _skip_out_of_reach(problem: Problem, cand: Candidate, sizes: tuple[int, ...]
         return first, None  # nothing fits: the sweep says by how much
     lo = _first_in_reach(problem, cand, sizes, first, hi, result)
     if lo > first:
-        _out_of_reach(problem, cand, result, lo - first, _bound(problem, cand, sizes[lo - 1]))
+        _out_of_reach(problem, cand, result, lo - first, step_bound(problem, cand, sizes[lo - 1]))
         if monotonic:
             fitted.update((cand.recompute, mb) for mb in sizes[first:lo])
     if monotonic and lo > hi:  # every size that fits is out of reach
         if hi < last:
             memory, limit = _memory(problem, cand, sizes[hi + 1]), problem.cluster.memory_limit
-            result.reject("activations exceed memory", _trial(cand, sizes[hi + 1], 1).describe(),
+            result.reject("activations exceed memory", at_size(cand, sizes[hi + 1], 1).describe(),
                           lambda: _overflow_text(memory, problem.cluster),
                           count=last - hi, overflow=memory.total - limit)
         return lo, hi + 1
@@ -408,7 +257,7 @@ def _sweep_microbatch(problem: Problem, cand: Candidate, sizes: tuple[int, ...],
                           f"{per_replica} sequences per replica % {mb} != 0")
             return len(sizes)
         m = per_replica // mb
-        trial = _trial(cand, mb, m)
+        trial = at_size(cand, mb, m)
         if trial.schedule == "interleaved" and not _holds(rules.interleaved_microbatches, m, trial.pp):
             result.reject("interleaved needs microbatches divisible by pp", trial.describe(),
                           lambda m=m, p=trial.pp: f"{m} microbatches % pp={p} != 0 (Megatron's rule)")
