@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import lru_cache
 from typing import Callable
 
@@ -30,10 +30,10 @@ from .. import rules
 from ..layout import Layout, LayoutError
 from .candidate import RECOMPUTE, Candidate, Training
 from .flops import step_flops
-from .hardware import Cluster, members_per_node
+from .hardware import GiB, Cluster, members_per_node
 from .models import ModelSpec
 from .results import Plan, SearchResult, rank_key
-from .bound import family_reach, quick_bound
+from .bound import Floor, family_reach, quick_bound
 from .sweep import Problem, _holds, sweep
 
 
@@ -134,11 +134,15 @@ def _refine(problem: Problem, result: SearchResult, order: int, cand: Candidate,
     bounds, sizes = family_reach(problem, cand)
     if sizes:
         heapq.heappush(refined, (min(bounds.values()), order, cand, sizes, bounds))
-    else:
+    else:  # by how much: the floor at its least, the most recompute and smallest size
+        least = Floor(problem, cand).bytes(problem.policies[-1], problem.sizes(cand)[0])
+        limit = problem.cluster.memory_limit
         result.reject("activations exceed memory at any ZeRO stage and recompute",
                       cand.describe().rsplit(" z", 1)[0],
-                      "fully sharded states and the most recompute's activations overflow "
-                      "at every microbatch size", count=len(problem.sizes(cand)))
+                      f"at least {least / GiB:.2f} GiB of {limit / GiB:.2f} GiB usable at the "
+                      f"smallest microbatch and the most recompute (the least states and "
+                      f"buffers of any ZeRO stage, and activations)",
+                      count=len(problem.sizes(cand)), overflow=least - limit)
 
 
 def _beyond(problem: Problem, result: SearchResult, cand: Candidate, bound: float,
