@@ -61,15 +61,17 @@ def test_checkpoints_move_between_hsdp_zero3_and_one_process(tmp_path):
     def config(tmp, nproc, resume="", **kw):
         return tiny_config(str(tmp), nproc=nproc, steps=4, eval_every=0, resume=resume, eps=1e-6, **kw)
     hsdp, zero3 = dict(zero=3, shard_group=2), dict(zero=3)
-    run_world(train_runs, 4, {"a": config(tmp_path / "a", 4, save_every=2, **hsdp)})
-    run_world(train_runs, 2, {"b": config(tmp_path / "b", 2, save_every=2, **zero3)})
     saved = {k: str(tmp_path / k / "checkpoints" / "step-2") for k in "ab"}
+    run_world(train_runs, 4, {"a": config(tmp_path / "a", 4, save_every=2, **hsdp)})
+    # Four worlds, not five (worlds are slow to start): the dp2 save runs in the world of the
+    # dp2 resume from hsdp, which the save does not touch (each run has its own directory).
+    dp2 = run_world(train_runs, 2, {"b": config(tmp_path / "b", 2, save_every=2, **zero3),
+                                    "z": config(tmp_path / "d", 2, resume=saved["a"], **zero3)})
     one = run_world(train_runs, 1, {"ref": config(tmp_path / "ref", 1),
                                     "from hsdp": config(tmp_path / "c", 1, resume=saved["a"])})[0]
     want = tail(one["ref"], since=2)
     assert_same_run(tail(one["from hsdp"]), want, what="hsdp -> one process")
-    for rank, got in enumerate(run_world(train_runs, 2, {"z": config(tmp_path / "d", 2, resume=saved["a"],
-                                                                          **zero3)})):
+    for rank, got in enumerate(dp2):
         assert_same_run(tail(got["z"]), want, what=f"hsdp -> zero3 rank {rank}")
     for rank, got in enumerate(run_world(train_runs, 4, {"h": config(tmp_path / "e", 4, resume=saved["b"],
                                                                           **hsdp)})):
