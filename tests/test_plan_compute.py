@@ -13,7 +13,8 @@ from paratrain.layout import Layout
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.compute import (attention_time, elementwise_bytes, gemm_efficiency, matmul_time,
                                     unfused_attention_time)
-from paratrain.plan.cost import step_time, zero3_links
+from paratrain.plan.cost import step_time
+from paratrain.plan.dp_cost import zero3_links
 from paratrain.plan.overlap import prefetched
 from paratrain.plan.evaluate import parse_layout
 from paratrain.plan.export import config_tables, trainable

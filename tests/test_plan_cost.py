@@ -7,7 +7,8 @@ import pytest
 
 from paratrain.layout import Layout
 from paratrain.plan.candidate import Candidate, Training
-from paratrain.plan.cost import ORDER, bubble_fraction, max_stage_params, step_time
+from paratrain.plan.cost import ORDER, bubble_fraction, step_time
+from paratrain.plan.dp_cost import max_stage_params
 from paratrain.plan.flops import megatron_flops, step_flops
 from paratrain.plan.hardware import (GB, Calibration, CalibrationError, Cluster, gpu_preset,
                                      load_calibration, local_cluster)

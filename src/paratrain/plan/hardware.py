@@ -356,7 +356,7 @@ def local_cluster(n_procs: int, calibration: Calibration) -> Cluster:
         half_dim=calibration.matmul_half_dim.get("bf16", 0.0),
         half_dim_fp32=calibration.matmul_half_dim.get("fp32", 0.0),
         layer_overhead=calibration.layer_overhead / share,
-        # Adam reads and writes 28 bytes per parameter (cost.OPTIMIZER_BYTES).
+        # Adam reads and writes 28 bytes per parameter (dp_cost.OPTIMIZER_BYTES).
         optimizer_bw=28 * calibration.optimizer_rate * share,
         overlap_cost=1.0 if n_procs >= calibration.cores else 0.1,
         collectives=tuple((op, a, b) for op, (a, b) in sorted(fits.items())),
