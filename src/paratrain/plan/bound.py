@@ -83,9 +83,10 @@ class Floor:
     search tries (or ``zeros``): per stage, the least of each ZeRO stage's states and the buffers it
     holds whatever the microbatch (ZeRO-1/2's staging; ZeRO-2's accumulated gradient under
     a pipeline, at least one chunk's; ZeRO-3's gathered units, the fewer of kept and
-    regathered), plus what grows with the microbatch: the activations of the fewest
-    microbatches the schedule holds at its peak (one for a V short of 2 x pp microbatches,
-    whose tables vary) and the last stage's logits."""
+    regathered), plus what grows with the microbatch: the activations (a MoE block's
+    routed ones too) of the fewest microbatches the schedule holds at its peak (one for a
+    V short of 2 x pp microbatches, whose tables vary), the layer being recomputed, and
+    the last stage's logits."""
 
     def __init__(self, problem: Problem, cand: Candidate,
                  zeros: tuple[int, ...] | None = None) -> None:
@@ -96,6 +97,7 @@ class Floor:
                                    cand.shard_group, z, s)
                              for z in zeros or problem.zero) for s in self.stages}
         self.layers = {s: model.stage_layers(p, s, v) for s in self.stages}
+        self.moe_layers = {s: model.stage_moe_layers(p, s, v) for s in self.stages}
 
     def bytes(self, policy: str, mb: int) -> float:
         """The floor at recompute ``policy`` and microbatch size ``mb``."""
@@ -107,9 +109,28 @@ class Floor:
                                            training.act_bytes, training.flash_attention)
         short_v = cand.schedule in V_SHAPED and m < 2 * p
         logits = s_len * mb * model.vocab_size / cand.tp * (training.act_bytes + 4)
-        return max(self.fixed[s] + per_layer * self.layers[s] * (
-            1.0 if short_v else inflight_microbatches(cand.schedule, p, m, v, s))
-            + (logits if s == p - 1 else 0.0) for s in self.stages)
+        # the layer being recomputed, briefly in full (memory._buffers)
+        rerun = 0.0 if policy == "none" else layer_activation_bytes(
+            model, s_len, mb, cand.tp, cand.sp, "none", training.act_bytes,
+            training.flash_attention) - per_layer
+        experts = 0.0  # a MoE block's routed activations beyond a dense block's, either sign
+        if model.n_experts:
+            tokens = s_len * mb // (cand.tp if cand.sp else 1)
+            experts = moe.activation_delta(model, tokens, cand.tp, training.act_bytes,
+                                           moe.load_factor(training, cand.ep))
+
+        def stage(s: int) -> float:
+            alive = 1.0 if short_v else inflight_microbatches(cand.schedule, p, m, v, s)
+            held = per_layer * self.layers[s]
+            if self.moe_layers[s]:  # full recompute keeps the block input only, and reruns one
+                held += 0.0 if policy == "full" else self.moe_layers[s] * experts
+                rerun_experts = min(experts, 0.0) if policy == "full" else 0.0
+            else:
+                rerun_experts = 0.0
+            return (self.fixed[s] + alive * held + rerun + rerun_experts
+                    + (logits if s == p - 1 else 0.0))
+
+        return max(stage(s) for s in self.stages)
 
     def count_fitting(self, policy: str, sizes: tuple[int, ...]) -> int:
         """How many of ``sizes`` (ascending) the floor fits, by bisection: it never
