@@ -68,24 +68,24 @@ def search(model: ModelSpec, training: Training, cluster: Cluster,
                       context_parallel, sequence_parallel,
                       hsdp and cluster.kind != "local" and 3 in zero, uneven_stages, ulysses,
                       zero_bubble, zero, within, refuse)
-    for cand, sizes, floor in _candidates(problem, result):
+    for cand, sizes, family in _candidates(problem, result):
         first = len(result.plans)
         fitted: set = set()
         # Every stage is timed: ZeRO-2/3 send more than the stage below but can hide
         # more of it (ZeRO-3 gathers each unit behind the previous one's compute,
         # where ZeRO-1/2's gather of the updated parameters waits after the step).
         for stage in _zero_stages(problem, cand, zero, result):
-            fitted = sweep(problem, cand.but(zero=stage), result, set(), sizes, floor)
+            fitted = sweep(problem, cand.but(zero=stage), result, set(), sizes, family)
         if 3 in zero and cand.shard > 1 and _experts_allow(problem, cand.but(zero=3)):
             # ZeRO-3's other choice: under a pipeline, regathering every microbatch
             # (less memory, more traffic and the same overlap: only where keeping did
             # not fit); without one, keeping the units gathered (more memory, fewer
             # gathers).
             other = cand.but(zero=3, reshard_after_forward=cand.pp > 1)
-            sweep(problem, other, result, fitted if cand.pp > 1 else set(), sizes, floor)
+            sweep(problem, other, result, fitted if cand.pp > 1 else set(), sizes, family)
         for group in _hsdp_groups(problem, cand) if 3 in zero and _experts_allow(
                 problem, cand.but(zero=3)) else ():
-            sweep(problem, cand.but(zero=3, shard_group=group), result, set(), sizes, floor)
+            sweep(problem, cand.but(zero=3, shard_group=group), result, set(), sizes, family)
         _drop_dominated(result, first)
     result.plans.sort(key=lambda p: rank_key(p.time.step, p.memory.total))
     result.seconds = time.perf_counter() - start

@@ -87,35 +87,23 @@ def _out_of_reach(problem: Problem, cand: Candidate, result: SearchResult, count
 
 def sweep(problem: Problem, cand: Candidate, result: SearchResult,
           skip: set[tuple[str, int]], sizes: tuple[int, ...] | None = None,
-          floor: dict[str, float] | None = None) -> set[tuple[str, int]]:
+          family: dict[str, float] | None = None) -> set[tuple[str, int]]:
     """Every microbatch size and recompute policy of ``cand``. A policy is tried only on
     the microbatches where less recompute did not fit: where it fits, less recompute is
     at least as fast (same everything, less compute). (policy, microbatch) pairs in
     ``skip`` fit with a lower ZeRO stage and are not timed; returns the pairs that fit
     or were skipped. ``sizes``: the microbatch sizes to try (``problem.sizes``);
-    ``floor``: ``family_reach``'s bounds of its layout and schedule, per policy."""
+    ``family``: ``family_reach``'s bounds of its layout and schedule, per policy."""
     sizes = sizes or problem.sizes(cand)
     fitted: set[tuple[str, int]] = set()
     if not _states_fit(problem, cand, len(problem.policies) * len(sizes), result):
         return fitted
-    live = None
-    if problem.within:
-        # the family's bound with this ZeRO stage's terms at their least (the largest size,
-        # the most recompute's longest backward to hide behind) first: it is cheap
-        most = at_size(cand.but(recompute=problem.policies[-1]), sizes[-1],
-                      problem.training.global_batch // cand.dp // sizes[-1])
-        extra = zero_terms_time(problem.model, problem.training, problem.cluster, most)
-        floor = {p: (floor or {}).get(p, 0.0) + extra for p in problem.policies}
-        if min(floor.values()) > problem.reach(result):
-            _out_of_reach(problem, cand, result, len(problem.policies) * len(sizes),
-                          min(floor.values()))
-            return fitted
-        live = _live_policies(problem, cand, sizes, result, floor)
+    live = _live_policies(problem, cand, sizes, result, family or {}) if problem.within else None
     first = 0
     for policy in problem.policies:
         if live is not None and policy not in live:  # every size of it is out of reach
             _out_of_reach(problem, cand.but(recompute=policy), result, len(sizes) - first,
-                          min((b for b, _ in live.values()), default=float("inf")))
+                          min((b for b, _ in live.values()), default=problem.reach(result)))
             continue
         result.dominated += first
         first = _sweep_microbatch(problem, cand.but(recompute=policy), sizes, first, result,
@@ -124,19 +112,23 @@ def sweep(problem: Problem, cand: Candidate, result: SearchResult,
 
 
 def _live_policies(problem: Problem, cand: Candidate, sizes: tuple[int, ...],
-                   result: SearchResult, floor: dict[str, float]) -> dict[str, tuple[float, int]]:
+                   result: SearchResult, family: dict[str, float]) -> dict[str, tuple[float, int]]:
     """The recompute policies of ``cand`` with a plan that may come within reach: their
-    bound and how many of ``sizes`` may fit, each at the largest size its memory floor
+    bound and how many of ``sizes`` may fit. First, cheaply, ``family`` plus this ZeRO
+    stage's terms at their least (the largest size, and the most recompute's longer
+    backward to hide them behind); then each policy at the largest size its memory floor
     (``Floor`` at ``cand``'s ZeRO stage) fits. paratrain's own runtime counts memory its
-    own way: every policy and size, unless the least recompute at the largest size is out
-    of reach. ``floor``: a cheaper bound per policy, tried first."""
+    own way: every size, at the least recompute's bound."""
     reach, policies = problem.reach(result), problem.policies
+    most = at_size(cand.but(recompute=policies[-1]), sizes[-1],
+                   problem.training.global_batch // cand.dp // sizes[-1])
+    extra = zero_terms_time(problem.model, problem.training, problem.cluster, most)
     if problem.paratrain:
         bound = step_bound(problem, cand.but(recompute=policies[0]), sizes[-1])
         return dict.fromkeys(policies, (bound, len(sizes))) if bound <= reach else {}
     memory, live = Floor(problem, cand, (cand.zero,)), {}
     for policy in policies:
-        if floor[policy] > reach:
+        if family.get(policy, 0.0) + extra > reach:
             continue
         n = memory.count_fitting(policy, sizes)
         if n and (bound := step_bound(problem, cand.but(recompute=policy), sizes[n - 1])) <= reach:
