@@ -111,3 +111,13 @@ def test_within_on_the_command_line(capsys):
         "are ranked (--within)" in out, out
     assert plan(*base, "--within", "1.1", "--layout", "dp64 z1 mb1") == 0
     assert "ranks #10 of" in capsys.readouterr().out  # within it: ranked as by a full search
+
+
+def test_a_slow_full_search_suggests_within():
+    from paratrain.plan.report import SLOW_SEARCH_S, search_line
+    from paratrain.plan.results import SearchResult
+
+    slow, quick = SearchResult(plans=[], seconds=SLOW_SEARCH_S + 1), SearchResult(plans=[])
+    assert "--within 1.25 ranks only the plans within 25%" in search_line(slow)
+    assert "--within" not in search_line(quick)
+    assert "(--within)" in search_line(SearchResult(plans=[], seconds=60, within=1.5))

@@ -96,7 +96,18 @@ def search_line(result: SearchResult) -> str:
             f"than less recompute or a lower ZeRO stage), {dropped:,} rejected "
             f"(--show-rejected for why)" + (f"; only plans within {result.within:g}x of the "
                                             f"fastest are ranked (--within)"
-                                            if result.within else ""))
+                                            if result.within else _slow_hint(result)))
+
+
+SLOW_SEARCH_S = 5.0
+"""A full search longer than this suggests ``--within``."""
+
+
+def _slow_hint(result: SearchResult) -> str:
+    if result.seconds <= SLOW_SEARCH_S:
+        return ""
+    return ("; --within 1.25 ranks only the plans within 25% of the fastest (the same ones) "
+            "in a fraction of the time")
 
 
 # ---- --explain ----------------------------------------------------------------------------
