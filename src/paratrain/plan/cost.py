@@ -26,7 +26,7 @@ GEMMs (``Training.tp_backward_overlap``: paratrain's ``EnterColumnParallel``).
 so it hides behind one microbatch's backward on the stage: DDP's all-reduce and ZeRO-1's
 reduce-scatter once per step (gradients accumulate locally), ZeRO-2's reduce-scatter
 after every microbatch (gradients are sharded, so they cannot accumulate). ZeRO-3
-gathers and reduces unit by unit with a prefetch of one unit (``_zero3_time``: the first
+gathers and reduces unit by unit with a prefetch of one unit (``dp_cost._zero3_time``: the first
 gather is exposed, later ones where longer than their unit's compute; across nodes one
 NIC per rank), and HSDP adds a once-per-step all-reduce across its replicas. The updated
 parameters' all-gather of ZeRO-1/2 is exposed: paratrain's optimizer step waits for it
