@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from paratrain.launch import spawn
 
-from common import at_least
+from common import at_least, fsdp2_gpt, stepped_adamw
 from init_and_checkpoint import config, model_arguments
 
 
@@ -70,26 +70,10 @@ def paratrain_worker(args) -> dict:
 def dcp_worker(args) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.fsdp import fully_shard
-
-    from paratrain.models.gpt import GPT
 
     torch.set_num_threads(1)
-    cfg = config(args, f"{args.dir}/dcp")
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
-    model.to_empty(device="cpu")
-    model.init_buffers("cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, 256, (1, 16))
-    (model(tokens, tokens) / tokens.numel()).backward()
-    opt.step()
+    model = fsdp2_gpt(config(args, f"{args.dir}/dcp").model)
+    opt = stepped_adamw(model)
     out = {}
     for save in ("first", "async"):  # as paratrain: the second save is the one reported
         dist.barrier()

@@ -30,6 +30,39 @@ def fast_ddp(module: nn.Module, **kwargs) -> DistributedDataParallel:
                                    **kwargs)
 
 
+def fsdp2_gpt(model_config) -> nn.Module:
+    """The FSDP2 peer's model: paratrain's GPT of ``model_config`` built on the meta
+    device, ``fully_shard`` on every block and on the root (FSDP2's defaults), then
+    materialised on CPU, each rank drawing its own shard of every parameter from N(0, 0.02)."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from paratrain.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(model_config)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    model.init_buffers("cpu")
+    with torch.no_grad():
+        for p in model.parameters():  # each rank's shard of each DTensor
+            p.normal_(0.0, 0.02)
+    return model
+
+
+def stepped_adamw(model: nn.Module):
+    """AdamW over ``model`` after one step on a random batch, so its moments exist."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 256, (1, 16))
+    (model(tokens, tokens) / tokens.numel()).backward()
+    opt.step()
+    return opt
+
+
 def check_model_flags(parser: argparse.ArgumentParser, model: str, seq: int) -> None:
     """Exit with a usage error naming the flag unless ``--model`` is a GPT preset whose
     rotary tables reach ``--seq`` tokens."""

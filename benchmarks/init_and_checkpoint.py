@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from paratrain.launch import spawn
 
-from common import at_least
+from common import at_least, fsdp2_gpt, stepped_adamw
 
 
 class AnonPeak:
@@ -116,29 +116,14 @@ def paratrain_worker(args, name: str, layout: dict) -> dict:
 def fsdp2_worker(args, name: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.fsdp import fully_shard
-
-    from paratrain.models.gpt import GPT
 
     torch.set_num_threads(1)
     cfg = config(args, f"{args.dir}/{name}")
     out = {}
     with AnonPeak() as m:
-        with torch.device("meta"):
-            model = GPT(cfg.model)
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
-        model.to_empty(device="cpu")
-        model.init_buffers("cpu")
-        with torch.no_grad():
-            for p in model.parameters():  # each rank's shard of each DTensor
-                p.normal_(0.0, 0.02)
+        model = fsdp2_gpt(cfg.model)
     out["init"] = m.result()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, 256, (1, 16))
-    (model(tokens, tokens) / tokens.numel()).backward()
-    opt.step()
+    opt = stepped_adamw(model)
     local = [p.to_local() for p in model.parameters()]
     moments = [v.to_local() for s in opt.state.values() for v in s.values() if v.dim() > 0]
     out["state_mb"] = round(sum(t.numel() * t.element_size() for t in local + moments) / 2**20, 1)
