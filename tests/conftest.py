@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from typing import Callable, Iterator
 
 import pytest
 
+from helpers import LONG_RUN, final_files
 from paratrain.watchdog import set_parent_death_signal
 
 
@@ -40,3 +42,16 @@ def background() -> Iterator[Callable[..., subprocess.Popen]]:
         except ProcessLookupError:
             pass
         proc.communicate()
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The final checkpoint's files of ``LONG_RUN`` uninterrupted, under paratrain's own
+    launcher: what test_preempt's signalled runs and test_slurm's jobs must end with, bit for
+    bit. One run for the session: both modules ran this same command, seconds each."""
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    done = subprocess.run([sys.executable, "-m", "paratrain", "train", *LONG_RUN, "--run-dir", str(run)],
+                          cwd=run.parent, capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return final_files(run)

@@ -273,6 +273,18 @@ def plan(*argv: str) -> int:
 TINY = ["--model", "tiny", "--seq-len", "32", "--eval-every", "0", "--no-progress", "--nproc", "2"]
 """CLI flags of a tiny, quick two-process run."""
 
+LONG_STEPS = 300
+"""Long enough that a signal sent at step 2-12 arrives before the end (tiny's steps take
+milliseconds: at 24 a fast machine finished before the launcher passed it on)."""
+LONG_RUN = [*TINY, "--steps", str(LONG_STEPS), "--save-every", str(LONG_STEPS), "--global-batch", "8"]
+"""The run that test_preempt and test_slurm interrupt; its uninterrupted end is conftest's
+``uninterrupted`` fixture."""
+
+
+def final_files(run_dir: Path) -> dict:
+    """The files (bytes, hash) of ``LONG_RUN``'s final checkpoint in ``run_dir``."""
+    return json.loads((Path(run_dir) / "checkpoints" / f"step-{LONG_STEPS}" / "meta.json").read_text())["files"]
+
 
 def strict_json(path: Path) -> list[dict]:
     """The JSON lines of ``path``, refusing NaN and Infinity (which strict JSON rejects)."""

@@ -14,16 +14,11 @@ import sys
 
 import pytest
 
-from helpers import TINY
+from helpers import LONG_RUN as RUN, LONG_STEPS as STEPS, final_files as _final_files
 from test_faults import wait_for_steps
 
 from paratrain.train.preempt import EXIT_PREEMPTED
 from paratrain.train.saved import published
-
-STEPS = 300
-"""Long enough that the signal, sent at step 2-12, arrives before the end (tiny's steps take
-milliseconds: at 24 a fast machine finished before the launcher passed it on)."""
-RUN = [*TINY, "--steps", str(STEPS), "--save-every", str(STEPS), "--global-batch", "8"]
 
 
 def _train(background, run_dir, *extra: str, torchrun: bool = False) -> subprocess.Popen:
@@ -40,16 +35,19 @@ def _train(background, run_dir, *extra: str, torchrun: bool = False) -> subproce
                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _final_files(run_dir) -> dict:
-    return json.loads((run_dir / "checkpoints" / f"step-{STEPS}" / "meta.json").read_text())["files"]
-
-
-def _preempt_and_resume(background, tmp_path, torchrun: bool, sig: int = signal.SIGTERM) -> None:
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    for d in (whole, cut):
-        d.mkdir()
+def _whole(background, tmp_path, torchrun: bool) -> dict:
+    """The final files of the uninterrupted run under ``torchrun``."""
+    whole = tmp_path / "whole"
+    whole.mkdir()
     done = _train(background, whole, torchrun=torchrun)
     assert done.wait(timeout=300) == 0, done.communicate()[0][-3000:]
+    return _final_files(whole)
+
+
+def _preempt_and_resume(background, tmp_path, want: dict, torchrun: bool, sig: int = signal.SIGTERM) -> None:
+    """Signalled at a random step, resumed: it ends with the files ``want``."""
+    cut = tmp_path / "cut"
+    cut.mkdir()
     at = random.Random().randint(2, 12)
     job = _train(background, cut, torchrun=torchrun)
     wait_for_steps(job, cut / "metrics.jsonl", at)
@@ -63,18 +61,19 @@ def _preempt_and_resume(background, tmp_path, torchrun: bool, sig: int = signal.
     assert [p.name for p in published(cut)] == [f"step-{marker['step']}"]
     resumed = _train(background, cut, "--resume", "auto", torchrun=torchrun)
     assert resumed.wait(timeout=300) == 0, resumed.communicate()[0][-3000:]
-    assert _final_files(cut) == _final_files(whole), f"signalled after step {at}"  # bit for bit
+    assert _final_files(cut) == want, f"signalled after step {at}"  # bit for bit
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)])
-def test_a_signal_at_a_random_step_resumes_to_the_uninterrupted_state(sig, tmp_path, background):
-    _preempt_and_resume(background, tmp_path, torchrun=False, sig=sig)
+def test_a_signal_at_a_random_step_resumes_to_the_uninterrupted_state(sig, tmp_path, background, uninterrupted):
+    """(The uninterrupted run under paratrain's launcher is conftest's, shared with test_slurm.)"""
+    _preempt_and_resume(background, tmp_path, uninterrupted, torchrun=False, sig=sig)
 
 
 @pytest.mark.slow
 def test_sigterm_under_torchrun_resumes_to_the_uninterrupted_state(tmp_path, background):
     """torchrun passes its SIGTERM to the workers, which save and end."""
-    _preempt_and_resume(background, tmp_path, torchrun=True)
+    _preempt_and_resume(background, tmp_path, _whole(background, tmp_path, torchrun=True), torchrun=True)
 
 
 def signalled_twice() -> None:

@@ -8,14 +8,13 @@ checkpoint; a cancelled job leaves no partial checkpoint and stays cancelled."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import TINY
+from helpers import LONG_RUN as RUN, LONG_STEPS as STEPS, final_files as _final_files
 
 from paratrain.slurm import first_host, rendezvous_port, slurm_world, started_by_srun, tasks_on_node
 from paratrain.train.config import ConfigError
@@ -25,9 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "slurm" / "train.sbatch"
 sys.path.insert(0, str(ROOT / "scripts" / "slurm"))
 import local_cluster  # noqa: E402  (a script beside the batch script, reusable by hand)
-
-STEPS = 300
-RUN = [*TINY, "--steps", str(STEPS), "--save-every", str(STEPS), "--global-batch", "8"]
 
 TASK = {  # what srun set for task 1 of a 2-task step (measured on the local cluster)
     "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1",
@@ -96,17 +92,10 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory) -> dict:
-    """The final checkpoint's files of the run without Slurm (paratrain's own launcher)."""
-    run = tmp_path_factory.mktemp("whole") / "run"
-    done = subprocess.run([sys.executable, "-m", "paratrain", "train", *RUN, "--run-dir", str(run)],
-                          cwd=run.parent, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return _final_files(run)
-
-
-def _final_files(run_dir: Path) -> dict:
-    return json.loads((run_dir / "checkpoints" / f"step-{STEPS}" / "meta.json").read_text())["files"]
+def whole(uninterrupted) -> dict:
+    """The final checkpoint's files of the run without Slurm (paratrain's own launcher;
+    conftest's, shared with test_preempt)."""
+    return uninterrupted
 
 
 def _submit(cluster, tmp_path: Path, *extra: str) -> tuple[str, Path, Path]:
