@@ -175,6 +175,12 @@ def main() -> None:
     runs = {"paratrain dp2 x ZeRO-3": ("paratrain", "zero3", {"zero": 3}),
             "paratrain tp2": ("paratrain", "tp2", {"dp": 1, "tp": 2}),
             "DCP + FSDP2 (2 ranks)": ("fsdp2", "fsdp2", {})}
+    for system, name, layout in runs.values():  # a shape the layouts cannot split: say so now
+        try:
+            config(args, f"{args.dir}/{name}", **layout)
+        except ValueError as err:
+            parser.error(f"--d-model {args.d_model} ({args.d_model // 64} heads of 64), "
+                         f"--layers, --ffn: {err}")
     results: dict[str, list] = {label: [] for label in runs}
     for round_ in range(args.rounds):  # alternate, so the machine's load hits all alike
         for label, (system, name, layout) in runs.items():
