@@ -33,9 +33,10 @@ BINARIES = {"munged": "munge", "mungekey": "munge", "slurmctld": "slurmctld", "s
 """The programs used, and the Debian package of each (all pulled in by ``slurm-wlm``)."""
 PARTITION = "debug"
 KILL_WAIT_S = 30
-CRED_EXPIRE_S = 10
+CRED_EXPIRE_S = 5
 """Slurm's job credential lifetime, 120 s by default, is also how long a requeued job waits
-before it may start again (its BeginTime): 10 s here, so that a test sees it come back soon."""
+before it may start again (its BeginTime): 5 s here, the least Slurm accepts, so that a test
+sees it come back soon (a step's credential is checked within a second of being made)."""
 
 
 class Unavailable(RuntimeError):
