@@ -10,6 +10,7 @@ norm. That is why ``assert_same_run`` compares those too.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import time
@@ -140,11 +141,21 @@ def train_one(cfg: Config) -> dict:
             "state_bytes": result.state_bytes, "rank": dist.get_rank(), "compile_s": result.compile_s}
 
 
-def train_runs(configs: dict[str, Config]) -> dict[str, dict]:
+def after(tmp_dir: str, **overrides) -> functools.partial:
+    """A ``tiny_config`` made inside the world when its turn comes in ``train_runs``: one
+    that resumes from a checkpoint that an earlier run of the same world saves (validation
+    reads the checkpoint, so the config cannot be made before the world starts)."""
+    return functools.partial(tiny_config, tmp_dir, **overrides)
+
+
+def train_runs(configs: dict[str, Config | functools.partial]) -> dict[str, dict]:
     """Train each named config in turn inside one world (worlds are slow to start). Each
     result also says how many bytes of tensors the finished run left alive."""
     results: dict[str, dict] = {}
     for name, cfg in configs.items():
+        if callable(cfg):  # ``after``: made once every rank is done with the earlier runs' saves
+            dist.barrier()
+            cfg = cfg()
         results[name] = train_one(cfg)
         results[name]["leaked_bytes"] = leaked_bytes(list(results.values()))
     return results
