@@ -121,3 +121,19 @@ def test_a_slow_full_search_suggests_within():
     assert "--within 1.25 ranks only the plans within 25%" in search_line(slow)
     assert "--within" not in search_line(quick)
     assert "(--within)" in search_line(SearchResult(plans=[], seconds=60, within=1.5))
+
+
+def test_a_layout_beyond_the_bound_completes_as_a_full_search_completes_it(capsys):
+    """A bounded search times some plans beyond its reach but not all: ``--layout``'s best
+    completion there comes from enumerating, not from the plans the search happened to time."""
+    import json
+
+    base = ["--model", "llama3-8b", "--gpus", "64", "--global-batch", "64", "--seq-len", "4096",
+            "--json", "--layout"]
+    got = {}
+    for spec in ("dp16 tp4", "dp32 tp2"):
+        for within in ((), ("--within", "1.05")):
+            assert plan(*base, spec, *within) == 0
+            ev = json.loads(capsys.readouterr().out)["layouts"][0]
+            got[spec, bool(within)] = (ev["layout"], ev["time_s"]["step"])
+        assert got[spec, True] == got[spec, False], spec

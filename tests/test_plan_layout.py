@@ -219,7 +219,8 @@ def test_the_searched_completion_is_the_enumerated_one():
     GPUs where enumerating every completion took 12 s): never slower than enumerating, and
     as fast unless the search found a hybrid-sharded (HSDP) completion, which enumeration
     tries only when the spec names a group."""
-    from paratrain.plan.evaluate import _closeness, candidates, evaluate
+    from paratrain.plan.completion import candidates
+    from paratrain.plan.evaluate import _closeness, evaluate
     from paratrain.plan.search import search
 
     model, training = PRESETS["llama3-8b"], Training(256, 4096)

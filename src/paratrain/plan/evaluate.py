@@ -17,16 +17,16 @@ import re
 from dataclasses import dataclass, field, replace
 
 from .. import rules
-from ..layout import Layout
 from ..parallel.pipeline.zero_bubble import V_SHAPED
-from .candidate import RECOMPUTE, SCHEDULES, Candidate, Training
+from .candidate import RECOMPUTE, Candidate, Training
 from .cost import StepTime, step_time
 from .flops import step_flops
 from .hardware import Cluster
 from .memory import Memory, rank_memory
 from .models import ModelSpec
+from .completion import candidates
 from .results import SearchResult, rank_key
-from .search import _virtual_stages, divisors, layout_problems
+from .search import divisors, layout_problems
 from .sweep import _holds
 
 _SIZE = re.compile(r"(dp|tp|pp|cp|ep)(\d+)([+-]sp)?(?:/(ring|ulysses))?")
@@ -188,82 +188,6 @@ class Evaluation:
         return not self.problems
 
 
-def _options(fixed, choices):
-    return (fixed,) if fixed is not None else tuple(choices)
-
-
-def candidates(spec: LayoutSpec, model: ModelSpec, training: Training,
-               cluster: Cluster):
-    """Every completion of ``spec`` on ``cluster`` (no pruning: invalid ones included)."""
-    n = cluster.n_gpus
-    named = [getattr(spec, a) for a in ("dp", "tp", "pp", "cp") if getattr(spec, a)]
-    product = 1
-    for size in named:
-        product *= size
-    if n % product or (len(named) == 4 and product != n):
-        sizes = " x ".join(f"{a}{getattr(spec, a)}" for a in ("dp", "tp", "pp", "cp") if getattr(spec, a))
-        need = f"{product} ranks" if len(named) == 4 else f"a multiple of {product} ranks"
-        raise ValueError(f"--layout {spec.text!r}: {sizes} needs {need}; the cluster has {n}")
-    # A schedule or v means a pipeline, Ulysses context parallelism: never complete them
-    # with pp1 or cp1, where the choice would silently mean nothing.
-    piped = (spec.schedule in ("gpipe", "interleaved", "zbh1", *V_SHAPED)
-             or (spec.virtual_stages or 1) > 1)
-    _needs_more_than_one(spec, "pp", piped, "a pipeline schedule or v")
-    _needs_more_than_one(spec, "cp", spec.cp_method == "ulysses", "ulysses")
-    if (spec.ep or 1) > 1 and not model.n_experts:
-        raise ValueError(f"--layout {spec.text!r}: ep{spec.ep} splits a mixture of experts' "
-                         f"experts, and {model.name} has none")
-    for tp in _options(spec.tp, divisors(n)):
-        for cp in _options(spec.cp, divisors(n // tp) if n % tp == 0 else ()):
-            for pp in _options(spec.pp, divisors(n // (tp * cp)) if n % (tp * cp) == 0 else ()):
-                if n % (tp * cp * pp) or (piped and pp == 1) or (
-                        spec.cp_method == "ulysses" and cp == 1):
-                    continue
-                dp = n // (tp * cp * pp)
-                if spec.dp is not None and spec.dp != dp:
-                    continue
-                yield from _choices(spec, model, training, dp, tp, pp, cp)
-
-
-def _needs_more_than_one(spec: LayoutSpec, axis: str, needed: bool, what: str) -> None:
-    if needed and getattr(spec, axis) == 1:
-        raise ValueError(f"--layout {spec.text!r}: {what} needs {axis} > 1, and {axis}1 is "
-                         f"given; raise {axis} or drop {what}")
-
-
-def _choices(spec, model, training, dp, tp, pp, cp):
-    per_replica = max(training.global_batch // dp, 1)
-    # as the search: SP wherever the tokens split over tp, else plain TP; asked for (+sp),
-    # SP is kept, and the rules report it where it cannot run
-    sp = (rules.sequence_parallel_splits(tp, cp, training.seq_len)
-          if spec.sequence_parallel is None else spec.sequence_parallel)
-    schedules = ("1f1b",) if pp == 1 and spec.schedule is None else _options(
-        spec.schedule, SCHEDULES if (spec.virtual_stages or 1) == 1 else ("interleaved",))
-    for schedule in schedules:
-        vs = (2,) if schedule in V_SHAPED else (1,) if schedule != "interleaved" else _options(
-            spec.virtual_stages, _virtual_stages(model.n_layers, pp) or [2])
-        for v in vs:
-            for zero in _options(spec.zero, (0, 1, 2, 3) if dp * cp > 1 else (0,)):
-                for mb in _options(spec.micro_batch, divisors(per_replica)):
-                    for rc in _options(spec.recompute, RECOMPUTE):
-                        for method in _options(spec.cp_method, ("ring", "ulysses") if cp > 1 else ("ring",)):
-                            for layout in _expert_layouts(spec, model, dp, tp, pp, cp):
-                                yield Candidate(layout, zero, mb, max(per_replica // mb, 1),
-                                                schedule, v, rc, sp,
-                                                shard_group=spec.shard_group or 0, cp_method=method,
-                                                reshard_after_forward=spec.reshard_after_forward)
-
-
-def _expert_layouts(spec: LayoutSpec, model: ModelSpec, dp: int, tp: int, pp: int, cp: int):
-    """The layout with each expert-parallel degree of the spec (or, unnamed, of a mixture
-    of experts: those dividing n_experts); those that do not divide dp x cp, where ep is
-    folded, have no layout."""
-    eps = (spec.ep,) if spec.ep else (divisors(model.n_experts) if model.n_experts else (1,))
-    for ep in eps:
-        if (dp * cp) % ep == 0:
-            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
-
-
 def evaluate_candidate(model: ModelSpec, training: Training, cluster: Cluster,
                        cand: Candidate, paratrain: bool | None = None) -> Evaluation:
     """Predictions for ``cand`` whether or not it is valid or fits."""
@@ -293,12 +217,13 @@ def _gib(nbytes: float) -> str:
 
 
 def _closeness(ev: Evaluation) -> tuple:
-    """Best first: fitting and fastest; else fewest problems, least overflow, fastest."""
+    """Best first: fitting, in the ranking's order (``rank_key``: fastest at three
+    significant figures, then least memory); else fewest problems, least overflow, fastest."""
     step = ev.time.step if ev.time else float("inf")
     if ev.fits:
-        return (0, 0, 0.0, step)
+        return (0, 0, 0.0, *rank_key(step, ev.memory.total))
     structural = sum(not p.startswith("does not fit") for p in ev.problems)
-    return (1, structural, ev.overflow, step)
+    return (1, structural, ev.overflow, step, 0.0)
 
 
 def evaluate(spec: LayoutSpec, model: ModelSpec, training: Training, cluster: Cluster,
@@ -308,8 +233,12 @@ def evaluate(spec: LayoutSpec, model: ModelSpec, training: Training, cluster: Cl
     best = None
     timed = sorted(result.plans + result.shadowed,
                    key=lambda p: rank_key(p.time.step, p.memory.total))
-    searched = next((plan.cand for plan in timed if _completes(spec, plan.cand)), None)
-    if searched is not None:  # the search's fastest completion: no need to enumerate them all
+    reach = result.within * result.fastest if result.within else float("inf")
+    # the search's fastest completion (a bounded search timed every plan within its reach
+    # only): no need to enumerate them all
+    searched = next((plan.cand for plan in timed if _completes(spec, plan.cand)
+                     and plan.time.step <= reach), None)
+    if searched is not None:
         best = evaluate_candidate(model, training, cluster, searched)
     for cand in () if searched is not None else candidates(spec, model, training, cluster):
         ev = evaluate_candidate(model, training, cluster, cand)
