@@ -164,23 +164,44 @@ def train_variants(configs):
     return out
 
 
-def test_a_qwen2_directory_trains_with_parity_under_each_strategy(models, tmp_path):
-    """Qwen2 (q/k/v biases, untied) for 3 steps, clipping off: tp2+SP, cp2 ring, pp2 and
-    dp2 x ZeRO-3 equal one process (losses, final parameters)."""
+QWEN2_VARIANTS = {"tp2 sp": dict(tp=2, sp=True), "cp2 ring": dict(cp=2), "pp2": dict(pp=2, microbatches=2),
+                  "dp2 zero3": dict(dp=2, zero=3)}
+LLAMA_VARIANTS = {"dp2 zero1": dict(dp=2, zero=1), "dp2 zero3": dict(dp=2, zero=3),
+                  "pp2": dict(dp=1, pp=2, microbatches=2)}  # a copy on the last stage
+
+
+@pytest.fixture(scope="module")
+def trained(models, tmp_path_factory) -> dict:
+    """The qwen2 and the tied llama training runs, both tests' runs of one size in one world
+    (worlds are slow to start): {family: (its settings, its one-process config, the
+    reference run, {variant: run})}."""
     from paratrain.train.config import load
 
-    _, path = models["qwen2"]
+    tmp = str(tmp_path_factory.mktemp("train"))
     # The key bias's gradient nearly cancels (a bias shared by every key only moves the
     # softmax through RoPE's rotation), so Adam's m / (sqrt(v) + eps) turns last-bit
     # summation differences into visible updates at eps=1e-8; eps=1e-6 keeps the comparison
     # well conditioned while any wrong gradient scale still shows in every other tensor.
-    base = dict(preset=path, seq_len=32, global_batch=4, steps=3, warmup_steps=1, lr=1e-3, eps=1e-6,
-                grad_clip=0.0, eval_every=0, eval_batches=1, progress=False, run_dir=str(tmp_path))
-    (ref_losses, ref_params), = run_world(train_variants, 1, [load(None, {**base, "nproc": 1}).validate()])[0]
-    variants = {"tp2 sp": dict(tp=2, sp=True), "cp2 ring": dict(cp=2), "pp2": dict(pp=2, microbatches=2),
-                "dp2 zero3": dict(dp=2, zero=3)}
-    configs = [load(None, {**base, "nproc": 2, **v}).validate() for v in variants.values()]
-    for name, (losses, params) in zip(variants, run_world(train_variants, 2, configs)[0]):
+    bases = {family: dict(preset=models[family][1], seq_len=32, global_batch=4, steps=3, warmup_steps=1,
+                          lr=1e-3, grad_clip=0.0, eval_every=0, eval_batches=1, progress=False,
+                          run_dir=tmp, **extra) for family, extra in (("qwen2", dict(eps=1e-6)), ("llama", {}))}
+    ones = {family: load(None, {**base, "nproc": 1}).validate() for family, base in bases.items()}
+    refs = dict(zip(ones, run_world(train_variants, 1, list(ones.values()))[0]))
+    two = [(family, name, load(None, {**bases[family], "nproc": 2, **v}).validate())
+           for family, variants in (("qwen2", QWEN2_VARIANTS), ("llama", LLAMA_VARIANTS))
+           for name, v in variants.items()]
+    runs = {family: {} for family in bases}
+    for (family, name, _), run in zip(two, run_world(train_variants, 2, [c for *_, c in two])[0]):
+        runs[family][name] = run
+    return {family: (bases[family], ones[family], refs[family], runs[family]) for family in bases}
+
+
+def test_a_qwen2_directory_trains_with_parity_under_each_strategy(trained):
+    """Qwen2 (q/k/v biases, untied) for 3 steps, clipping off: tp2+SP, cp2 ring, pp2 and
+    dp2 x ZeRO-3 equal one process (losses, final parameters)."""
+    *_, (ref_losses, ref_params), runs = trained["qwen2"]
+    assert list(runs) == list(QWEN2_VARIANTS)
+    for name, (losses, params) in runs.items():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
                                    msg=lambda m: f"{name}: {m}")
         for key, want in ref_params.items():
@@ -188,23 +209,16 @@ def test_a_qwen2_directory_trains_with_parity_under_each_strategy(models, tmp_pa
             assert err <= 1e-5, f"{name}: {key} off by {err:.2e}"
 
 
-def test_a_tied_llama_trains_under_zero_with_parity_and_exports_tied(models, tmp_path):
+def test_a_tied_llama_trains_under_zero_with_parity_and_exports_tied(trained, tmp_path):
     """Llama with tie_word_embeddings (as Llama 3.2 1B/3B): dp2 x ZeRO-1 and dp2 x ZeRO-3,
     whose unit holds the one matrix the embedding and the head share, pp2 and dp2 x pp2 x
     ZeRO-1, whose last stage keeps a copy, equal one process (losses, final parameters); the
     result exports as a tied model transformers loads."""
     from paratrain.train.config import load
 
-    _, path = models["llama"]
-    base = dict(preset=path, seq_len=32, global_batch=4, steps=3, warmup_steps=1, lr=1e-3,
-                grad_clip=0.0, eval_every=0, eval_batches=1, progress=False, run_dir=str(tmp_path))
-    cfg = load(None, {**base, "nproc": 1}).validate()
-    assert cfg.model.tie_embeddings
-    (ref_losses, ref_params), = run_world(train_variants, 1, [cfg])[0]
-    variants = {"dp2 zero1": dict(dp=2, zero=1), "dp2 zero3": dict(dp=2, zero=3),
-                "pp2": dict(dp=1, pp=2, microbatches=2)}  # a copy on the last stage
-    configs = [load(None, {**base, "nproc": 2, **v}).validate() for v in variants.values()]
-    runs = list(zip(variants, run_world(train_variants, 2, configs)[0]))
+    base, cfg, (ref_losses, ref_params), two = trained["llama"]
+    assert cfg.model.tie_embeddings and list(two) == list(LLAMA_VARIANTS)
+    runs = list(two.items())
     wide = load(None, {**base, "nproc": 4, "dp": 2, "pp": 2, "zero": 1, "microbatches": 2}).validate()
     runs += list(zip(["dp2 pp2 zero1"], run_world(train_variants, 4, [wide])[0]))
     for name, (losses, params) in runs:
