@@ -178,9 +178,23 @@ def reference(tmp_path_factory):
     return run_world(train_runs, 1, _configs(str(tmp_path_factory.mktemp("ref")), 1, 1))[0]
 
 
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> dict:
+    """ep2 and ep4 on four ranks in one world (worlds are slow to start), each in its own run
+    directory: {ep: (each rank's runs, the run directory)}."""
+    dirs = {ep: tmp_path_factory.mktemp(f"ep{ep}") for ep in (2, 4)}
+    configs = {(ep, name): cfg for ep, d in dirs.items() for name, cfg in _configs(str(d), 4, ep).items()}
+    per_rank = run_world(train_runs, 4, configs)
+    return {ep: ([{name: runs[e, name] for e, name in runs if e == ep} for runs in per_rank], d)
+            for ep, d in dirs.items()}
+
+
 @pytest.mark.parametrize("nproc, ep", [(2, 2), (4, 2), (4, 4)])
-def test_expert_parallel_matches_one_process(nproc, ep, reference, tmp_path):
-    runs = run_world(train_runs, nproc, _configs(str(tmp_path), nproc, ep))
+def test_expert_parallel_matches_one_process(nproc, ep, reference, tmp_path, request):
+    if nproc == 4:  # both four-rank cases' runs come from one world
+        runs, tmp_path = request.getfixturevalue("four_ranks")[ep]
+    else:
+        runs = run_world(train_runs, nproc, _configs(str(tmp_path), nproc, ep))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["dropped_tokens"] for r in records) > 0  # capacity 1.0 drops some: per sequence
     # comm_bytes counts the experts' reduction over their dp / ep replicas too
@@ -296,39 +310,55 @@ def test_experts_without_tokens_neither_hang_nor_change_the_result(tmp_path):
             assert_same_run(run[name], want[name], what=f"{name} rank {rank}")
 
 
-def test_a_checkpoint_at_ep4_resumes_at_ep2_and_on_one_process(tmp_path):
+def _ep4_config(tmp, nproc, ep=1, resume="", **kw):
+    return tiny_config(str(tmp), nproc=nproc, ep=ep, steps=4, eval_every=0, resume=resume,
+                       bias_update=0.01, **MOE, **kw)
+
+
+def _zero3_config(tmp, nproc, resume="", **kw):
+    return tiny_config(str(tmp), nproc=nproc, steps=4, eval_every=0, resume=resume,
+                       aux_loss_coef=0.0, bias_update=0.01, **MIXED, **kw)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> dict:
+    """Both checkpoint tests' runs, three worlds instead of six (worlds are slow to start):
+    the two four-rank saves in one, the one-process references and resumes in one, the
+    two-rank resumes in one. {test: (the one-process runs, each two-rank rank's run)}."""
+    tmp = tmp_path_factory.mktemp("resumed")
+    run_world(train_runs, 4, {"ep4": _ep4_config(tmp / "ep4-a", 4, ep=4, save_every=2),
+                              "zero3": _zero3_config(tmp / "zero3-a", 4, ep=2, zero=3, save_every=2)})
+    ckpt = {k: str(tmp / f"{k}-a" / "checkpoints" / "step-2") for k in ("ep4", "zero3")}
+    one = run_world(train_runs, 1, {
+        ("ep4", "ref"): _ep4_config(tmp / "ep4-ref", 1),
+        ("ep4", "one"): _ep4_config(tmp / "ep4-one", 1, resume=ckpt["ep4"]),
+        ("zero3", "ref"): _zero3_config(tmp / "zero3-ref", 1),
+        ("zero3", "one"): _zero3_config(tmp / "zero3-one", 1, resume=ckpt["zero3"])})[0]
+    two = run_world(train_runs, 2, {"ep4": _ep4_config(tmp / "ep4-b", 2, ep=2, resume=ckpt["ep4"]),
+                                    "zero3": _zero3_config(tmp / "zero3-b", 2, ep=2, zero=1,
+                                                           resume=ckpt["zero3"])})
+    return {k: ({"ref": one[k, "ref"], "one": one[k, "one"]}, [got[k] for got in two]) for k in ckpt}
+
+
+def test_a_checkpoint_at_ep4_resumes_at_ep2_and_on_one_process(resumed):
     """Experts are saved as slices of the stacked tensors, the selection bias with them."""
-    def config(tmp, nproc, ep=1, resume="", **kw):
-        return tiny_config(str(tmp), nproc=nproc, ep=ep, steps=4, eval_every=0, resume=resume,
-                           bias_update=0.01, **MOE, **kw)
-    run_world(train_runs, 4, {"a": config(tmp_path / "a", 4, ep=4, save_every=2)})
-    ckpt = str(tmp_path / "a" / "checkpoints" / "step-2")
-    one = run_world(train_runs, 1, {"ref": config(tmp_path / "ref", 1),
-                                    "one": config(tmp_path / "one", 1, resume=ckpt)})[0]
+    one, two = resumed["ep4"]
     want = tail(one["ref"], since=2)
     assert_same_run(tail(one["one"]), want, what="one process")
     assert any(float(v.abs().sum()) for k, v in one["one"]["params"].items() if "expert_bias" in k)
-    for rank, got in enumerate(run_world(train_runs, 2, {"b": config(tmp_path / "b", 2, ep=2,
-                                                                          resume=ckpt)})):
-        assert_same_run(tail(got["b"]), want, what=f"ep2 rank {rank}")
+    for rank, got in enumerate(two):
+        assert_same_run(tail(got), want, what=f"ep2 rank {rank}")
 
 
-def test_a_zero3_checkpoint_of_sharded_experts_resumes_anywhere(tmp_path):
+def test_a_zero3_checkpoint_of_sharded_experts_resumes_anywhere(resumed):
     """dp4 x ep2 under ZeRO-3: each expert's state is cut over the two ranks holding it,
     and the frozen selection bias is whole on every rank; one process and dp2 x ep2 under
     ZeRO-1 resume it exactly."""
-    def config(tmp, nproc, resume="", **kw):
-        return tiny_config(str(tmp), nproc=nproc, steps=4, eval_every=0, resume=resume,
-                           aux_loss_coef=0.0, bias_update=0.01, **MIXED, **kw)
-    run_world(train_runs, 4, {"a": config(tmp_path / "a", 4, ep=2, zero=3, save_every=2)})
-    ckpt = str(tmp_path / "a" / "checkpoints" / "step-2")
-    one = run_world(train_runs, 1, {"ref": config(tmp_path / "ref", 1),
-                                    "one": config(tmp_path / "one", 1, resume=ckpt)})[0]
+    one, two = resumed["zero3"]
     want = tail(one["ref"], since=2)
     assert_same_run(tail(one["one"]), want, what="one process")
-    for rank, got in enumerate(run_world(train_runs, 2, {"b": config(tmp_path / "b", 2, ep=2, zero=1,
-                                                                          resume=ckpt)})):
-        assert_same_run(tail(got["b"]), want, what=f"dp2 ep2 ZeRO-1 rank {rank}")
+    for rank, got in enumerate(two):
+        assert_same_run(tail(got), want, what=f"dp2 ep2 ZeRO-1 rank {rank}")
 
 
 def built_with_different_seeds(zero: int) -> dict:
