@@ -12,9 +12,19 @@ from helpers import assert_replicas_equal, assert_same_run, tiny_config, train_r
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def references(tmp_path_factory) -> dict:
+    """Every one-process reference of this module in one world (worlds are slow to start):
+    the tiny model, its tied-embedding variant, and the same with 4 layers, so 4 stages or
+    2 stages x 2 virtual stages fit (ADAM: see there)."""
     tmp = str(tmp_path_factory.mktemp("ref"))
-    return run_world(train_runs, 1, {"ref": tiny_config(tmp, nproc=1, lr=1e-3)})[0]["ref"]
+    return run_world(train_runs, 1, {"ref": tiny_config(tmp, nproc=1, lr=1e-3),
+                                     "tied": tiny_config(tmp, nproc=1, lr=1e-3, tie_embeddings=True),
+                                     "4 layers": tiny_config(tmp, nproc=1, lr=1e-3, n_layers=4, **ADAM)})[0]
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["ref"]
 
 
 def name_of(variant: dict) -> str:
@@ -51,12 +61,11 @@ def test_tensor_parallel_with_data_zero_and_context_parallel_on_four_ranks(refer
           dict(tp=2, sp=True, cp=2, cp_method="ring"))
 
 
-def test_tied_embeddings_under_tensor_sequence_data_and_context_parallelism(tmp_path):
+def test_tied_embeddings_under_tensor_sequence_data_and_context_parallelism(references, tmp_path):
     """The embedding and the head share one weight: split over the vocabulary under tp, its
     gradient sums both uses of each shard."""
     tied = dict(tie_embeddings=True)
-    ref = run_world(train_runs, 1, {"ref": tiny_config(str(tmp_path / "ref"), nproc=1, lr=1e-3, **tied)})[0]["ref"]
-    check(2, ref, tmp_path, dict(tp=2, **tied), dict(tp=2, sp=True, **tied), dict(cp=2, **tied),
+    check(2, references["tied"], tmp_path, dict(tp=2, **tied), dict(tp=2, sp=True, **tied), dict(cp=2, **tied),
           dict(dp=2, **tied))
 
 
@@ -67,10 +76,9 @@ def test_pipeline_schedules_on_two_ranks(reference, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reference4(tmp_path_factory):
+def reference4(references):
     """The same run with 4 layers, so 4 stages or 2 stages x 2 virtual stages fit."""
-    tmp = str(tmp_path_factory.mktemp("ref4"))
-    return run_world(train_runs, 1, {"ref": tiny_config(tmp, nproc=1, lr=1e-3, n_layers=4, **ADAM)})[0]["ref"]
+    return references["4 layers"]
 
 
 # Up to 8 microbatches of one sample against one batch of 8 change the summation order of
