@@ -109,10 +109,17 @@ def parallelize(model: nn.Module, mesh: Mesh, opts: ParallelOptions) -> nn.Modul
         # tp's vocabulary-parallel loss talks to its ranks: it stays eager.
         compile_regions(blocks, loss_modules(model, desc, p.pp) if p.tp == 1 else [],
                         eager=talking_operators(tp, blocks, desc.attention_core if p.cp > 1 else None))
-    group = mesh.group(DP_CP)
     plan = step_plan(model, mesh, opts, moe=desc.shape.n_experts > 0)
     plan.tied_copy = ((f"{desc.head}.weight", f"{desc.embedding}.weight")
                       if p.pp > 1 and not untied else None)
+    return _engine(model, mesh, opts, plan, ep, tp, pp_group, tied)
+
+
+def _engine(model: nn.Module, mesh: Mesh, opts: ParallelOptions, plan, ep, tp, pp_group,
+            tied) -> nn.Module:
+    """The data-parallel engine over dp x cp that owns the optimizer: ZeRO's, or DDP's
+    under a replicated (or, with --compress METHOD:update, a local-update) engine."""
+    p, group = opts.parallel, mesh.group(DP_CP)
     compress = dataclasses.replace(opts.compress, place=place(mesh))
     if p.zero:  # lays out its flat units from meta parameters itself
         dtype = torch.bfloat16 if opts.precision in ("bf16", "bf16-params") else None
