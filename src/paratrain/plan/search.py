@@ -23,7 +23,6 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import replace
-from functools import lru_cache
 from typing import Callable
 
 from .. import rules
@@ -34,12 +33,7 @@ from .hardware import GiB, Cluster, members_per_node
 from .models import ModelSpec
 from .results import Plan, SearchResult, rank_key
 from .bound import Floor, family_reach, quick_bound
-from .sweep import Problem, _holds, sweep
-
-
-@lru_cache(maxsize=1024)
-def divisors(n: int) -> tuple[int, ...]:
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
+from .sweep import Problem, _holds, divisors, sweep  # noqa: F401 - divisors: this module's API too
 
 
 def search(model: ModelSpec, training: Training, cluster: Cluster,

@@ -5,6 +5,7 @@ of ``plan.bound`` show cannot come within that factor of the fastest plan so far
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 from .. import rules
@@ -65,8 +66,6 @@ class Problem:
 
     def sizes(self, cand: Candidate) -> tuple[int, ...]:
         """The microbatch sizes of ``cand`` to try, ascending."""
-        from .search import divisors
-
         return ((self.micro_batch,) if self.micro_batch
                 else divisors(self.training.global_batch // cand.dp))
 
@@ -75,6 +74,11 @@ class Problem:
         hair more: a bound that equals a plan's time, summed in another order, may exceed
         it in the last bit)."""
         return self.within * result.fastest * (1 + 1e-9) if self.within else float("inf")
+
+
+@lru_cache(maxsize=1024)
+def divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def _out_of_reach(problem: Problem, cand: Candidate, result: SearchResult, count: int,
@@ -120,12 +124,12 @@ def _live_policies(problem: Problem, cand: Candidate, sizes: tuple[int, ...],
     (``Floor`` at ``cand``'s ZeRO stage) fits. paratrain's own runtime counts memory its
     own way: every size, at the least recompute's bound."""
     reach, policies = problem.reach(result), problem.policies
-    most = at_size(cand.but(recompute=policies[-1]), sizes[-1],
-                   problem.training.global_batch // cand.dp // sizes[-1])
-    extra = zero_terms_time(problem.model, problem.training, problem.cluster, most)
     if problem.paratrain:
         bound = step_bound(problem, cand.but(recompute=policies[0]), sizes[-1])
         return dict.fromkeys(policies, (bound, len(sizes))) if bound <= reach else {}
+    most = at_size(cand.but(recompute=policies[-1]), sizes[-1],
+                   problem.training.global_batch // cand.dp // sizes[-1])
+    extra = zero_terms_time(problem.model, problem.training, problem.cluster, most)
     memory, live = Floor(problem, cand, (cand.zero,)), {}
     for policy in policies:
         if family.get(policy, 0.0) + extra > reach:
