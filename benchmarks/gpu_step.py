@@ -34,22 +34,51 @@ import plan_vs_gpu
 from common import at_least
 
 
-def _timed(step, steps: int) -> float:
+def _timed(step, steps: int, label: str = "") -> float:
+    """Median seconds of the steps after the first two; with a ``label``, prints the first
+    step's seconds (compiles included) and the median."""
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
+    median = statistics.median(times[2:])
+    if label:
+        print(f"  {label}: first step {times[0]:.1f} s (compiles included), then a median of "
+              f"{median * 1e3:.1f} ms", flush=True)
+    return median
 
 
-def peer_step_time(cfg, steps: int, compiled: bool = False) -> float:
+def profile_step(step, title: str, path: str | None = None) -> None:
+    """torch.profiler's tables of one more ``step``: operators by self CUDA time, then by
+    self CPU time (the host's share: Python, dispatch, launches). Printed, or written to
+    ``path``."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    text = (f"profile of one step: {title}\n"
+            f"{table.table(sort_by='self_cuda_time_total', row_limit=30)}\n"
+            f"{table.table(sort_by='self_cpu_time_total', row_limit=20)}\n")
+    if path is None:
+        print(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"  wrote {path}", flush=True)
+
+
+def peer_step_time(cfg, steps: int, compiled: bool = False, label: str = "",
+                   profile_to: str | None = None) -> float:
     """The plain loop's median step seconds on ``cfg``'s model, batch and microbatch;
-    ``compiled``: the model through ``torch.compile`` too (torch's recommended loop)."""
+    ``compiled``: the model through ``torch.compile`` too (torch's recommended loop), with
+    static shapes as paratrain's ``--compile`` has them; ``profile_to``: a file for the
+    profile of one more step."""
     model = GPT(cfg.model, seed=0).cuda()
     if compiled:
-        model.compile()
+        model.compile(dynamic=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     mb, seq = cfg.micro_batch, cfg.data.seq_len
     micro = [torch.randint(cfg.model.vocab_size, (mb, seq + 1), device="cuda")
@@ -63,22 +92,23 @@ def peer_step_time(cfg, steps: int, compiled: bool = False) -> float:
             loss.backward()
         opt.step()
 
-    result = _timed(step, steps)
+    result = _timed(step, steps, label)
+    if profile_to:
+        profile_step(step, label, profile_to)
     del model, opt
     return result
 
 
-def paratrain_step_time(cfg, steps: int, profile: bool) -> float:
+def paratrain_step_time(cfg, steps: int, profile: bool, label: str = "",
+                        profile_to: str | None = None) -> float:
+    """paratrain's median step seconds on ``cfg`` (one rank); ``profile``: print the profile
+    of one more step, ``profile_to``: write it to that file."""
     run = loop.build(cfg, Mesh.build(cfg.layout))
     counter = iter(range(10**9))
-    result = _timed(lambda: loop.train_step(run, next(counter)), steps)
-    if profile:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            loop.train_step(run, next(counter))
-            torch.cuda.synchronize()
-        print(f"profile of one paratrain step at micro-batch {cfg.micro_batch}:")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    step = lambda: loop.train_step(run, next(counter))  # noqa: E731
+    result = _timed(step, steps, label)
+    if profile or profile_to:
+        profile_step(step, f"paratrain at micro-batch {cfg.micro_batch}", profile_to)
     del run
     return result
 

@@ -107,3 +107,18 @@ def test_adamw_is_fused_on_cuda_only():
     cfg = SimpleNamespace(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     optimizer = build_adamw([torch.nn.Parameter(torch.ones(2, 2))], cfg)
     assert not optimizer.defaults["fused"] and optimizer.defaults["foreach"] is None
+
+
+def test_the_squared_norm_is_fp32_whatever_the_gradients_dtype():
+    """``optim.squared_norm`` (the replicated engines' clipping norm) against float64: bf16
+    gradients' norms rounded to bf16 would be off by about 2**-9."""
+    from paratrain.optim import squared_norm
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=gen).to(dtype) for shape, dtype in
+             (((64, 48), torch.bfloat16), ((300,), torch.bfloat16), ((7, 9), torch.float32))]
+    exact = sum(g.double().pow(2).sum() for g in grads)
+    got = squared_norm(grads)
+    assert got.dtype == torch.float32
+    assert got.item() == pytest.approx(exact.item(), rel=1e-6)
+    assert squared_norm([]).item() == 0.0

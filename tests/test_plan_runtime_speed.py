@@ -34,7 +34,7 @@ def _held_out(key: tuple[str, bool] | str) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("key", [k for k in speeds.PROFILES if k != ("paratrain", True)],
+@pytest.mark.parametrize("key", list(speeds.PROFILES),
                          ids=lambda k: f"{k[0]}-{'compiled' if k[1] else 'eager'}")
 def test_each_profile_is_its_calibration_runs_fit(key):
     fitted, shipped = fit_profile(key, POINTS), speeds.PROFILES[key]
@@ -54,8 +54,17 @@ def test_torchtitan_held_out_runs_within_15_percent():
 
 def test_paratrain_eager_held_out_runs_within_15_percent():
     held = _held_out(("paratrain", False))
-    assert len(held) == 10
+    assert len(held) == 14  # 10 on the H100 it was calibrated on, 4 on an H200
     assert statistics.median(held) <= HELD_OUT_MEDIAN, held
+
+
+def test_paratrain_compiled_held_out_runs_within_15_percent():
+    held = _held_out(("paratrain", True))
+    assert len(held) == 2
+    assert statistics.median(held) <= HELD_OUT_MEDIAN, held
+    compiled, eager = speeds.PARATRAIN_COMPILED, speeds.PARATRAIN_EAGER
+    assert 1.0 < compiled.elementwise < eager.elementwise
+    assert 0.0 < compiled.host_block < eager.host_block
 
 
 def test_profiles_move_the_step_where_they_should():
@@ -88,7 +97,7 @@ def test_fit_command_prints_every_profile(capsys):
     main([str(RUNS)])
     out = capsys.readouterr().out
     assert "h100-96g rate" in out and "held out: median" in out
-    assert out.count("matches plan/speed.py") == 3, out
+    assert out.count("matches plan/speed.py") == 4, out
 
 
 def _plan_json(*flags: str) -> dict:

@@ -72,13 +72,20 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float,
     applied to ``scale`` (default: ``grads``), which lets a rank clip gradients it does not
     count. Returns the norm before clipping, on the device (reading it syncs the host).
     """
-    grads = [g for g in grads if g is not None]
+    grads = [g.detach() for g in grads if g is not None]
     scale = grads if scale is None else [g for g in scale if g is not None]
-    if grads:
-        sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
-    else:
-        sq = torch.zeros(())
-    return clip_by_squared_norm_(sq, max_norm, groups, scale)
+    return clip_by_squared_norm_(squared_norm(grads), max_norm, groups, scale)
+
+
+@torch.no_grad()
+def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squares of ``tensors``, in fp32 whatever their dtype. One
+    multi-tensor kernel per dtype on a GPU (``torch._foreach_norm``), where a power, a sum
+    and a full-size temporary per tensor cost 183 launches and 3 passes over the
+    gradients of an 837M model (docs/gpu.md)."""
+    if not tensors:
+        return torch.zeros(())
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).pow(2).sum()
 
 
 @torch.no_grad()

@@ -41,9 +41,10 @@ class MasterWeights:
 
     @torch.no_grad()
     def write_back(self) -> None:
-        """Round the masters into the parameters; free the fp32 gradient copies."""
-        for p, master in self.masters.items():
-            p.copy_(master)
+        """Round the masters into the parameters (one multi-tensor copy on a GPU); free
+        the fp32 gradient copies."""
+        torch._foreach_copy_(self.params, self.tensors())
+        for master in self.masters.values():
             master.grad = None
 
 

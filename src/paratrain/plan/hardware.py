@@ -134,6 +134,16 @@ def gpu_preset(name: str) -> GpuSpec:
         raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}") from None
 
 
+def preset_for_device(device_name: str) -> GpuSpec | None:
+    """The preset of the family (``h100`` of ``h100-80g``) ``torch.cuda.get_device_name``
+    names, the one of its memory size where the name says it ('NVIDIA A100-SXM4-80GB' ->
+    ``a100-80g``), else the family's first ('NVIDIA H200' -> ``h200``); None if unknown."""
+    name = device_name.lower().replace(" ", "")
+    family = [(key, gpu) for key, gpu in GPUS.items() if key.split("-")[0] in name]
+    sized = [gpu for key, gpu in family if "-" in key and key.split("-")[1] + "b" in name]
+    return (sized or [gpu for _, gpu in family] or [None])[0]
+
+
 @dataclass(frozen=True)
 class Link:
     """What one collective's ranks talk over."""

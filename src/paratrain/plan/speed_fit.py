@@ -157,14 +157,15 @@ def fit_grand_teton(points: list[Point]) -> float:
 def fit_profile(key: tuple[str, bool], points: list[Point]) -> Speed:
     """The profile of ``key`` = (runtime, compiled) solved from its ``calibrate`` points:
 
-    * paratrain eager: ``elementwise`` from its largest microbatch (GPU-bound) and
-      ``host_block`` from its smallest (host-bound), alternated until both hold;
+    * paratrain, eager or compiled: ``elementwise`` from its largest microbatch
+      (GPU-bound) and ``host_block`` from its smallest (host-bound), alternated until both
+      hold;
     * torchtitan compiled: the fused model (its run sets the GPU's rate: ``fit_grand_teton``);
     * torchtitan eager: ``elementwise`` from its own run on the same GPUs.
     """
     base = PROFILES[key]
     cal = [p for p in points if (p.runtime, p.compiled) == key and p.role == "calibrate"]
-    if key == ("paratrain", False):
+    if key[0] == "paratrain":
         big = max(cal, key=lambda p: p.micro_batch)
         small = min(cal, key=lambda p: p.micro_batch)
         speed = replace(base, elementwise=1.0, host_block=0.0)
@@ -215,8 +216,8 @@ def plot(path: str, points: list[Point]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 5.2))
-    colours = {("paratrain", False): "tab:blue", ("torchtitan", False): "tab:orange",
-               ("torchtitan", True): "tab:green"}
+    colours = {("paratrain", False): "tab:blue", ("paratrain", True): "tab:purple",
+               ("torchtitan", False): "tab:orange", ("torchtitan", True): "tab:green"}
     for key, colour in colours.items():
         mine = [p for p in points if (p.runtime, p.compiled) == key]
         speed = PROFILES[key]

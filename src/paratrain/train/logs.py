@@ -156,13 +156,12 @@ def peak_flops(device: torch.device, precision: str, world: int) -> float | None
     ``paratrain plan --cluster local --calibrate`` times the busy cores, on a GPU its
     datasheet peak (the planner's presets), None when unknown."""
     if device.type == "cuda":
-        from ..plan.hardware import GPUS
+        from ..plan.hardware import preset_for_device
 
-        name = torch.cuda.get_device_name(device).lower().replace(" ", "")
-        for key, gpu in GPUS.items():
-            if key.split("-")[0] in name:
-                return (gpu.peak_flops if precision == "bf16" else gpu.peak_flops_fp32) * world
-        return None
+        gpu = preset_for_device(torch.cuda.get_device_name(device))
+        if gpu is None:
+            return None
+        return (gpu.peak_flops if precision == "bf16" else gpu.peak_flops_fp32) * world
     from ..plan.hardware import CalibrationError, load_calibration
 
     try:
