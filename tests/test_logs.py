@@ -106,3 +106,16 @@ def test_the_profiler_window_prints_nothing_on_the_terminal(tmp_path, capfd):
     assert profiler.after(1) == tmp_path / "profile-rank0.json" and profiler.path.is_file()
     out, err = capfd.readouterr()
     assert out == "" and err == "", (out, err)
+
+
+@pytest.mark.parametrize("device_name, preset", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100-80g"),
+    ("NVIDIA A100-SXM4-80GB", "a100-80g"), ("NVIDIA A100-SXM4-40GB", "a100-40g"),
+    ("Tesla T4", None)])
+def test_a_gpu_finds_its_preset_by_name_and_memory(device_name, preset):
+    """MFU's peak and gpu_check's planner preset come from the device's name; where the
+    family has several memory sizes, the name's own size picks."""
+    from paratrain.plan.hardware import preset_for_device
+
+    found = preset_for_device(device_name)
+    assert (found.name if found else None) == preset
