@@ -105,14 +105,14 @@ def step_times(cfg: Config) -> list[float]:
 
 
 def measure(args: argparse.Namespace, tmp: str, calibration
-            ) -> tuple[list[float], list[float], list]:
+            ) -> tuple[list[list[list[float]]], list[float], list]:
     """Median step time of every layout over ``args.rounds`` rounds; each round visits
     every world size (layouts of one size share a world, in alternating order), so drift
     in the machine's load hits all layouts alike. Before each world, the calibration's own
     model step is timed again in this process: how fast the machine runs right now. With
     ``args.refresh``, each round starts by calibrating again (``compute_rates`` and
     ``comm_fits``, about 45 s): the calibrations the round's layouts are predicted from."""
-    samples: list[list[float]] = [[] for _ in LAYOUTS]
+    samples: list[list[list[float]]] = [[] for _ in LAYOUTS]  # [layout][round] -> steps
     reference: list[float] = []
     calibrations = []
     for round_ in range(args.rounds):
@@ -126,8 +126,22 @@ def measure(args: argparse.Namespace, tmp: str, calibration
             reference.append(reference_step_time())
             spawn(run_layouts, nproc, configs, timeout_s=900)
             for i, cfg in zip(mine, configs):
-                samples[i] += step_times(cfg)
-    return [statistics.median(s) for s in samples], reference, calibrations
+                samples[i].append(step_times(cfg))
+    return samples, reference, calibrations
+
+
+def split_half(samples: list[list[list[float]]]) -> tuple[float, float] | None:
+    """How well the measurements rank the layouts against themselves: Spearman between
+    the medians of the odd rounds and of the even rounds, and its Spearman-Brown
+    extension to all the rounds (r_full = 2r / (1 + r)). No prediction can be expected to
+    correlate with the measured medians better than about √r_full (the attenuation
+    bound of classical test theory). None with fewer than two rounds."""
+    if len(samples[0]) < 2:
+        return None
+    halves = [[statistics.median(t for r in rounds[k::2] for t in r) for rounds in samples]
+              for k in (0, 1)]
+    r = spearman(*halves)
+    return r, 2 * r / (1 + r) if r > 0 else 0.0  # no agreement: nothing to extend
 
 
 def _silent(line: str) -> None:
@@ -223,7 +237,8 @@ def main() -> None:
 
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="plan-vs-measured-") as tmp:
-        measured, reference, refreshed = measure(args, tmp, calibration)
+        samples, reference, refreshed = measure(args, tmp, calibration)
+    measured = [statistics.median(t for r in rounds for t in r) for rounds in samples]
     load = (load_before + os.getloadavg()[0]) / 2
     configs = [build_config(args, "unused", nproc, overrides) for _, nproc, overrides in LAYOUTS]
     first = [predicted_step_time(cfg, calibration) for cfg in configs]
@@ -233,11 +248,12 @@ def main() -> None:
                  for cfg in configs] if refreshed else first
     drift = Drift(reference, predicted_reference_time(calibration))
 
-    report(args, calibration, predicted, measured, load, drift, first)
+    report(args, calibration, predicted, measured, load, drift, first, split_half(samples))
 
 
 def report(args: argparse.Namespace, calibration, predicted: list[float],
-           measured: list[float], load: float, drift: Drift, first: list[float]) -> None:
+           measured: list[float], load: float, drift: Drift, first: list[float],
+           reliability: tuple[float, float] | None) -> None:
     """The table, the summary lines, and the JSON line (last)."""
     median, rho = _errors(predicted, measured)
     width = max(len(label) for label, _, _ in LAYOUTS)
@@ -260,6 +276,12 @@ def report(args: argparse.Namespace, calibration, predicted: list[float],
     print(f"\nmedian |error| {median:.1%}, Spearman rank correlation {rho:.3f}"
           f"\nfrom the first calibration only: median |error| {first_median:.1%}, "
           f"Spearman {first_rho:.3f}")
+    if reliability:
+        r, full = reliability
+        print(f"the measurements against themselves: odd and even rounds rank the layouts "
+              f"with Spearman {r:.3f}; for all {args.rounds} rounds (Spearman-Brown) "
+              f"{full:.3f}, so a perfect model's expected Spearman is about "
+              f"{full ** 0.5:.3f}")
     scaled, _ = _errors([f * drift.factor for f in first], measured)
     print(f"machine speed while measuring: the calibration's model step ({EFFICIENCY_BATCH} "
           f"sequences, one process), timed before each world, took "
@@ -280,6 +302,8 @@ def report(args: argparse.Namespace, calibration, predicted: list[float],
         "reference_step_ms": [round(t * 1e3, 1) for t in drift.timings],
         "reference_predicted_ms": round(drift.predicted * 1e3, 1),
         "drift": round(drift.factor, 3), "median_error_drift_scaled": round(scaled, 4),
+        "split_half_spearman": round(reliability[0], 4) if reliability else None,
+        "reliability_spearman_brown": round(reliability[1], 4) if reliability else None,
         "layouts": {label: {"predicted_s": round(p, 5), "measured_s": round(m, 5),
                             "predicted_first_s": round(f, 5)}
                     for (label, _, _), p, m, f in zip(LAYOUTS, predicted, measured, first)}}))

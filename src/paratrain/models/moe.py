@@ -47,9 +47,12 @@ def run_experts(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.
     # Experts without rows run too (on zero rows): the output stays connected to ``x`` and to
     # every weight, so backward reaches the all-to-all that brought ``x`` on every rank, and
     # every expert gets a gradient (zero), whatever the routing. Skipping them hangs the
-    # ranks that did receive rows in that all-to-all's backward.
-    return torch.cat([F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
-                      for e, rows in enumerate(x.split(counts))])
+    # ranks that did receive rows in that all-to-all's backward. ``unbind``, not ``w1[e]``:
+    # each indexing's backward writes a zero-filled gradient of the whole stacked weight
+    # (n² work for n experts), unbind's stacks the experts' gradients once.
+    return torch.cat([F.linear(F.silu(F.linear(rows, g)) * F.linear(rows, u), d)
+                      for rows, g, u, d in zip(x.split(counts), w1.unbind(0), w3.unbind(0),
+                                               w2.unbind(0))])
 
 
 class Experts(nn.Module):
