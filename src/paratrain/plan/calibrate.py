@@ -14,13 +14,17 @@ thread per process, ``torch.set_num_threads(1)``):
   sequences is the fixed dispatch cost of its operators, per block.
 * **AdamW rate**: parameters per second of one ``torch.optim.AdamW`` step.
 * **gloo α and β** of all-reduce, all-gather, reduce-scatter and all-to-all, for worlds of 2 and 4
-  processes: the median time of each collective (averaging, as data parallelism runs
+  processes: the mean time of each collective (averaging, as data parallelism runs
   it) at several sizes, then the least-squares fit of ``comm.cost.fit_alpha_beta``.
 
 The GEMM and AdamW rates are the fastest of a few repeats (other work on the machine only
 adds time); the model steps are the median of single steps, the statistic a run's step
-time is reported in; the collectives' times are medians (a collective waits for its
-slowest rank).
+time is reported in; the collectives' times are means of the slowest rank's (a
+collective waits for it). Means, not medians: after compute, a gloo collective on this
+kind of machine either finds its peers' threads awake or pays a wake-up of 2-4 ms, and
+the median of such a two-valued sample flips between the two from one calibration to
+the next (the 2-process all-to-all's α read 0.3, 0.8 and 1.2 ms in three calibrations),
+while a step of many collectives pays their mean (1.3-2.0 ms in the same three).
 
 Everything here imports torch lazily: ``paratrain.plan`` itself stays torch-free.
 """
@@ -222,8 +226,8 @@ def adamw_rate(numel: int = 1 << 21) -> float:
 def _collective_times(ops: list[str], sizes: list[int], iters: int
                       ) -> dict[str, list[float]] | None:
     """On every rank of a spawned world: for each op and size (nccl-tests' size: the
-    full tensor), the median over ``iters`` of the slowest rank's time. Rank 0 returns
-    them, the others None."""
+    full tensor), the mean over ``iters`` of the slowest rank's time (module docstring:
+    why the mean). Rank 0 returns them, the others None."""
     import torch
     import torch.distributed as dist
 
@@ -252,11 +256,11 @@ def _collective_times(ops: list[str], sizes: list[int], iters: int
                 call()
                 samples[i] = time.perf_counter() - start
             dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=group)  # the last rank's
-            times[op].append(statistics.median(samples.tolist()))
+            times[op].append(statistics.fmean(samples.tolist()))
     return times if dist.get_rank() == 0 else None
 
 
-def collective_alpha_beta(n_procs: int, iters: int = 8) -> dict[str, list[float]]:
+def collective_alpha_beta(n_procs: int, iters: int = 32) -> dict[str, list[float]]:
     """[α (s), β (bus bytes/s)] of each of ``COLLECTIVES`` for ``n_procs`` local
     processes."""
     from ..comm.cost import fit_alpha_beta
