@@ -153,7 +153,7 @@ def train_runs(configs: dict[str, Config | functools.partial]) -> dict[str, dict
     """Train each named config in turn inside one world (worlds are slow to start). Each
     result also says how many bytes of tensors the finished run left alive."""
     results: dict[str, dict] = {}
-    _freeze_once()  # before the first run: its leak check then scans only what runs made
+    _frozen_tensors()  # before the first run: its leak check then scans only what runs made
     for name, cfg in configs.items():
         if callable(cfg):  # ``after``: made once every rank is done with the earlier runs' saves
             dist.barrier()
@@ -167,25 +167,22 @@ LEAK_SLACK = 1024
 """Bytes a finished run may leave: a few 8-byte results of gloo's last all-gathers."""
 
 
-_FROZEN: list[weakref.ref] | None = None
-"""The tensors alive when this process froze its objects (``_freeze_once``), weakly."""
-
-
-def _freeze_once() -> None:
+@functools.cache
+def _frozen_tensors() -> tuple[weakref.ref, ...]:
     """Once per process: collect, then move every object alive (torch's and the launcher's
-    state, what earlier runs left) out of the collector's sight (``gc.freeze``). Each later
-    leak check then collects and scans only what was made since: a few milliseconds, not
-    0.2 s a run. The tensors among the frozen objects are kept in view, weakly, and still
-    counted while they live: the count is the same as without freezing."""
-    global _FROZEN
-    if _FROZEN is None:
-        gc.collect()
-        _FROZEN = [weakref.ref(t) for t in gc.get_objects() if isinstance(t, torch.Tensor)]
-        gc.freeze()
+    state, what earlier runs left) out of the collector's sight (``gc.freeze``, itself
+    process-wide). Each later leak check then collects and scans only what was made
+    since: a few milliseconds, not 0.2 s a run. Returns the tensors among the frozen
+    objects, weakly: they are still counted while they live, so the count is the same as
+    without freezing."""
+    gc.collect()
+    refs = tuple(weakref.ref(t) for t in gc.get_objects() if isinstance(t, torch.Tensor))
+    gc.freeze()
+    return refs
 
 
 def _alive_tensors() -> list[torch.Tensor]:
-    frozen = [t for t in (ref() for ref in _FROZEN or ()) if t is not None]
+    frozen = [t for t in (ref() for ref in _frozen_tensors()) if t is not None]
     return frozen + [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
 
 
@@ -196,7 +193,7 @@ def leaked_bytes(kept: list[dict], patience_s: float = 2.0) -> int:
     a ZeRO-3 gather in CI), so a count over the slack is taken again for ``patience_s``:
     a leak stays, a buffer in flight goes."""
     deadline = time.monotonic() + patience_s
-    _freeze_once()
+    _frozen_tensors()
     while True:
         gc.collect()
         held = {t.untyped_storage().data_ptr() for result in kept

@@ -41,8 +41,8 @@ from . import moe
 from ..parallel.pipeline.zero_bubble import V_SHAPED
 from .candidate import Candidate, Training
 from .cost import time_without_bubble
-from .memory import (BUCKET_BYTES, _state_bytes, bytes_per_param, inflight_microbatches,
-                     layer_activation_bytes)
+from .memory import (_state_bytes, inflight_microbatches, layer_activation_bytes,
+                     zero_buffer_bytes)
 from .models import ModelSpec
 
 if TYPE_CHECKING:
@@ -154,18 +154,9 @@ def _held(model: ModelSpec, training: Training, layout, v: int, shard_group: int
                      shard_group=shard_group)
     zero = zero if cand.shard > 1 else 0
     states = sum(_state_bytes(model, training, cand.but(zero=zero), stage))
-    weight, grad, _ = bytes_per_param(training.precision, training.optimizer)
-    v = cand.virtual_stages
-    psi = model.stage_params(cand.tp, cand.pp, stage, v) + model.stage_expert_params(
-        cand.pp, stage, v, cand.ep)
-    if zero in (1, 2):
-        states += 2 * BUCKET_BYTES + (psi * grad / v if zero == 2 and cand.pp > 1 else 0)
-    elif zero == 3:
-        unit = model.layer_params(cand.tp)
-        if model.stage_moe_layers(cand.pp, stage, v):
-            unit += moe.replicated_delta(model, cand.tp) + moe.expert_params(model) // cand.ep
-        states += min(2 * unit, psi) * weight + (unit * grad if cand.pp == 1 else 0)
-    return states
+    # the least over ZeRO-3's reshard choices and over the accumulated gradient's share
+    return states + min(zero_buffer_bytes(model, training, cand.but(reshard_after_forward=r),
+                                          stage, zero, 1 / v) for r in (True, False))
 
 
 def compute_bound(problem: Problem, cand: Candidate, mb: int) -> float:

@@ -310,10 +310,13 @@ def first_backward_inflight(p: int, m: int, v: int, stage: int = 0) -> tuple[flo
                  for j in range(v))
 
 
-def _buffers(model: ModelSpec, training: Training, cand: Candidate, stage: int, zero: int,
-             inflight: float, grad_fraction: float = 1.0) -> float:
+def zero_buffer_bytes(model: ModelSpec, training: Training, cand: Candidate, stage: int,
+                      zero: int, grad_fraction: float = 1.0) -> float:
+    """Bytes ``stage`` holds at ZeRO ``zero`` beyond its sharded states, whatever the
+    microbatch: gathered units, staging buckets and, under a pipeline, the accumulated
+    gradient (``grad_fraction`` of it allocated; ``peak_moment``). The search's memory
+    floor (``plan.bound``) takes its least over ZeRO-3's reshard choices."""
     weight, grad, _ = bytes_per_param(training.precision, training.optimizer)
-    s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
     total = 0.0
     v = cand.virtual_stages
     psi = model.stage_params(cand.tp, cand.pp, stage, v) + model.stage_expert_params(
@@ -329,6 +332,14 @@ def _buffers(model: ModelSpec, training: Training, cand: Candidate, stage: int, 
         total += unit * ((2 * weight if cand.reshards else 0) + (grad if cand.pp == 1 else 0))
     elif zero in (1, 2):  # reduce-scatter staging; DDP's buckets are the gradients
         total += 2 * BUCKET_BYTES
+    return total
+
+
+def _buffers(model: ModelSpec, training: Training, cand: Candidate, stage: int, zero: int,
+             inflight: float, grad_fraction: float = 1.0) -> float:
+    s, b, elem = training.seq_len // cand.cp, cand.micro_batch, training.act_bytes
+    v = cand.virtual_stages
+    total = zero_buffer_bytes(model, training, cand, stage, zero, grad_fraction)
     if stage == cand.pp - 1:  # vocab-parallel logits and their fp32 softmax
         total += s * b * model.vocab_size / cand.tp * (elem + 4) * logits_inflight(cand)
     if cand.recompute != "none":  # the layer being recomputed, briefly in full
