@@ -12,7 +12,7 @@ the median over all runs' steps but the first of each (warm-up). The prediction 
 ``plan.cost.step_time`` on the local cluster of the calibration file (measured first if
 missing). The machine's own speed moves by 10-20% within minutes on a shared VM, so by
 default (``--refresh``) every round first calibrates again (``calibrate.compute_rates``
-and ``calibrate.comm_fits``: matmul curves, the eager model's costs, AdamW, gloo's α and
+and ``calibrate_comm.comm_fits``: matmul curves, the eager model's costs, AdamW, gloo's α and
 β) and each layout's prediction is the median over the rounds' calibrations, as its
 measured time is the median over the rounds' steps. The first calibration's errors are
 printed beside them. Before each world the calibration's own model step is also timed,
@@ -35,9 +35,9 @@ from pathlib import Path
 from paratrain.launch import spawn
 from paratrain.mesh import Mesh
 from paratrain.models.gpt import PRESETS
-from paratrain.plan.calibrate import (EFFICIENCY_BATCH, EFFICIENCY_SEQ, calibrate,
-                                      comm_fits, compute_rates, reference_step_time,
-                                      write_calibration)
+from paratrain.plan.calibrate import (EFFICIENCY_BATCH, EFFICIENCY_SEQ, MOE, calibrate,
+                                      compute_rates, reference_step_time, write_calibration)
+from paratrain.plan.calibrate_comm import comm_fits
 from paratrain.layout import Layout
 from paratrain.plan.candidate import Candidate, Training
 from paratrain.plan.cost import step_time
@@ -48,8 +48,8 @@ from paratrain.train.loop import train
 
 from common import at_least
 
-MOE = {"n_experts": 4, "top_k": 2, "expert_ffn": 256}
-"""The mixture of experts the ep layouts train (on the ``small`` preset: MLP width 512)."""
+# The mixture of experts the ep layouts train (on the ``small`` preset: MLP width 512) is the
+# one the calibration times (``calibrate.MOE``): 4 experts of width 256, top-2.
 
 # (label, processes, config overrides): every strategy paratrain runs on CPU today; the
 # data-parallel size is what the other axes leave of the processes.

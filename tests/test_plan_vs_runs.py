@@ -172,9 +172,15 @@ def test_calibration_pieces_measure_something():
         assert rate > 1e8 and half_dim >= 0 and 0 < efficiency <= 1 and overhead >= 0
         assert calibrate.adamw_rate(numel=1 << 16) > 1e5
         assert 0 < calibrate.reference_step_time(b=1, runs=1) < 60
+        rates = dict(matmul_flops={"fp32": rate}, matmul_half_dim={"fp32": half_dim},
+                     compute_efficiency={"fp32": efficiency}, layer_overhead=overhead)
+        per_expert, per_row = calibrate.moe_costs(rates)
+        assert per_expert >= 0 and per_row >= 0
     finally:
         torch.set_num_threads(threads)
-    fits = calibrate.collective_alpha_beta(2, iters=2)
+    from paratrain.plan import calibrate_comm
+
+    fits = calibrate_comm.collective_alpha_beta(2, iters=2)
     assert set(fits) == {"all-reduce", "all-gather", "reduce-scatter", "all-to-all"}
     assert all(alpha >= 0 and beta > 0 for alpha, beta in fits.values())
 
@@ -278,6 +284,57 @@ def tp_block_saved_bytes(sp: bool, b: int, s: int) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x, cos, sin).sum().backward()
     return sum(saved.values())
+
+
+def test_a_moe_block_pays_its_measured_eager_costs_on_the_local_cluster():
+    """calibrate.moe_costs's per-expert and per-row seconds enter each MoE block: per local
+    expert (n_experts / ep) and per routed row (tokens x top_k), a third forward, and, as
+    every local cost, twice over where four processes share two cores. GPUs pay none."""
+    import dataclasses
+
+    from paratrain.plan import moe
+
+    model = from_gpt_config(dataclasses.replace(PRESETS["small"], n_experts=4, top_k=2,
+                                                expert_ffn=256), "small")
+    training, b = Training(8, 128, "fp32"), 4
+    rows = b * 128 * 2
+    costly = dataclasses.replace(FAKE, moe_expert_overhead=2e-4, moe_row_cost=2e-6)
+
+    def extra(calibration, n, ep):
+        fwd, bwd = moe.block_time(model, training, local_cluster(n, calibration), 1, 1, b,
+                                  False, ep)
+        base = moe.block_time(model, training, local_cluster(n, FAKE), 1, 1, b, False, ep)
+        return fwd - base[0], bwd - base[1]
+
+    for n, ep, share in ((2, 1, 1), (2, 2, 1), (4, 2, 2), (4, 4, 2)):
+        per_block = share * (2e-4 * (4 // ep) + 2e-6 * rows)
+        assert extra(costly, n, ep) == pytest.approx((per_block / 3, 2 * per_block / 3))
+    from paratrain.plan.hardware import gpu_preset
+    assert gpu_preset("h100-80g").moe_expert_overhead == 0 == gpu_preset("h100-80g").moe_row_cost
+
+
+def test_moe_costs_are_what_the_planner_leaves_out(monkeypatch):
+    """calibrate.moe_costs recovers the per-expert and per-row seconds a fake clock adds to
+    the MoE model's step beyond the planner's own count (a fake step reports its time)."""
+    import dataclasses
+
+    from paratrain.plan import calibrate
+
+    rates = dict(matmul_flops={"fp32": 40e9}, compute_efficiency={"fp32": 0.5},
+                 layer_overhead=1e-3)
+    cluster = local_cluster(1, Calibration(cores=1, alpha=0.0, beta=1.0, memory=1, **rates))
+    layers, expert, row = PRESETS["small"].n_layers, 3e-4, 2e-6
+
+    def measured(b: int, experts: bool) -> float:
+        cfg = dataclasses.replace(PRESETS["small"], **calibrate.MOE) if experts else PRESETS["small"]
+        planned = step_time(from_gpt_config(cfg, "small"), Training(b, 128, "fp32"), cluster,
+                            Candidate(Layout(), 0, b, 1)).compute
+        return planned + (layers * (4 * expert + b * 128 * 2 * row) if experts else 0.0)
+
+    monkeypatch.setattr(calibrate, "_model_step", lambda p, b, experts=False: ((b, experts), 0))
+    monkeypatch.setattr(calibrate, "_paired_median_times",
+                        lambda calls, runs: [measured(*call) for call in calls])
+    assert calibrate.moe_costs(rates) == pytest.approx((expert, row))
 
 
 def test_zero3_kept_gathered_saves_all_but_one_gather_per_unit():

@@ -12,6 +12,9 @@ thread per process, ``torch.set_num_threads(1)``):
   efficiency (an eager block also runs norms, SwiGLU, RoPE, the attention kernel and,
   under autocast, casts that FLOP counts leave out); what a microbatch costs beyond its
   sequences is the fixed dispatch cost of its operators, per block.
+* **MoE costs**: the same step with a mixture of experts in every block, against the
+  planner's count: what each expert's operators and each routed row's router and
+  permutation kernels cost beyond it (``moe_costs``).
 * **AdamW rate**: parameters per second of one ``torch.optim.AdamW`` step.
 * **gloo α and β** of all-reduce, all-gather, reduce-scatter and all-to-all, for worlds of 2 and 4
   processes: the mean time of each collective (averaging, as data parallelism runs
@@ -19,18 +22,15 @@ thread per process, ``torch.set_num_threads(1)``):
 
 The GEMM and AdamW rates are the fastest of a few repeats (other work on the machine only
 adds time); the model steps are the median of single steps, the statistic a run's step
-time is reported in; the collectives' times are means of the slowest rank's (a
-collective waits for it). Means, not medians: after compute, a gloo collective on this
-kind of machine either finds its peers' threads awake or pays a wake-up of 2-4 ms, and
-the median of such a two-valued sample flips between the two from one calibration to
-the next (the 2-process all-to-all's α read 0.3, 0.8 and 1.2 ms in three calibrations),
-while a step of many collectives pays their mean (1.3-2.0 ms in the same three).
+time is reported in; the collectives' times are means (``plan/calibrate_comm.py``
+says why).
 
 Everything here imports torch lazily: ``paratrain.plan`` itself stays torch-free.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import statistics
@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..paths import write_atomic
+from .calibrate_comm import comm_fits
 from .hardware import DEFAULT_CALIBRATION, Calibration
 
 CURVE_DIMS = (16, 32, 64, 128, 256, 512)
@@ -46,12 +47,6 @@ CURVE_DIMS = (16, 32, 64, 128, 256, 512)
 span on CPU (tp-split widths, short microbatches)."""
 CURVE_OTHER = 512
 """The other two dimensions of the timed GEMMs."""
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
-"""What data parallelism, ZeRO and Ulysses run; gloo's all-gather, reduce-scatter and
-all-to-all do not cost what ring algorithms would next to its all-reduce, so each gets
-its own fit."""
-COLLECTIVE_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
-"""Bytes of the timed collectives: from latency- to bandwidth-bound."""
 EFFICIENCY_BATCH = 4
 """Largest microbatch (sequences) the model step is timed at; the other is 1."""
 EFFICIENCY_STEPS = 7
@@ -60,6 +55,12 @@ a run's step time is the median of its steps (the fastest of a few means, kept f
 GEMMs, reads 8-14% faster than the median step on this kind of shared machine)."""
 EFFICIENCY_SEQ = 128
 """Tokens per sequence of the timed model steps (the ``small`` preset's context)."""
+MOE_STEPS = 15
+"""Steps of each model ``moe_costs`` times, dense and MoE in turn: it takes the
+difference of the two, which needs more samples than either alone."""
+MOE = {"n_experts": 4, "top_k": 2, "expert_ffn": 256}
+"""The mixture of experts whose eager cost ``moe_costs`` measures (``benchmarks/
+plan_vs_measured.py`` trains the same on the ``small`` GPT)."""
 
 
 def _best_time(call: Callable[[], object], budget_s: float = 0.15, repeats: int = 5) -> float:
@@ -143,10 +144,12 @@ def _planned_compute(precision: str, rate: float, half_dim: float, b: int) -> fl
                      Candidate(Layout(), 0, b, 1)).compute
 
 
-def _model_step(precision: str, b: int) -> tuple[Callable[[], None], float]:
-    """A forward and backward of paratrain's ``small`` GPT on ``b`` sequences of
-    ``EFFICIENCY_SEQ`` tokens (bf16: under autocast, as data parallelism runs it), and
-    its FLOPs as the planner counts them."""
+def _model_step(precision: str, b: int, experts: bool = False
+                ) -> tuple[Callable[[], None], float]:
+    """A forward and backward of paratrain's ``small`` GPT (``experts``: with ``MOE``'s
+    mixture of experts in every block) on ``b`` sequences of ``EFFICIENCY_SEQ`` tokens
+    (bf16: under autocast, as data parallelism runs it), and its FLOPs as the planner
+    counts them."""
     import torch
 
     from ..models.gpt import GPT, PRESETS
@@ -154,7 +157,7 @@ def _model_step(precision: str, b: int) -> tuple[Callable[[], None], float]:
     from .flops import step_flops
     from .models import from_gpt_config
 
-    cfg = PRESETS["small"]
+    cfg = dataclasses.replace(PRESETS["small"], **MOE) if experts else PRESETS["small"]
     torch.manual_seed(0)
     model = GPT(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (b, EFFICIENCY_SEQ))
@@ -184,6 +187,51 @@ def eager_costs(precision: str, rate: float, half_dim: float = 0.0) -> tuple[flo
     from ..models.gpt import PRESETS
 
     return efficiency, max(0.0, times[0] - per_sequence) / PRESETS["small"].n_layers
+
+
+def moe_costs(rates: dict) -> tuple[float, float]:
+    """(seconds per expert, seconds per routed row) a MoE block costs per microbatch
+    beyond the planner's count on the calibration ``rates`` so far (``compute_rates``):
+    the ``small`` GPT's step with and without ``MOE``'s experts at 1 and
+    ``EFFICIENCY_BATCH`` sequences, less the planner's times for the same. What remains
+    is a line in the sequences: its slope is per routed row (the router's and the
+    permutation's small kernels), its intercept per expert (each expert's operators)."""
+    from ..layout import Layout
+    from ..models.gpt import PRESETS
+    from .candidate import Candidate, Training
+    from .cost import step_time
+    from .hardware import local_cluster
+    from .models import from_gpt_config
+
+    cluster = local_cluster(1, Calibration(cores=1, alpha=0.0, beta=1.0, memory=1, **rates))
+    dense, mixture = PRESETS["small"], dataclasses.replace(PRESETS["small"], **MOE)
+    residual = []
+    for b in (1, EFFICIENCY_BATCH):
+        steps = [_model_step("fp32", b, experts)[0] for experts in (True, False)]
+        planned = [step_time(from_gpt_config(cfg, "small"), Training(b, EFFICIENCY_SEQ, "fp32"),
+                             cluster, Candidate(Layout(), 0, b, 1)).compute
+                   for cfg in (mixture, dense)]
+        measured = _paired_median_times(steps, MOE_STEPS)
+        residual.append(measured[0] - measured[1] - (planned[0] - planned[1]))
+    per_sequence = (residual[1] - residual[0]) / (EFFICIENCY_BATCH - 1)
+    layers = PRESETS["small"].n_layers
+    row = max(0.0, per_sequence) / (layers * EFFICIENCY_SEQ * MOE["top_k"])
+    expert = max(0.0, residual[0] - per_sequence) / (layers * MOE["n_experts"])
+    return expert, row
+
+
+def _paired_median_times(calls: list[Callable[[], object]], runs: int) -> list[float]:
+    """Median seconds of ``runs`` single calls of each of ``calls``, taken in turn (after
+    one warm-up each), so that a drift in the machine's speed reaches all alike."""
+    for call in calls:
+        call()
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(runs):
+        for call, mine in zip(calls, times):
+            start = time.perf_counter()
+            call()
+            mine.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def _median_time(call: Callable[[], object], runs: int) -> float:
@@ -223,55 +271,6 @@ def adamw_rate(numel: int = 1 << 21) -> float:
     return numel // 16 * 16 / _best_time(optimizer.step, budget_s=0.5, repeats=3)
 
 
-def _collective_times(ops: list[str], sizes: list[int], iters: int
-                      ) -> dict[str, list[float]] | None:
-    """On every rank of a spawned world: for each op and size (nccl-tests' size: the
-    full tensor), the mean over ``iters`` of the slowest rank's time (module docstring:
-    why the mean). Rank 0 returns them, the others None."""
-    import torch
-    import torch.distributed as dist
-
-    from ..comm import collectives as C
-
-    group = dist.group.WORLD
-    p = dist.get_world_size()
-    times: dict[str, list[float]] = {op: [] for op in ops}
-    for op in ops:
-        for nbytes in sizes:
-            full, part = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4 // p)
-            call = {"all-reduce": functools.partial(C.all_reduce, full, group, op="avg"),
-                    "all-gather": functools.partial(C.all_gather, full, part, group),
-                    "reduce-scatter": functools.partial(C.reduce_scatter, part, full, group,
-                                                        op="avg"),
-                    "all-to-all": functools.partial(C.all_to_all, torch.empty_like(full), full,
-                                                    group)}[op]
-            call()  # warm-up: connections, buffers
-            samples = torch.zeros(iters, dtype=torch.float64)
-            a = torch.randn(256, 256)
-            for i in range(iters):
-                dist.barrier(group)  # start together: no rank times its wait for a peer
-                for _ in range(8):  # as in a training step, the collective follows compute:
-                    a = torch.tanh(a @ a)  # gloo's threads have slept, caches hold other data
-                start = time.perf_counter()
-                call()
-                samples[i] = time.perf_counter() - start
-            dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=group)  # the last rank's
-            times[op].append(statistics.fmean(samples.tolist()))
-    return times if dist.get_rank() == 0 else None
-
-
-def collective_alpha_beta(n_procs: int, iters: int = 32) -> dict[str, list[float]]:
-    """[α (s), β (bus bytes/s)] of each of ``COLLECTIVES`` for ``n_procs`` local
-    processes."""
-    from ..comm.cost import fit_alpha_beta
-    from ..launch import spawn
-
-    sizes = [n // (4 * n_procs) * 4 * n_procs for n in COLLECTIVE_SIZES]  # even chunks
-    times = spawn(_collective_times, n_procs, list(COLLECTIVES), sizes, iters,
-                  backend="gloo", timeout_s=300)[0]
-    return {op: list(fit_alpha_beta(op, n_procs, sizes, times[op])) for op in COLLECTIVES}
-
-
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask where the OS has one)."""
     try:
@@ -308,12 +307,16 @@ def compute_rates(log: Callable[[str], None] = print) -> dict:
         log("model efficiency  " + ", ".join(f"{p} {e:.0%}" for p, e in eff.items())
             + " of the matmul rate (small GPT, forward + backward), plus "
             f"{overhead * 1e3:.2f} ms per block and microbatch")
+        measured = dict(matmul_flops=rates, matmul_half_dim=halves, compute_efficiency=eff,
+                        layer_overhead=overhead)
+        expert, row = moe_costs(measured)
+        log(f"MoE block         {expert * 1e3:.3f} ms per expert and {row * 1e6:.2f} us per "
+            "routed row, per microbatch, beyond the matmul count")
         adam = adamw_rate()
         log(f"AdamW step        {adam / 1e6:.1f} M params/s")
     finally:
         torch.set_num_threads(threads)
-    return dict(matmul_flops=rates, matmul_half_dim=halves, compute_efficiency=eff,
-                layer_overhead=overhead, optimizer_rate=adam)
+    return dict(**measured, moe_expert_overhead=expert, moe_row_cost=row, optimizer_rate=adam)
 
 
 def calibrate(worlds: tuple[int, ...] = (2, 4), log: Callable[[str], None] = print
@@ -327,20 +330,6 @@ def calibrate(worlds: tuple[int, ...] = (2, 4), log: Callable[[str], None] = pri
     log(f"machine           {cores} cores, {total_memory() / 2**30:.1f} GiB RAM")
     return Calibration(cores=cores, memory=total_memory(), torch_version=torch.__version__,
                        **rates, **fits)
-
-
-def comm_fits(worlds: tuple[int, ...] = (2, 4), log: Callable[[str], None] = print) -> dict:
-    """gloo's α-β fits of every collective for each world size in ``worlds``, as
-    ``Calibration`` fields (``comm``, and the first world's all-reduce as ``alpha``,
-    ``beta`` and ``world_size``)."""
-    comm = {}
-    for n in worlds:
-        comm[str(n)] = collective_alpha_beta(n)
-        for op, (alpha, beta) in comm[str(n)].items():
-            log(f"gloo {op:<15}{n} processes: alpha {alpha * 1e6:.0f} us, beta "
-                f"{beta / 1e9:.2f} GB/s (bus bandwidth)")
-    alpha, beta = comm[str(worlds[0])]["all-reduce"]
-    return dict(comm=comm, alpha=alpha, beta=beta, world_size=worlds[0])
 
 
 def write_calibration(calibration: Calibration, path: str | Path | None = None) -> Path:

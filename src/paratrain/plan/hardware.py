@@ -75,6 +75,13 @@ class GpuSpec:
     layer_overhead: float = 0.0
     """Fixed seconds per block and microbatch of forward and backward (an eager CPU
     framework's operator dispatch; 0 on GPUs, where kernels queue asynchronously)."""
+    moe_expert_overhead: float = 0.0
+    """Seconds per local expert of a MoE block per microbatch, forward and backward, beyond
+    its GEMMs: each expert's own eager operators (0 on GPUs: a grouped GEMM)."""
+    moe_row_cost: float = 0.0
+    """Seconds per routed row (token x top_k) of a MoE block, forward and backward: the
+    router's and the permutation's small kernels, which FLOP counts leave out (0 on GPUs,
+    where the memory-bound model counts their bytes)."""
     optimizer_bw: float = 0.0
     """Bytes/s the optimizer update streams at (0: ``hbm_bw``)."""
     collectives: tuple[tuple[str, float, float], ...] = ()
@@ -287,6 +294,11 @@ class Calibration:
     layer_overhead: float = 0.0
     """Seconds a microbatch's forward and backward cost per block whatever its size:
     the dispatch of an eager model's operators (fp32, measured with the efficiency)."""
+    moe_expert_overhead: float = 0.0
+    """Seconds per expert of a MoE block per microbatch beyond what the curve, the
+    efficiency and ``layer_overhead`` count (fp32; ``calibrate.moe_costs``; 0: not measured)."""
+    moe_row_cost: float = 0.0
+    """Seconds per routed row (token x top_k) of a MoE block, likewise."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.matmul_flops, dict) or "fp32" not in self.matmul_flops:
@@ -366,6 +378,8 @@ def local_cluster(n_procs: int, calibration: Calibration) -> Cluster:
         half_dim=calibration.matmul_half_dim.get("bf16", 0.0),
         half_dim_fp32=calibration.matmul_half_dim.get("fp32", 0.0),
         layer_overhead=calibration.layer_overhead / share,
+        moe_expert_overhead=calibration.moe_expert_overhead / share,
+        moe_row_cost=calibration.moe_row_cost / share,
         # Adam reads and writes 28 bytes per parameter (dp_cost.OPTIMIZER_BYTES).
         optimizer_bw=28 * calibration.optimizer_rate * share,
         overlap_cost=1.0 if n_procs >= calibration.cores else 0.1,

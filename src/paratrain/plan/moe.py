@@ -153,7 +153,9 @@ def block_time(model: ModelShape, training: Training, cluster: Cluster, tp: int,
     """(forward, backward) seconds a MoE block takes beyond a dense block per microbatch:
     its router, local experts and shared expert for the dense MLP (``moe.matmuls``; each
     tp rank routes its own sequence shard under SP), and their elementwise passes, on the
-    busiest rank (``load_factor``)."""
+    busiest rank (``load_factor``); on an eager CPU, each local expert's operators and the
+    routing's per-row kernels (``GpuSpec.moe_expert_overhead``, ``moe_row_cost``), split
+    as ``layer_overhead`` is, a third forward."""
     from .cost import _gemm_times, _rates  # cost.py times the dense blocks and calls this
     from .flops import layer_matmuls
 
@@ -168,7 +170,9 @@ def block_time(model: ModelShape, training: Training, cluster: Cluster, tp: int,
         fwd, bwd = fwd + f, bwd + g
     dense_f, dense_b = _gemm_times(layer_matmuls(model, tokens, tp)[-2:], rate, half, gpu, elem)
     memory = elementwise_delta(model, routed, tp, elem, factor) / gpu.hbm_bw
-    return fwd - dense_f + memory, bwd - dense_b + 2 * memory
+    eager = (gpu.moe_expert_overhead * (model.n_experts // ep)
+             + gpu.moe_row_cost * routed_rows(model, routed, factor)) / 3
+    return fwd - dense_f + memory + eager, bwd - dense_b + 2 * (memory + eager)
 
 
 def grouped_gemm_times(m: int, k: int, n: int, count: int, rate: float, half: float, gpu,
