@@ -189,13 +189,14 @@ def eager_costs(precision: str, rate: float, half_dim: float = 0.0) -> tuple[flo
     return efficiency, max(0.0, times[0] - per_sequence) / PRESETS["small"].n_layers
 
 
-def moe_costs(rates: dict) -> tuple[float, float]:
+def moe_costs(rates: dict, runs: int = MOE_STEPS) -> tuple[float, float]:
     """(seconds per expert, seconds per routed row) a MoE block costs per microbatch
     beyond the planner's count on the calibration ``rates`` so far (``compute_rates``):
     the ``small`` GPT's step with and without ``MOE``'s experts at 1 and
     ``EFFICIENCY_BATCH`` sequences, less the planner's times for the same. What remains
     is a line in the sequences: its slope is per routed row (the router's and the
-    permutation's small kernels), its intercept per expert (each expert's operators)."""
+    permutation's small kernels), its intercept per expert (each expert's operators).
+    ``runs``: steps of each model at each size."""
     from ..layout import Layout
     from ..models.gpt import PRESETS
     from .candidate import Candidate, Training
@@ -211,7 +212,7 @@ def moe_costs(rates: dict) -> tuple[float, float]:
         planned = [step_time(from_gpt_config(cfg, "small"), Training(b, EFFICIENCY_SEQ, "fp32"),
                              cluster, Candidate(Layout(), 0, b, 1)).compute
                    for cfg in (mixture, dense)]
-        measured = _paired_median_times(steps, MOE_STEPS)
+        measured = _paired_median_times(steps, runs)
         residual.append(measured[0] - measured[1] - (planned[0] - planned[1]))
     per_sequence = (residual[1] - residual[0]) / (EFFICIENCY_BATCH - 1)
     layers = PRESETS["small"].n_layers
