@@ -237,13 +237,7 @@ def _paired_median_times(calls: list[Callable[[], object]], runs: int) -> list[f
 
 def _median_time(call: Callable[[], object], runs: int) -> float:
     """Median seconds of ``runs`` single calls of ``call``, after one warm-up call."""
-    call()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _paired_median_times([call], runs)[0]
 
 
 def reference_step_time(b: int = EFFICIENCY_BATCH, runs: int = 5) -> float:
