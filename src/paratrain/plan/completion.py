@@ -11,8 +11,8 @@ from ..parallel.pipeline.zero_bubble import V_SHAPED
 from .candidate import RECOMPUTE, SCHEDULES, Candidate, Training
 from .hardware import Cluster
 from .models import ModelSpec
-from .search import _hsdp_groups, _virtual_stages, divisors
-from .sweep import Problem
+from .search import _hsdp_groups, _virtual_stages
+from .sweep import Problem, divisors
 
 if TYPE_CHECKING:
     from .evaluate import LayoutSpec

@@ -26,7 +26,8 @@ from .memory import Memory, rank_memory
 from .models import ModelSpec
 from .completion import candidates
 from .results import SearchResult, rank_key
-from .search import divisors, layout_problems
+from .search import layout_problems
+from .sweep import divisors
 from .sweep import _holds
 
 _SIZE = re.compile(r"(dp|tp|pp|cp|ep)(\d+)([+-]sp)?(?:/(ring|ulysses))?")
@@ -233,11 +234,10 @@ def evaluate(spec: LayoutSpec, model: ModelSpec, training: Training, cluster: Cl
     best = None
     timed = sorted(result.plans + result.shadowed,
                    key=lambda p: rank_key(p.time.step, p.memory.total))
-    reach = result.within * result.fastest if result.within else float("inf")
     # the search's fastest completion (a bounded search timed every plan within its reach
     # only): no need to enumerate them all
     searched = next((plan.cand for plan in timed if _completes(spec, plan.cand)
-                     and plan.time.step <= reach), None)
+                     and plan.time.step <= result.reach), None)
     if searched is not None:
         best = evaluate_candidate(model, training, cluster, searched)
     for cand in () if searched is not None else candidates(spec, model, training, cluster):
@@ -262,7 +262,7 @@ def evaluate(spec: LayoutSpec, model: ModelSpec, training: Training, cluster: Cl
                          f" runs it")
     elif not result.plans:
         best.unranked = "no layout fits, so there is nothing to rank against"
-    elif result.within and best.time.step > result.within * result.fastest:
+    elif best.time.step > result.reach:
         best.unranked = (f"{best.time.step / result.fastest:.2f}x the fastest step, and only "
                          f"plans within {result.within:g}x are ranked (--within); drop --within "
                          f"to rank every plan")

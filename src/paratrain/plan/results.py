@@ -66,6 +66,13 @@ class SearchResult:
     None: every fitting plan was timed."""
 
     @property
+    def reach(self) -> float:
+        """The slowest step time still ranked: ``within`` times the fastest so far (and a
+        hair more: a bound that equals a plan's time, summed in another order, may exceed
+        it in the last bit); without ``within``, every time."""
+        return self.within * self.fastest * (1 + 1e-9) if self.within else float("inf")
+
+    @property
     def considered(self) -> int:
         """Candidates enumerated: fitting, rejected or dominated."""
         return len(self.plans) + self.dominated + sum(r.count for r in self.rejected.values())

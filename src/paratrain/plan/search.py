@@ -33,7 +33,7 @@ from .hardware import GiB, Cluster, members_per_node
 from .models import ModelSpec
 from .results import Plan, SearchResult, rank_key
 from .bound import Floor, family_reach, quick_bound
-from .sweep import Problem, _holds, divisors, sweep  # noqa: F401 - divisors: this module's API too
+from .sweep import Problem, _holds, divisors, sweep
 
 
 def search(model: ModelSpec, training: Training, cluster: Cluster,
@@ -105,7 +105,7 @@ def _candidates(problem: Problem, result: SearchResult):
     at = 0
     while True:
         while at < len(quick) and (not refined or quick[at][0] < refined[0][0]):
-            if quick[at][0] > problem.reach(result):  # and so are the rest
+            if quick[at][0] > result.reach:  # and so are the rest
                 _beyond(problem, result, quick[at][2], quick[at][0], len(quick) - at)
                 at = len(quick)
                 break
@@ -114,7 +114,7 @@ def _candidates(problem: Problem, result: SearchResult):
         if not refined:
             return
         bound, _, cand, sizes, bounds = heapq.heappop(refined)
-        if bound > problem.reach(result):  # every other refined one too
+        if bound > result.reach:  # every other refined one too
             _beyond(problem, result, cand, bound, 1 + len(refined))
             refined = []
             continue

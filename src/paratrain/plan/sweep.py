@@ -69,12 +69,6 @@ class Problem:
         return ((self.micro_batch,) if self.micro_batch
                 else divisors(self.training.global_batch // cand.dp))
 
-    def reach(self, result: SearchResult) -> float:
-        """The slowest step time still ranked: ``within`` times the fastest so far (and a
-        hair more: a bound that equals a plan's time, summed in another order, may exceed
-        it in the last bit)."""
-        return self.within * result.fastest * (1 + 1e-9) if self.within else float("inf")
-
 
 @lru_cache(maxsize=1024)
 def divisors(n: int) -> tuple[int, ...]:
@@ -107,7 +101,7 @@ def sweep(problem: Problem, cand: Candidate, result: SearchResult,
     for policy in problem.policies:
         if live is not None and policy not in live:  # every size of it is out of reach
             _out_of_reach(problem, cand.but(recompute=policy), result, len(sizes) - first,
-                          min((b for b, _ in live.values()), default=problem.reach(result)))
+                          min((b for b, _ in live.values()), default=result.reach))
             continue
         result.dominated += first
         first = _sweep_microbatch(problem, cand.but(recompute=policy), sizes, first, result,
@@ -123,7 +117,7 @@ def _live_policies(problem: Problem, cand: Candidate, sizes: tuple[int, ...],
     backward to hide them behind); then each policy at the largest size its memory floor
     (``Floor`` at ``cand``'s ZeRO stage) fits. paratrain's own runtime counts memory its
     own way: every size, at the least recompute's bound."""
-    reach, policies = problem.reach(result), problem.policies
+    reach, policies = result.reach, problem.policies
     if problem.paratrain:
         bound = step_bound(problem, cand.but(recompute=policies[0]), sizes[-1])
         return dict.fromkeys(policies, (bound, len(sizes))) if bound <= reach else {}
@@ -186,7 +180,7 @@ def _first_in_reach(problem: Problem, cand: Candidate, sizes: tuple[int, ...], l
     """The index of the smallest of ``sizes[lo:hi + 1]`` whose bound is within reach
     (``hi`` + 1 if none), by bisection: the bound at a size holds for every smaller one,
     so it never grows with the size."""
-    reach = problem.reach(result)
+    reach = result.reach
     if step_bound(problem, cand, sizes[hi]) > reach:  # the common case: none is
         return hi + 1
     hi -= 1
