@@ -106,9 +106,10 @@ def step_times(cfg: Config) -> list[float]:
 
 def measure(args: argparse.Namespace, tmp: str, calibration
             ) -> tuple[list[list[list[float]]], list[float], list]:
-    """Median step time of every layout over ``args.rounds`` rounds; each round visits
-    every world size (layouts of one size share a world, in alternating order), so drift
-    in the machine's load hits all layouts alike. Before each world, the calibration's own
+    """Step times of every layout in each of ``args.rounds`` rounds ([layout][round],
+    warm-up steps left out), the reference timings and the rounds' calibrations. Each
+    round visits every world size (layouts of one size share a world, in alternating
+    order), so drift in the machine's load hits all layouts alike. Before each world, the calibration's own
     model step is timed again in this process: how fast the machine runs right now. With
     ``args.refresh``, each round starts by calibrating again (``compute_rates`` and
     ``comm_fits``, about 45 s): the calibrations the round's layouts are predicted from."""
